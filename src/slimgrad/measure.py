@@ -1,0 +1,129 @@
+"""Counting what backward keeps, and the peak of a step.
+
+Saved bytes are counted with ``torch.autograd.graph.saved_tensors_hooks``, so they see exactly what every
+autograd node (stock or ours) stores through ``save_for_backward``. Storages are counted once, however many
+nodes keep them, and parameters and buffers are left out: they exist whether or not backward runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["SavedTensors", "saved_bytes", "peak_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRecord:
+    """One storage kept for backward: the first tensor seen on it and the storage's size."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return None, 0
+    return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
+
+
+def _excluded_keys(exclude: Iterable) -> set:
+    keys = set()
+    for item in exclude:
+        tensors = (
+            list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
+        )
+        for t in tensors:
+            key, _ = _storage_key(t)
+            if key is not None:
+                keys.add(key)
+    return keys
+
+
+class SavedTensors:
+    """Context manager counting the bytes autograd keeps for backward while it is active.
+
+    ``exclude``: modules (their parameters and buffers) or tensors whose storages are not counted.
+    Parameters (``nn.Parameter``) are never counted. After the block, ``.bytes`` holds the total and
+    ``.records`` one :class:`SavedRecord` per distinct storage.
+    """
+
+    def __init__(self, exclude: Iterable = ()):
+        self._exclude_items = list(exclude)
+        self.records: list[SavedRecord] = []
+        self._seen: set = set()
+        self._hooks = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def _pack(self, t: torch.Tensor):
+        if not isinstance(t, nn.Parameter):
+            key, nbytes = _storage_key(t)
+            if key is not None and key not in self._seen and key not in self._excluded:
+                self._seen.add(key)
+                self.records.append(SavedRecord(tuple(t.shape), t.dtype, nbytes))
+        return t
+
+    def __enter__(self) -> SavedTensors:
+        self._excluded = _excluded_keys(self._exclude_items)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+
+def saved_bytes(fn: Callable, *args, exclude: Iterable = (), **kwargs) -> int:
+    """Bytes that autograd keeps for backward when calling ``fn(*args, **kwargs)``.
+
+    When ``fn`` is a module, its parameters and buffers are excluded. The result of ``fn`` is dropped.
+    """
+    extra = [fn] if isinstance(fn, nn.Module) else []
+    with SavedTensors(exclude=list(exclude) + extra) as counter:
+        fn(*args, **kwargs)
+    return counter.bytes
+
+
+def peak_bytes(fn: Callable, *args, **kwargs) -> int:
+    """Peak bytes allocated above the starting level while ``fn(*args, **kwargs)`` runs.
+
+    On CUDA this is ``max_memory_allocated``; on CPU it replays the profiler's allocation records (every
+    allocation and free, including those inside C++ kernels), so temporaries inside a backward kernel
+    count. The result of ``fn`` is released before returning.
+    """
+    device = next(
+        (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
+        torch.device("cpu"),
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn(*args, **kwargs)
+        del out
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn(*args, **kwargs)
+        del out
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    records.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in records:
+        if e.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
