@@ -1,0 +1,65 @@
+"""Helpers shared by the tests: requires_grad combinations and comparisons with stock PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch import nn
+
+from slimgrad._registry import REPLACEMENTS
+from slimgrad.measure import saved_bytes
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def grad_combos(n: int):
+    """Every tuple of n booleans (which of n tensors require grad)."""
+    return list(itertools.product([False, True], repeat=n))
+
+
+def slim_copy(module: nn.Module) -> nn.Module:
+    """An independent deep copy of a stock module, converted by class swap to its slimgrad replacement."""
+    twin = copy.deepcopy(module)
+    twin.__class__ = REPLACEMENTS[type(module)]
+    return twin
+
+
+def set_requires_grad(module: nn.Module, **flags: bool) -> None:
+    """set_requires_grad(m, weight=False, bias=True): sets flags on named parameters that exist."""
+    for name, flag in flags.items():
+        p = getattr(module, name, None)
+        if isinstance(p, nn.Parameter):
+            p.requires_grad_(flag)
+
+
+def assert_same(actual: torch.Tensor | None, expected: torch.Tensor | None, *, exact=True, rtol=None, atol=None,
+                what=""):
+    """Equal values and dtype; bitwise when exact, else within the given (or dtype-default) tolerance."""
+    if expected is None or actual is None:
+        assert actual is None and expected is None, f"{what}: one is None ({actual is None}, {expected is None})"
+        return
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if exact:
+        assert torch.equal(actual, expected) or (
+            torch.equal(torch.isnan(actual), torch.isnan(expected))
+            and torch.equal(actual.nan_to_num(), expected.nan_to_num())
+        ), f"{what}: not bitwise equal, max abs diff {(actual.double() - expected.double()).abs().max()}"
+    else:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def run_step(module: nn.Module, x: torch.Tensor, grad_out_seed: int = 0):
+    """Forward, then backward with a fixed random upstream gradient; returns (output, input grad)."""
+    out = module(x)
+    first = out[0] if isinstance(out, tuple) else out
+    g = torch.randn(first.shape, generator=torch.Generator().manual_seed(grad_out_seed)).to(first.dtype)
+    if first.requires_grad:
+        first.backward(g)
+    return out, (x.grad if x.requires_grad else None)
+
+
+__all__ = ["FLOAT_DTYPES", "assert_same", "grad_combos", "run_step", "saved_bytes", "set_requires_grad",
+           "slim_copy"]
