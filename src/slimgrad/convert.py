@@ -1,0 +1,182 @@
+"""convert / revert: swap stock modules for slimgrad's drop-in replacements and back.
+
+Converting is a class swap on the module instance (``module.__class__ = Replacement``). The replacement
+subclasses the stock class and only overrides ``forward``, so parameters, buffers, hooks, train/eval
+state, ``requires_grad`` flags, ``state_dict`` keys, dtype, device and memory format all stay exactly as
+they were. Matching is on the exact type: a subclass of ``nn.Conv2d`` may have its own forward or state,
+so it is left alone and reported, never silently replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import logging
+from collections.abc import Iterable
+
+from torch import nn
+
+from ._registry import ORIGINALS, REPLACEMENTS
+
+__all__ = ["ConversionReport", "convert", "revert"]
+
+log = logging.getLogger("slimgrad")
+
+#: Attributes a replacement may set on a module at run time; revert removes them.
+_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A module of a family slimgrad knows that was left as it was, and why."""
+
+    path: str
+    type_name: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What ``convert`` did: the converted module paths and the modules it left alone with reasons."""
+
+    converted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"slimgrad: converted {len(self.converted)} module(s), left {len(self.skipped)} alone"]
+        for s in self.skipped:
+            lines.append(f"  {s.path or '<root>'} ({s.type_name}): {s.reason}")
+        return "\n".join(lines)
+
+
+class _Selector:
+    """Which module paths a user asked for: glob patterns on dotted paths, or module types.
+
+    A pattern selects a module when it matches the module's path or the path of one of its ancestors, so
+    ``include=["layer1"]`` selects everything inside ``layer1``.
+    """
+
+    def __init__(self, argument: str, spec, paths: list[str]):
+        self.argument = argument
+        self.patterns: list[str] = []
+        self.types: tuple[type, ...] = ()
+        if spec is None:
+            return
+        if isinstance(spec, (str, type)):
+            spec = [spec]
+        if not isinstance(spec, Iterable):
+            raise TypeError(f"convert: '{argument}' must be a module path pattern, a module type or a list "
+                            f"of them, got {type(spec).__name__}")
+        types = []
+        for item in spec:
+            if isinstance(item, str):
+                self.patterns.append(item)
+            elif isinstance(item, type) and issubclass(item, nn.Module):
+                if item not in REPLACEMENTS:
+                    known = ", ".join(sorted(t.__name__ for t in REPLACEMENTS))
+                    raise ValueError(f"convert: '{argument}' names type {item.__name__}, which slimgrad does "
+                                     f"not convert; convertible types: {known}")
+                types.append(item)
+            else:
+                raise TypeError(f"convert: '{argument}' entries must be path patterns (str) or nn.Module "
+                                f"types, got {item!r}")
+        self.types = tuple(types)
+        for pattern in self.patterns:
+            if not any(self._matches(pattern, p) for p in paths):
+                sample = ", ".join(repr(p) for p in paths if p)[:200]
+                raise ValueError(f"convert: '{argument}' pattern {pattern!r} matches no module; module paths "
+                                 f"look like: {sample}")
+
+    @staticmethod
+    def _matches(pattern: str, path: str) -> bool:
+        parts = path.split(".") if path else [""]
+        return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(1, len(parts) + 1))
+
+    @property
+    def empty(self) -> bool:
+        return not self.patterns and not self.types
+
+    def selects(self, path: str, module: nn.Module) -> bool:
+        return type(module) in self.types or any(self._matches(p, path) for p in self.patterns)
+
+
+def _why_not_exact(module: nn.Module) -> str | None:
+    """A reason for a module that is an instance of a convertible family but not of an exact type."""
+    stock = next((t for t in REPLACEMENTS if isinstance(module, t)), None)
+    if stock is None:
+        return None
+    if getattr(module, "parametrizations", None) is not None and type(module).__name__.startswith("Parametrized"):
+        return (f"has parametrizations (torch.nn.utils.parametrize) on {stock.__name__}; its weight is "
+                f"computed on access, left as stock")
+    return (f"subclass of {stock.__module__}.{stock.__name__} (it may override forward or add state); "
+            f"only exact types are converted")
+
+
+def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False):
+    """Return ``model`` with every convertible module replaced by its slimgrad twin.
+
+    ``inplace=False`` (default) converts a deep copy: parameters and buffers are copied (with their
+    ``requires_grad`` flags), which costs one more copy of the model's memory while both exist.
+    ``inplace=True`` swaps classes on ``model`` itself and shares every parameter (no copy).
+
+    ``include`` / ``exclude``: module path glob patterns (``"layer1"``, ``"layer*.0.conv?"``; a pattern
+    covers a module and everything inside it) or convertible module types (``nn.BatchNorm2d``). With
+    ``include``, only selected modules are converted; ``exclude`` wins over ``include``.
+
+    Modules of a known family that are left alone (subclasses, parametrized modules, unsupported options)
+    are logged on the ``slimgrad`` logger; ``report=True`` also returns a :class:`ConversionReport`:
+    ``model, rep = convert(model, report=True)``. Converting an already converted model changes nothing.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"convert: 'inplace' must be True or False, got {inplace!r}")
+    paths = [name for name, _ in model.named_modules()]
+    included = _Selector("include", include, paths)
+    excluded = _Selector("exclude", exclude, paths)
+
+    target = model if inplace else copy.deepcopy(model)
+    result = ConversionReport()
+    for path, module in target.named_modules():
+        kind = type(module)
+        if kind in ORIGINALS:  # already converted (shared module seen twice, or converting twice)
+            continue
+        if (not included.empty and not included.selects(path, module)) or excluded.selects(path, module):
+            continue
+        replacement = REPLACEMENTS.get(kind)
+        if replacement is None:
+            reason = _why_not_exact(module)
+            if reason is not None:
+                result.skipped.append(Skipped(path, kind.__name__, reason))
+            continue
+        reason_fn = getattr(replacement, "unsupported_reason", None)
+        reason = reason_fn(module) if reason_fn is not None else None
+        if reason is not None:
+            result.skipped.append(Skipped(path, kind.__name__, reason))
+            continue
+        module.__class__ = replacement
+        result.converted.append((path, kind.__name__))
+
+    if result.skipped:
+        log.warning("%s", result)
+    else:
+        log.info("slimgrad: converted %d module(s)", len(result.converted))
+    return (target, result) if report else target
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Swap every slimgrad module in ``model`` back to its stock class, in place; returns ``model``.
+
+    Parameters, buffers, hooks and flags are untouched, so the reverted model is the stock model with
+    whatever training happened meanwhile.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"revert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
+    for module in model.modules():
+        stock = ORIGINALS.get(type(module))
+        if stock is not None:
+            module.__class__ = stock
+            for attr in _RUNTIME_ATTRIBUTES:
+                module.__dict__.pop(attr, None)
+    return model
