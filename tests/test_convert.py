@@ -1,0 +1,196 @@
+"""convert / revert keep everything a user relies on: identity, parameters, hooks, state, flags."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import slimgrad
+from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        nn.Dropout(0.2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def test_default_converts_a_copy_and_leaves_the_original_alone():
+    model = small_cnn()
+    model[0].weight.requires_grad_(False)
+    before = {n: type(m) for n, m in model.named_modules()}
+    slim = slimgrad.convert(model)
+    assert slim is not model
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert type(slim[0]) is slimgrad.nn.Conv2d and isinstance(slim[0], nn.Conv2d)
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), slim.named_parameters()):
+        assert n1 == n2 and p1 is not p2 and torch.equal(p1, p2)
+        assert p1.requires_grad == p2.requires_grad
+    assert slim[0].weight.requires_grad is False
+    assert list(model.state_dict()) == list(slim.state_dict())
+
+
+def test_inplace_shares_parameters_and_keeps_identity():
+    model = small_cnn()
+    params = {n: p for n, p in model.named_parameters()}
+    out = slimgrad.convert(model, inplace=True)
+    assert out is model
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert type(model[1]) is slimgrad.nn.BatchNorm2d
+    assert type(model[8]) is nn.Linear  # Linear is already minimal: not converted
+
+
+def test_outputs_and_gradients_match_stock():
+    stock = small_cnn()
+    slim = slimgrad.convert(stock)
+    x = torch.randn(2, 3, 8, 8)
+    xs, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(1)
+    stock.eval()
+    slim.eval()  # eval: dropout is identity in both, so outputs must be bitwise equal
+    a, b = stock(xs), slim(xg)
+    assert torch.equal(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    assert torch.equal(xs.grad, xg.grad)
+    for p, q in zip(stock.parameters(), slim.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_hooks_modes_dtype_and_memory_format_survive():
+    model = small_cnn().to(torch.float64).to(memory_format=torch.channels_last)
+    calls = []
+    model[0].register_forward_hook(lambda m, i, o: calls.append("fwd"))
+    model[0].register_forward_pre_hook(lambda m, i: calls.append("pre"))
+    model[2].register_full_backward_hook(lambda m, gi, go: calls.append("bwd"))
+    model.eval()
+    model[5].train()
+    slim = slimgrad.convert(model)
+    assert slim.training is False and slim[5].training is True
+    assert slim[0].weight.dtype == torch.float64
+    assert slim[0].weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    slim(x).sum().backward()
+    assert calls == ["pre", "fwd", "bwd"]
+
+
+def test_subclasses_and_parametrized_modules_are_left_alone_and_reported(caplog):
+    class MyConv(nn.Conv2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class Positive(nn.Module):
+        def forward(self, w):
+            return w.abs()
+
+    model = nn.Sequential(MyConv(3, 3, 1), nn.Conv2d(3, 3, 1))
+    parametrize.register_parametrization(model[1], "weight", Positive())
+    with caplog.at_level(logging.WARNING, logger="slimgrad"):
+        slim, report = slimgrad.convert(model, report=True)
+    assert type(slim[0]) is MyConv
+    assert type(slim[1]) is type(model[1])  # the Parametrized class, untouched
+    reasons = {s.path: s.reason for s in report.skipped}
+    assert "subclass" in reasons["0"] and "parametriz" in reasons["1"]
+    assert "MyConv" in caplog.text and "parametriz" in caplog.text
+    x = torch.randn(1, 3, 4, 4)
+    assert torch.equal(slim(x), model(x))
+
+
+def test_include_exclude_patterns_and_types():
+    model = small_cnn()
+    only_first = slimgrad.convert(model, include=["0"])
+    assert type(only_first[0]) is slimgrad.nn.Conv2d and type(only_first[4]) is nn.Conv2d
+    no_bn = slimgrad.convert(model, exclude=[nn.BatchNorm2d])
+    assert type(no_bn[1]) is nn.BatchNorm2d and type(no_bn[0]) is slimgrad.nn.Conv2d
+    both = slimgrad.convert(model, include="*", exclude="4")
+    assert type(both[4]) is nn.Conv2d and type(both[0]) is slimgrad.nn.Conv2d
+
+    nested = nn.Sequential(nn.Sequential(nn.Conv2d(1, 1, 1), nn.ReLU()), nn.ReLU())
+    out = slimgrad.convert(nested, include="0")  # a pattern covers everything inside the module
+    assert type(out[0][0]) is slimgrad.nn.Conv2d and type(out[0][1]) is slimgrad.nn.ReLU
+    assert type(out[1]) is nn.ReLU
+
+
+def test_bad_arguments_give_clear_errors():
+    model = small_cnn()
+    with pytest.raises(TypeError, match="'model' must be a torch.nn.Module"):
+        slimgrad.convert(torch.zeros(1))
+    with pytest.raises(ValueError, match="'include' pattern 'nope' matches no module"):
+        slimgrad.convert(model, include=["nope"])
+    with pytest.raises(ValueError, match="'exclude' names type Linear"):
+        slimgrad.convert(model, exclude=[nn.Linear])
+    with pytest.raises(TypeError, match="'include' entries"):
+        slimgrad.convert(model, include=[3])
+    with pytest.raises(TypeError, match="'inplace'"):
+        slimgrad.convert(model, inplace="yes")
+    with pytest.raises(TypeError, match="'model'"):
+        slimgrad.revert("model")
+
+
+def test_convert_twice_is_idempotent_and_shared_modules_convert_once():
+    conv = nn.Conv2d(2, 2, 1)
+    model = nn.Sequential(conv, nn.ReLU(), conv)
+    once = slimgrad.convert(model)
+    assert once[0] is once[2] and type(once[0]) is slimgrad.nn.Conv2d
+    twice, report = slimgrad.convert(once, inplace=True, report=True)
+    assert twice is once and report.converted == [] and report.skipped == []
+
+
+def test_revert_restores_stock_classes_and_state_dicts_move_both_ways():
+    model = small_cnn()
+    slim = slimgrad.convert(model)
+    slim.train()
+    slim(torch.randn(2, 3, 8, 8)).sum().backward()  # runtime bookkeeping attributes get set
+    stock_again = slimgrad.revert(copy.deepcopy(slim))
+    assert all(type(m) not in ORIGINALS for m in stock_again.modules())
+    assert not any("_slimgrad" in k for m in stock_again.modules() for k in vars(m))
+    fresh = small_cnn()
+    fresh.load_state_dict(slim.state_dict())
+    for a, b in zip(fresh.state_dict().values(), slim.state_dict().values()):
+        assert torch.equal(a, b)
+    slim.load_state_dict(small_cnn().state_dict())
+    assert torch.equal(slim[0].weight, small_cnn()[0].weight)
+
+
+def test_unsupported_reason_leaves_module_alone():
+    class Odd(nn.Module):
+        def __init__(self, ok):
+            super().__init__()
+            self.ok = ok
+
+        def forward(self, x):
+            return x
+
+    @register(Odd)
+    class SlimOdd(Odd):
+        @classmethod
+        def unsupported_reason(cls, module):
+            return None if module.ok else "option ok=False is not supported"
+
+    try:
+        model = nn.Sequential(Odd(True), Odd(False))
+        slim, report = slimgrad.convert(model, report=True)
+        assert type(slim[0]) is SlimOdd and type(slim[1]) is Odd
+        assert report.skipped[0].path == "1" and "ok=False" in report.skipped[0].reason
+        assert "ok=False" in str(report)
+    finally:
+        del REPLACEMENTS[Odd], ORIGINALS[SlimOdd]
+
+
+def test_register_rejects_non_subclasses_and_duplicates():
+    with pytest.raises(TypeError, match="must subclass"):
+        register(nn.Conv2d)(nn.Module)
+    with pytest.raises(ValueError, match="already has a replacement"):
+        register(nn.Conv2d)(type("Again", (nn.Conv2d,), {}))

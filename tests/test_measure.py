@@ -1,0 +1,59 @@
+"""The accounting every memory claim rests on: counted independently of slimgrad's own layers."""
+
+import torch
+from torch import nn
+
+import slimgrad
+from slimgrad.measure import SavedTensors, peak_bytes, saved_bytes
+
+
+def test_counts_each_storage_once_and_reports_records():
+    a = torch.randn(100, requires_grad=True)
+    b = torch.randn(100, requires_grad=True)
+    with SavedTensors() as counter:
+        y = a * b  # mul keeps both operands
+        z = y * y  # keeps y (twice, one storage)
+    assert counter.bytes == 3 * 100 * 4
+    assert sorted(r.shape for r in counter.records) == [(100,)] * 3
+    z.sum().backward()
+
+
+def test_views_count_their_whole_storage():
+    base = torch.randn(10, 10, requires_grad=True)
+    with SavedTensors() as counter:
+        (base[:2] * 1).exp()  # exp keeps its result (a new 2x10 storage)
+    assert counter.bytes == 2 * 10 * 4
+
+
+def test_module_parameters_and_buffers_are_excluded():
+    lin = nn.Linear(4, 3)
+    x = torch.randn(5, 4, requires_grad=True)
+    # Linear keeps its input (for dW) and its weight (for dx): the weight is a parameter.
+    assert saved_bytes(lin, x) == 5 * 4 * 4
+    bn = nn.BatchNorm1d(4)
+    bn.eval()
+    # stock eval batch norm keeps x, running stats (buffers, excluded), and tiny per-channel stats
+    kept = saved_bytes(bn, x)
+    assert 5 * 4 * 4 <= kept <= 5 * 4 * 4 + 2 * 4 * 4
+
+
+def test_explicit_exclude_of_tensors():
+    x = torch.randn(8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    assert saved_bytes(lambda: x * w) == 64
+    assert saved_bytes(lambda: x * w, exclude=[w]) == 32
+
+
+def test_peak_bytes_sees_temporaries_inside_a_call():
+    def make_and_drop():
+        t = torch.empty(1 << 20, dtype=torch.uint8)
+        u = torch.empty(1 << 21, dtype=torch.uint8)
+        del t, u
+        return None
+
+    peak = peak_bytes(make_and_drop)
+    assert (1 << 20) + (1 << 21) <= peak < (1 << 20) + (1 << 21) + 4096
+
+
+def test_package_exports():
+    assert slimgrad.saved_bytes is saved_bytes and slimgrad.peak_bytes is peak_bytes

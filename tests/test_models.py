@@ -1,0 +1,85 @@
+"""Whole models: a converted ResNet-like CNN trains step for step like stock and keeps less in every case."""
+
+import copy
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad.cases import CASES, apply_case, training_step
+from slimgrad.models import build_model
+from slimgrad.models.cnn import resnet18
+
+
+def _pair(case, **kw):
+    torch.manual_seed(0)
+    stock = resnet18(num_classes=5, base_width=8, **kw)
+    input_grad = apply_case(stock, case)
+    return stock, slimgrad.convert(stock), input_grad
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resnet_trains_three_sgd_steps_like_stock(case):
+    stock, slim, input_grad = _pair(case)
+    opt_a = torch.optim.SGD([p for p in stock.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD([p for p in slim.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 3, 32, 32, generator=gen)
+        target = torch.randint(0, 5, (4,), generator=gen)
+        xa, xb = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+        la = torch.nn.functional.cross_entropy(stock(xa), target)
+        lb = torch.nn.functional.cross_entropy(slim(xb), target)
+        assert torch.equal(la, lb)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        la.backward()
+        lb.backward()
+        if input_grad:
+            assert torch.equal(xa.grad, xb.grad)
+        for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), name
+        opt_a.step()
+        opt_b.step()
+    for a, b in zip(stock.state_dict().values(), slim.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def _kept(model, x, input_grad):
+    training_step(model, x, input_grad)  # warm-up, as in training
+    with slimgrad.SavedTensors(exclude=[model]) as counter:
+        out = model(x.detach().requires_grad_(input_grad))
+    out.sum().backward()
+    return counter.bytes
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resnet_keeps_no_more_than_stock_in_any_case(case):
+    stock, slim, input_grad = _pair(case)
+    x = torch.randn(2, 3, 64, 64)
+    s, g = _kept(stock, x, input_grad), _kept(slim, x, input_grad)
+    assert g <= s, (case, s, g)
+    if case == "input-bn-eval":
+        assert g <= 0.05 * s, (s, g)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet50", "vgg11"])
+def test_other_models_match_stock_and_keep_less(name):
+    torch.manual_seed(0)
+    kw = {"base_width": 8} if name.startswith("resnet") else {"width_scale": 0.125}
+    stock = build_model(name, num_classes=3, **kw)
+    apply_case(stock, "input-bn-eval")
+    slim = slimgrad.convert(stock)
+    x = torch.randn(2, 3, 64, 64)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stock.eval()
+    slim.eval()
+    ya, yb = stock(a), slim(b)
+    assert torch.equal(ya, yb)
+    ya.sum().backward()
+    yb.sum().backward()
+    assert torch.equal(a.grad, b.grad)
+    assert _kept(copy.deepcopy(slim), x, True) < _kept(copy.deepcopy(stock), x, True)
