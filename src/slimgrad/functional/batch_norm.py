@@ -1,0 +1,192 @@
+"""Batch normalisation that keeps for backward only what the requested gradients read.
+
+Stock ``native_batch_norm`` keeps the input whenever the input or the weight needs a gradient, in every
+mode. But with x̂ = (x - mean) * invstd and y = x̂ * w + b:
+
+* training (batch statistics): dX and dW read x (to rebuild x̂) and the per-channel mean/invstd; dB reads
+  nothing but dY. So x is kept only when X or W needs a gradient.
+* evaluation (running statistics): dX = dY * w * invstd_running reads no input-sized tensor; dW reads x;
+  dB reads nothing. So x is kept only when W needs a gradient.
+
+Backward always runs stock's own ``native_batch_norm_backward`` kernel, so every gradient is bitwise what
+stock computes. Where x was not kept, the kernel is handed a tensor with x's shape and strides whose
+*values* it only folds into the weight-gradient dot product, which is then not requested: a view of dY
+itself when both are dense (so the kernel takes exactly the code path it takes for stock), else a
+zero-stride stand-in (stock then takes the strided path too, as dY or x is not dense).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function_variadic
+
+from slimgrad.functional import _common
+
+__all__ = ["BatchNormFunction", "batch_norm"]
+
+_aten = torch.ops.aten
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``[storage_offset, storage_offset + numel)`` exactly (no gaps, no
+    overlaps), i.e. any other dense layout of the same shape fits in the same memory."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _channels_last_format(t: torch.Tensor):
+    """The channels-last memory format ``t`` is laid out in (which stock gives its input gradient), or
+    None."""
+    if t.is_contiguous():
+        return None
+    for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if t.dim() == dim and t.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
+
+
+def _shape_only_input(grad_out: torch.Tensor, shape, stride, x_dense: bool) -> torch.Tensor:
+    """A stand-in for the input x, for backward kernels that only fold x's values into the weight
+    gradient's dot product, which is not requested. It has x's strides so that the CPU kernel picks the
+    same code path (contiguous / channels-last / strided) as it did for stock, which matters for the
+    reduced-precision paths' rounding."""
+    if x_dense and _dense(grad_out):
+        # Same numel, both dense: x's layout fits exactly in dY's memory. Read only, never written.
+        return grad_out.as_strided(shape, stride)
+    # x or dY is not dense, so stock took the strided path as well; that path reads x through
+    # TensorIterator without copying it, so a zero-stride tensor costs one element.
+    return _common.standin(shape, grad_out)
+
+
+class BatchNormFunction(torch.autograd.Function):
+    """``native_batch_norm`` with a backward that keeps x only where a requested gradient reads it.
+
+    Running statistics are updated in place by the forward kernel, exactly as in stock. Double backward
+    is refused (``once_differentiable``): stock's double backward needs x and the saved statistics in
+    every case, which is what this Function exists to avoid keeping.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, running_mean, running_var, training, momentum, eps):
+        out, save_mean, save_invstd = _aten.native_batch_norm(
+            input, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_w = need_w and weight is not None
+        need_b = need_b and bias is not None
+        ctx.mask = (need_x, need_w, need_b)
+        ctx.training = training
+        ctx.eps = eps
+        ctx.x_shape = input.shape
+        ctx.x_stride = input.stride()
+        ctx.x_dense = _dense(input)
+        ctx.x_format = _channels_last_format(input)
+        ctx.stat_dtype = save_mean.dtype
+        if not (need_x or need_w or need_b):
+            return out
+        # dW always reads x; in training dX reads it as well (through x̂ and the batch statistics).
+        keep_x = need_w or (training and need_x)
+        if keep_x:
+            _common.note_input_kept(input)
+        ctx.save_for_backward(
+            input if keep_x else None,
+            weight,
+            # Evaluation reads the running statistics (parameters' peers: buffers, not counted).
+            running_mean if not training else None,
+            running_var if not training else None,
+            save_mean if training and keep_x else None,
+            save_invstd if training and keep_x else None,
+        )
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.mask
+        if not (need_x or need_w or need_b):
+            return (None,) * 8
+        standin = x is None
+        if standin:
+            x = _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense)
+        if ctx.training and save_mean is None:
+            # Only dB = sum(dY) is requested; the kernel still reads per-channel statistics (for the
+            # unrequested dX/dW terms), so give it C-sized zeros rather than keeping the real ones.
+            c = ctx.x_shape[1]
+            save_mean = grad_out.new_zeros(c, dtype=ctx.stat_dtype)
+            save_invstd = grad_out.new_zeros(c, dtype=ctx.stat_dtype)
+        dx, dw, db = _aten.native_batch_norm_backward(
+            grad_out,
+            x,
+            weight,
+            running_mean,
+            running_var,
+            save_mean,
+            save_invstd,
+            ctx.training,
+            ctx.eps,
+            [need_x, need_w, need_b],
+        )
+        if need_x and standin and ctx.x_format is not None and x.stride() != ctx.x_stride:
+            # Zero-stride stand-in for a channels-last x (dY not dense, e.g. from ``sum().backward()``):
+            # the kernel laid dX out contiguously, stock lays it out like x. Same values; match the layout
+            # so that autograd does not have to restride it later (AccumulateGrad would copy it anyway).
+            dx = dx.contiguous(memory_format=ctx.x_format)
+        return (dx if need_x else None, dw if need_w else None, db if need_b else None,
+                None, None, None, None, None)
+
+
+def _check_features(name: str, t: torch.Tensor | None, num_features: int) -> None:
+    if t is not None and t.numel() != num_features:
+        raise RuntimeError(f"{name} should contain {num_features} elements not {t.numel()}")
+
+
+def batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.batch_norm``: same outputs, gradients and in-place running-stat
+    updates, keeping for backward only what the requested gradients read (see the module docstring)."""
+    if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
+        return handle_torch_function(
+            batch_norm, (input, running_mean, running_var, weight, bias), input, running_mean,
+            running_var, weight=weight, bias=bias, training=training, momentum=momentum, eps=eps,
+        )
+    _common.check_tensor(input, "input", fn="batch_norm")
+    if input.dim() < 2 or input.numel() == 0:
+        # Stock's own error for too few dims, and its special case for empty inputs (nothing to keep).
+        return torch.nn.functional.batch_norm(
+            input, running_mean, running_var, weight, bias, training, momentum, eps
+        )
+    if training:
+        torch.nn.functional._verify_batch_size(input.size())
+    if training and eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    elif eps < 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
+    # The checks stock's ``torch.batch_norm`` makes before its kernel (the kernel itself does not check,
+    # and reads out of bounds on a mismatch), with stock's messages.
+    num_features = input.shape[1]
+    if running_mean is not None:
+        _check_features("running_mean", running_mean, num_features)
+    elif not training:
+        raise RuntimeError("running_mean must be defined in evaluation mode")
+    if running_var is not None:
+        _check_features("running_var", running_var, num_features)
+    elif not training:
+        raise RuntimeError("running_var must be defined in evaluation mode")
+    _check_features("weight", weight, num_features)
+    _check_features("bias", bias, num_features)
+    return BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps)
