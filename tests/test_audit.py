@@ -1,0 +1,123 @@
+"""The audit: totals agree with an independent count, minima with hand-computed ones, CLI end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+from slimgrad.audit import AuditReport, audit
+from slimgrad.measure import SavedTensors
+
+
+def tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2),
+    )
+
+
+def independent_count(model, x):
+    with SavedTensors(exclude=[model]) as counter:
+        out = model(x)
+    out.sum().backward()
+    return counter.bytes
+
+
+@pytest.mark.parametrize("case", ["all", "input", "input-bn-eval"])
+def test_totals_equal_an_independent_saved_tensor_count(case):
+    model = tiny()
+    x = torch.randn(2, 3, 8, 8)
+    report = audit(model, x, case=case, measure_peak=False)
+    stock = slimgrad.revert(__import__("copy").deepcopy(model))
+    needs_x = slimgrad.cases.apply_case(stock, case)
+    assert report.stock_total == independent_count(stock, x.clone().requires_grad_(needs_x))
+    slim = slimgrad.convert(stock)
+    independent_count(slim, x.clone().requires_grad_(needs_x))  # warm-up, as the audit does
+    assert report.slim_total == independent_count(slim, x.clone().requires_grad_(needs_x))
+    assert report.slim_total <= report.stock_total
+    # the user's model is untouched
+    assert all(type(m).__module__.startswith("torch") for m in model.modules())
+
+
+def test_minimum_matches_hand_computed_rules():
+    model = tiny()
+    x = torch.randn(2, 3, 8, 8)
+    report = audit(model, x, case="input", measure_peak=False)  # everything frozen, input needs grad
+    rows = {r.path: r for r in report.rows}
+    assert rows["0"].min_bytes == 0  # frozen conv: nothing
+    assert rows["1"].min_bytes == 2 * 4 * 8 * 8 * 4 + 2 * 4 * 4  # train BN, x needs grad: x + stats
+    assert rows["2"].min_bytes == (2 * 4 * 8 * 8 + 7) // 8  # relu: one bit per element
+    assert rows["3"].min_bytes == 2 * 4 * 4 * 4 * 1  # max pool: one byte per output element
+    assert rows["5"].min_bytes == 0
+    assert rows["7"].min_bytes == 0  # frozen linear
+    report_all = audit(model, x, case="all", measure_peak=False)
+    rows = {r.path: r for r in report_all.rows}
+    assert rows["0"].min_bytes == 2 * 3 * 8 * 8 * 4  # trainable conv keeps its input
+    assert rows["7"].min_bytes == 2 * 4 * 4
+
+
+def test_hidden_ctx_attribute_tensors_are_counted():
+    class Stash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.kept = x * 2  # hidden from saved-tensor hooks, like bitsandbytes' ctx.tensors
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Hider(nn.Module):
+        def forward(self, x):
+            return Stash.apply(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Hider())
+    report = audit(model, torch.randn(3, 4), case="all", measure_peak=False)
+    rows = {r.path: r for r in report.rows}
+    assert rows["1"].stock_hidden_bytes == 3 * 4 * 4
+    assert report.stock_hidden_total == 3 * 4 * 4
+
+
+def test_json_round_trip_table_and_png(tmp_path):
+    report = audit(tiny(), torch.randn(2, 3, 8, 8), case="input-bn-eval")
+    again = AuditReport.from_json(report.to_json())
+    assert again == report
+    assert json.loads(report.to_json())["case"] == "input-bn-eval"
+    text = report.table()
+    assert "total" in text and "BatchNorm2d" in text
+    assert report.stock_peak > 0 and report.slim_peak > 0
+    path = tmp_path / "audit.png"
+    report.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "slimgrad", *args], capture_output=True, text=True)
+
+
+def test_cli_runs_end_to_end(tmp_path):
+    out = tmp_path / "a.png"
+    js = tmp_path / "a.json"
+    result = _cli("audit", "--model", "resnet18", "--case", "input-bn-eval", "--batch-size", "1",
+                  "--image-size", "32", "--plot", str(out), "--json", str(js))
+    assert result.returncode == 0, result.stderr
+    assert "total" in result.stdout and out.read_bytes()[:4] == b"\x89PNG"
+    assert AuditReport.from_json(js.read_text()).case == "input-bn-eval"
+    assert "[3/3" in result.stderr  # progress
+
+
+def test_cli_errors_are_one_line():
+    bad_factory = _cli("audit", "--factory", "no_such_module_xyz:build")
+    assert bad_factory.returncode == 2
+    assert bad_factory.stderr.strip().count("\n") == 0 and "no_such_module_xyz" in bad_factory.stderr
+    raising = _cli("audit", "--factory", "json:loads")  # raises TypeError when called without args
+    assert raising.returncode == 2 and "raised TypeError" in raising.stderr
+    bad_model = _cli("audit", "--model", "nope")
+    assert bad_model.returncode == 2 and "invalid choice" in bad_model.stderr
+    bad_size = _cli("audit", "--batch-size", "0")
+    assert bad_size.returncode == 2 and "--batch-size" in bad_size.stderr
