@@ -1,0 +1,101 @@
+"""Bit-packed boolean masks: one bit per element, so a ReLU keeps 1/32 of what a float32 output costs.
+
+Format (identical on every path, so a mask packed on one path unpacks on any other): elements in
+row-major (logical) order, element ``i`` in bit ``i % 8`` (least significant first) of byte ``i // 8``,
+unused high bits of the last byte zero. That is ``numpy.packbits(..., bitorder="little")``.
+
+Two implementations:
+
+* torch ops only (device-agnostic and traceable by ``torch.compile``): eight mask bytes are read as one
+  int64 whose byte ``i`` is 0 or 1, and three shift-or steps gather the eight low bits into the low byte;
+  unpacking spreads them back with three shift-and-mask steps. This relies on little-endian byte order
+  of the int64 view, checked at import.
+* numpy's ``packbits``/``unpackbits`` for CPU tensors in eager mode: one pass each instead of several
+  full-size torch temporaries, measured faster on CPU (see the report in ``activation.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+
+__all__ = ["packed_numel", "new_padded_mask", "pack", "unpack"]
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("slimgrad's bit-packed masks read bytes through an int64 view and need a "
+                      "little-endian machine")
+
+_GATHER_MASK = 0xFF
+_SPREAD_1 = 0x0000000F0000000F
+_SPREAD_2 = 0x0003000300030003
+_SPREAD_3 = 0x0101010101010101
+
+
+def packed_numel(numel: int) -> int:
+    """Bytes a packed mask of ``numel`` elements takes: ceil(numel / 8)."""
+    return (numel + 7) // 8
+
+
+def new_padded_mask(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An uninitialised bool buffer for a mask of ``shape``, padded to a multiple of 8 elements.
+
+    Returns ``(flat, view)``: write the mask into ``view`` (contiguous, of ``shape``, e.g. through a
+    comparison's ``out=``) and pass ``flat`` to :func:`pack`. Writing straight into the padded buffer
+    saves the copy that padding an existing mask would cost. The padding is already zero.
+    """
+    numel = math.prod(shape)
+    flat = torch.empty(packed_numel(numel) * 8, dtype=torch.bool, device=device)
+    flat[numel:].zero_()
+    return flat, flat[:numel].view(shape)
+
+
+def use_numpy(t: torch.Tensor) -> bool:
+    """Whether ``t`` may go through numpy: a plain CPU tensor, outside ``torch.compile`` tracing."""
+    return (
+        t.device.type == "cpu"
+        and type(t) is torch.Tensor
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _pack_torch(flat: torch.Tensor) -> torch.Tensor:
+    v = flat.view(torch.uint8).view(torch.int64)
+    t = v | (v >> 7)
+    t |= t >> 14
+    t |= t >> 28
+    return (t & _GATHER_MASK).to(torch.uint8)
+
+
+def _unpack_torch(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    t = packed.to(torch.int64)
+    t = (t | (t << 28)) & _SPREAD_1
+    t = (t | (t << 14)) & _SPREAD_2
+    t = (t | (t << 7)) & _SPREAD_3
+    return t.view(torch.uint8).view(torch.bool)[:numel]
+
+
+def pack(flat: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Pack a flat bool tensor whose length is a multiple of 8 (see :func:`new_padded_mask`) into
+    ``len // 8`` uint8 bytes. ``impl``: "auto" (numpy on CPU in eager mode, else torch), "torch", "numpy".
+    """
+    if flat.dtype != torch.bool or flat.dim() != 1 or flat.numel() % 8:
+        raise ValueError(f"pack: 'flat' must be a 1-D bool tensor whose length is a multiple of 8, got "
+                         f"{flat.dtype} of shape {tuple(flat.shape)}")
+    if impl == "numpy" or (impl == "auto" and use_numpy(flat)):
+        return torch.from_numpy(np.packbits(flat.contiguous().numpy(), bitorder="little"))
+    return _pack_torch(flat.contiguous())
+
+
+def unpack(packed: torch.Tensor, shape, *, impl: str = "auto") -> torch.Tensor:
+    """The bool mask of ``shape`` (contiguous) that :func:`pack` packed into ``packed``."""
+    numel = math.prod(shape)
+    if packed.dtype != torch.uint8 or packed.numel() != packed_numel(numel):
+        raise ValueError(f"unpack: 'packed' must hold {packed_numel(numel)} uint8 bytes for shape "
+                         f"{tuple(shape)}, got {packed.numel()} of {packed.dtype}")
+    if impl == "numpy" or (impl == "auto" and use_numpy(packed)):
+        bits = np.unpackbits(packed.numpy(), count=numel, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool).view(shape)
+    return _unpack_torch(packed, numel).view(shape)
