@@ -1,0 +1,392 @@
+"""Max, average and adaptive average pooling that keep almost nothing for backward.
+
+Stock max pooling keeps its input and int64 argmax indices (about 1.5x the input for 3x3/stride 2 in
+fp32), though its backward kernel reads neither the input's values nor more than "which element of the
+window won". Here max pooling keeps one small integer per output element, the winner's position inside
+its window, and rebuilds stock's flat indices in backward so the very same backward kernel runs (same
+accumulation order for overlapping windows, hence bitwise-equal gradients). Average pooling's backward
+needs only shapes, so it keeps nothing at all.
+
+Forwards call the kernels stock calls when a gradient is wanted, so outputs, returned indices and
+tie-breaking are stock's. When no gradient is wanted the stock functional runs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.utils import _list_with_default
+
+from slimgrad.functional._common import autocast_off, check_tensor, standin
+
+__all__ = [
+    "MaxPoolFunction",
+    "AvgPoolFunction",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "position_dtype",
+]
+
+aten = torch.ops.aten
+
+_MAX_FORWARD = {
+    1: torch.max_pool1d_with_indices,
+    2: torch._C._nn.max_pool2d_with_indices,
+    3: torch._C._nn.max_pool3d_with_indices,
+}
+_AVG_FORWARD = {1: torch.avg_pool1d, 2: torch._C._nn.avg_pool2d, 3: torch._C._nn.avg_pool3d}
+_ADAPTIVE_FORWARD = {
+    1: torch.adaptive_avg_pool1d,
+    2: torch._C._nn.adaptive_avg_pool2d,
+    3: torch._C._nn.adaptive_avg_pool3d,
+}
+# 1-d pooling is stock's 2-d kernel on x.unsqueeze(-2); its backward is the 2-d backward.
+_MAX_BACKWARD = {2: aten.max_pool2d_with_indices_backward, 3: aten.max_pool3d_with_indices_backward}
+_AVG_BACKWARD = {2: aten.avg_pool2d_backward, 3: aten.avg_pool3d_backward}
+_ADAPTIVE_BACKWARD = {2: aten._adaptive_avg_pool2d_backward, 3: aten._adaptive_avg_pool3d_backward}
+
+
+def _tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
+    """Spread an int or a 1-/nd-long sequence to nd ints, as aten does for pooling arguments."""
+    if isinstance(value, int):
+        return (value,) * nd
+    value = tuple(value)
+    if len(value) == 1:
+        return value * nd
+    if len(value) != nd:
+        raise ValueError(f"{fn}: '{name}' must be an int or a tuple of 1 or {nd} ints, got {value!r}")
+    return tuple(int(v) for v in value)
+
+
+def position_dtype(window_volume: int) -> torch.dtype:
+    """Smallest integer dtype holding a position 0..window_volume-1 inside a pooling window."""
+    if window_volume <= 256:
+        return torch.uint8
+    if window_volume <= 2**15:
+        return torch.int16
+    if window_volume <= 2**31:
+        return torch.int32
+    return torch.int64
+
+
+def _is_default(stride) -> bool:
+    """stride=None or [] means 'same as kernel_size' in F and aten."""
+    return stride is None or (not isinstance(stride, int) and len(stride) == 0)
+
+
+def _wants_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def _fp32_under_autocast(x: torch.Tensor) -> torch.Tensor:
+    """3-d pooling is on CPU autocast's fp32 list: cast like autocast does, outside our Function, so the
+    cast's own backward (like stock's) turns the gradient back into x's dtype."""
+    if (
+        torch.is_autocast_enabled(x.device.type)
+        and x.is_floating_point()
+        and x.dtype not in (torch.float32, torch.float64)
+    ):
+        return x.to(torch.float32)
+    return x
+
+
+def _grad_format(shape, x: torch.Tensor) -> torch.memory_format:
+    """The memory format stock's backward kernels give the input gradient: the input's suggested one."""
+    if len(shape) != x.dim():
+        x = x.unsqueeze(-2)  # 1-d runs as 2-d on x.unsqueeze(-2)
+    return suggest_memory_format(x)
+
+
+def _grad_buffer(shape, like: torch.Tensor, memory_format):
+    """An uninitialised gradient buffer in ``memory_format``, or None for contiguous.
+
+    A zero-stride stand-in always suggests the contiguous format, so for channels_last the kernels' out=
+    variants get a buffer laid out like stock's result: same values, same strides, no extra copy.
+    """
+    if memory_format == torch.contiguous_format:
+        return None
+    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=memory_format)
+
+
+# ----------------------------------------------------------------------------------------------- max
+
+
+def _window_starts(out_sizes, in_sizes, stride, padding, device, dtype):
+    """Flat offset (within one channel's spatial block) of each output's window origin, and the flat
+    strides of the spatial dims. The origin may lie in the padding, hence be negative."""
+    nd = len(in_sizes)
+    flat = [math.prod(in_sizes[i + 1:]) for i in range(nd)]
+    base = None
+    for i in range(nd):
+        start = torch.arange(out_sizes[i], device=device, dtype=dtype).mul_(stride[i]).sub_(padding[i])
+        start = start.mul_(flat[i]).reshape((-1,) + (1,) * (nd - 1 - i))
+        base = start if base is None else base + start
+    return base, flat
+
+
+def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype):
+    """Window-local position (row-major over the kernel) of each flat argmax index."""
+    nd = len(in_sizes)
+    out_sizes = indices.shape[-nd:]
+    plane = math.prod(in_sizes)
+    work = torch.int32 if plane < 2**31 - 1 else torch.int64
+    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, indices.device, work)
+    mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
+    # Offset from the window origin, written in the mixed radix of the input's spatial sizes. Its digits
+    # are (k_i * dilation_i); they can be read off directly unless a window's extent exceeds the input
+    # in some inner dim (tiny inputs), where a borrow between digits would make them ambiguous.
+    if all((kernel[i] - 1) * dilation[i] < in_sizes[i] for i in range(1, nd)):
+        off = indices.to(work).sub_(base)
+        pos = None
+        for i in range(nd - 1):
+            digit = torch.div(off, flat[i], rounding_mode="floor")
+            off.sub_(digit, alpha=flat[i])
+            if dilation[i] != 1:
+                digit.div_(dilation[i], rounding_mode="floor")
+            pos = digit.mul_(mult[i]) if pos is None else pos.add_(digit, alpha=mult[i])
+            del digit
+        if dilation[-1] != 1:
+            off.div_(dilation[-1], rounding_mode="floor")
+        pos = off if pos is None else pos.add_(off)
+        return pos.to(dtype)
+    pos = None
+    for i in range(nd):
+        coord = torch.div(indices, flat[i], rounding_mode="floor")
+        if i > 0:
+            coord = coord.remainder_(in_sizes[i])
+        start = torch.arange(out_sizes[i], device=indices.device).mul_(stride[i]).sub_(padding[i])
+        k = coord.sub_(start.reshape((-1,) + (1,) * (nd - 1 - i))).div_(dilation[i], rounding_mode="floor")
+        pos = k.mul_(mult[i]) if pos is None else pos.add_(k, alpha=mult[i])
+    return pos.to(dtype)
+
+
+def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
+    """Stock's flat int64 argmax indices, rebuilt from window-local positions."""
+    nd = len(in_sizes)
+    out_sizes = pos.shape[-nd:]
+    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, pos.device, torch.int64)
+    mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
+    # index = base + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. Starting from
+    # dilation_last * pos removes the last digit's term; the others are corrected digit by digit.
+    idx = pos.to(torch.int64)
+    digits = []
+    for i in range(nd - 1):
+        digit = torch.div(idx, mult[i], rounding_mode="floor")
+        if i > 0:
+            digit.remainder_(kernel[i])
+        digits.append(digit)
+    idx.mul_(dilation[-1])
+    for i in range(nd - 1):
+        idx.add_(digits[i], alpha=dilation[i] * flat[i] - dilation[-1] * mult[i])
+        digits[i] = None
+    return idx.add_(base)
+
+
+class MaxPoolFunction(torch.autograd.Function):
+    """N-d max pooling (nd = 1, 2, 3) keeping only the argmax's position inside its window.
+
+    Returns ``(output, indices)`` exactly as stock's ``max_poolNd_with_indices``; the int64 indices are
+    not kept (when the caller drops them they are freed after forward).
+    """
+
+    @staticmethod
+    def forward(ctx, x, nd, kernel_size, stride, padding, dilation, ceil_mode):
+        fn = f"max_pool{nd}d"
+        out, indices = _MAX_FORWARD[nd](x, kernel_size, stride, padding, dilation, ceil_mode)
+        kernel = _tuple(kernel_size, nd, "kernel_size", fn)
+        stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
+        padding_t = _tuple(padding, nd, "padding", fn)
+        dilation_t = _tuple(dilation, nd, "dilation", fn)
+        in_sizes = tuple(x.shape[-nd:])
+        ctx.mark_non_differentiable(indices)
+        if ctx.needs_input_grad[0]:
+            dtype = position_dtype(math.prod(kernel))
+            pos = _positions_from_indices(indices, in_sizes, kernel, stride_t, padding_t, dilation_t, dtype)
+            ctx.save_for_backward(pos)
+        ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
+        ctx.grad_format = _grad_format(x.shape, x)
+        return out, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_indices):
+        (pos,) = ctx.saved_tensors
+        nd, shape, kernel, stride, padding, dilation, ceil_mode = ctx.geometry
+        indices = _indices_from_positions(pos, shape[-nd:], kernel, stride, padding, dilation)
+        del pos
+        if nd == 1:
+            shape = shape[:-1] + (1, shape[-1])
+            grad_out, indices = grad_out.unsqueeze(-2), indices.unsqueeze(-2)
+            kernel, stride, padding, dilation = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
+        op = _MAX_BACKWARD[max(nd, 2)]
+        args = (grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
+        buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
+        grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
+        if nd == 1:
+            grad = grad.squeeze(-2)
+        return grad, None, None, None, None, None, None
+
+
+def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, stock):
+    check_tensor(input, "input", fn=f"max_pool{nd}d")
+    if not _wants_grad(input):
+        return stock(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
+                     return_indices=return_indices)
+    if stride is None:
+        stride = []
+    if nd == 3:
+        input = _fp32_under_autocast(input)
+    with autocast_off(input.device.type):
+        out, indices = MaxPoolFunction.apply(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
+    return (out, indices) if return_indices else out
+
+
+def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    """Drop-in for ``torch.nn.functional.max_pool1d``; keeps one small integer per output element."""
+    return _max_pool(1, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices,
+                     F.max_pool1d)
+
+
+def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    """Drop-in for ``torch.nn.functional.max_pool2d``; keeps one small integer per output element."""
+    return _max_pool(2, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices,
+                     F.max_pool2d)
+
+
+def max_pool3d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    """Drop-in for ``torch.nn.functional.max_pool3d``; keeps one small integer per output element."""
+    return _max_pool(3, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices,
+                     F.max_pool3d)
+
+
+# ----------------------------------------------------------------------------------------------- avg
+
+
+class AvgPoolFunction(torch.autograd.Function):
+    """N-d average or adaptive average pooling keeping nothing: backward needs only the input's shape.
+
+    ``options`` is ``(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)`` for
+    average pooling and ``(output_size,)`` for adaptive average pooling.
+    """
+
+    @staticmethod
+    def forward(ctx, x, nd, adaptive, *options):
+        if adaptive:
+            out = _ADAPTIVE_FORWARD[nd](x, *options)
+        elif nd == 1:
+            out = _AVG_FORWARD[1](x, *options[:5])
+        else:
+            out = _AVG_FORWARD[nd](x, *options)
+        ctx.adaptive = adaptive
+        ctx.nd = nd
+        ctx.shape = tuple(x.shape)
+        ctx.grad_format = _grad_format(x.shape, x)
+        if not adaptive:
+            fn = f"avg_pool{nd}d"
+            kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = options
+            kernel = _tuple(kernel_size, nd, "kernel_size", fn)
+            stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
+            ctx.options = (kernel, stride_t, _tuple(padding, nd, "padding", fn), bool(ceil_mode),
+                           bool(count_include_pad), divisor_override)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        nd, shape = ctx.nd, ctx.shape
+        if nd == 1:
+            shape = shape[:-1] + (1, shape[-1])
+            grad_out = grad_out.unsqueeze(-2)
+        buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
+        if ctx.adaptive:
+            op = _ADAPTIVE_BACKWARD[max(nd, 2)]
+            args = (grad_out, standin(shape, grad_out))
+            grad = op(*args) if buffer is None else op.out(*args, out=buffer)
+        else:
+            kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.options
+            if nd == 1:
+                kernel, stride, padding = (1,) + kernel, (1,) + stride, (0,) + padding
+            op = _AVG_BACKWARD[max(nd, 2)]
+            args = (grad_out, standin(shape, grad_out), kernel, stride, padding, ceil_mode, count_include_pad,
+                    divisor_override)
+            grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
+        if nd == 1:
+            grad = grad.squeeze(-2)
+        return (grad, None, None) + (None,) * (6 if not ctx.adaptive else 1)
+
+
+def _apply_avg(nd, input, adaptive, options):
+    if nd == 3:
+        input = _fp32_under_autocast(input)
+    with autocast_off(input.device.type):
+        return AvgPoolFunction.apply(input, nd, adaptive, *options)
+
+
+def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
+    """Drop-in for ``torch.nn.functional.avg_pool1d``; keeps nothing for backward."""
+    check_tensor(input, "input", fn="avg_pool1d")
+    if not _wants_grad(input):
+        return F.avg_pool1d(input, kernel_size, stride, padding, ceil_mode, count_include_pad)
+    return _apply_avg(1, input, False, (kernel_size, stride, padding, ceil_mode, count_include_pad, None))
+
+
+def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    """Drop-in for ``torch.nn.functional.avg_pool2d``; keeps nothing for backward."""
+    check_tensor(input, "input", fn="avg_pool2d")
+    if not _wants_grad(input):
+        return F.avg_pool2d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                            divisor_override)
+    options = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    return _apply_avg(2, input, False, options)
+
+
+def avg_pool3d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    """Drop-in for ``torch.nn.functional.avg_pool3d``; keeps nothing for backward."""
+    check_tensor(input, "input", fn="avg_pool3d")
+    if not _wants_grad(input):
+        return F.avg_pool3d(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                            divisor_override)
+    options = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    return _apply_avg(3, input, False, options)
+
+
+def _adaptive(nd, input, output_size, stock):
+    check_tensor(input, "input", fn=f"adaptive_avg_pool{nd}d")
+    if not _wants_grad(input):
+        return stock(input, output_size)
+    if nd > 1:
+        output_size = _list_with_default(output_size, input.size())
+    sizes = (output_size,) if isinstance(output_size, int) else tuple(output_size)
+    if all(isinstance(s, int) and s == 1 for s in sizes):
+        # Stock computes this as a mean, whose backward keeps no tensor: run it as is (same forward, same
+        # expand-and-divide gradient) rather than a different kernel.
+        return stock(input, output_size)
+    return _apply_avg(nd, input, True, (output_size,))
+
+
+def adaptive_avg_pool1d(input, output_size):
+    """Drop-in for ``torch.nn.functional.adaptive_avg_pool1d``; keeps nothing for backward."""
+    return _adaptive(1, input, output_size, F.adaptive_avg_pool1d)
+
+
+def adaptive_avg_pool2d(input, output_size):
+    """Drop-in for ``torch.nn.functional.adaptive_avg_pool2d``; keeps nothing for backward."""
+    return _adaptive(2, input, output_size, F.adaptive_avg_pool2d)
+
+
+def adaptive_avg_pool3d(input, output_size):
+    """Drop-in for ``torch.nn.functional.adaptive_avg_pool3d``; keeps nothing for backward."""
+    return _adaptive(3, input, output_size, F.adaptive_avg_pool3d)
