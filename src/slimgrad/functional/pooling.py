@@ -101,9 +101,9 @@ def _fp32_under_autocast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _grad_format(shape, x: torch.Tensor) -> torch.memory_format:
+def _grad_format(x: torch.Tensor, nd: int) -> torch.memory_format:
     """The memory format stock's backward kernels give the input gradient: the input's suggested one."""
-    if len(shape) != x.dim():
+    if nd == 1:
         x = x.unsqueeze(-2)  # 1-d runs as 2-d on x.unsqueeze(-2)
     return suggest_memory_format(x)
 
@@ -215,7 +215,7 @@ class MaxPoolFunction(torch.autograd.Function):
             pos = _positions_from_indices(indices, in_sizes, kernel, stride_t, padding_t, dilation_t, dtype)
             ctx.save_for_backward(pos)
         ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
-        ctx.grad_format = _grad_format(x.shape, x)
+        ctx.grad_format = _grad_format(x, nd)
         return out, indices
 
     @staticmethod
@@ -231,6 +231,14 @@ class MaxPoolFunction(torch.autograd.Function):
             kernel, stride, padding, dilation = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
         op = _MAX_BACKWARD[max(nd, 2)]
         args = (grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
+        if nd == 3 and ctx.grad_format != torch.contiguous_format:
+            # The 3-d kernel restrides any out= buffer to the input's suggested format, and a stand-in
+            # suggests contiguous: compute contiguous (same values: each element sums its winners in
+            # output order either way), free the indices, then lay it out like stock. This costs one
+            # transient input-sized copy, still less than the input stock keeps.
+            grad = op(*args)
+            del args, indices
+            return grad.contiguous(memory_format=ctx.grad_format), None, None, None, None, None, None
         buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
         grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
         if nd == 1:
@@ -291,7 +299,8 @@ class AvgPoolFunction(torch.autograd.Function):
         ctx.adaptive = adaptive
         ctx.nd = nd
         ctx.shape = tuple(x.shape)
-        ctx.grad_format = _grad_format(x.shape, x)
+        # Stock's 3-d average kernels ignore channels_last_3d and return contiguous gradients.
+        ctx.grad_format = torch.contiguous_format if nd == 3 else _grad_format(x, nd)
         if not adaptive:
             fn = f"avg_pool{nd}d"
             kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = options
