@@ -6,10 +6,11 @@ unused high bits of the last byte zero. That is ``numpy.packbits(..., bitorder="
 
 Two implementations:
 
-* torch ops only (device-agnostic and traceable by ``torch.compile``): eight mask bytes are read as one
-  int64 whose byte ``i`` is 0 or 1, and three shift-or steps gather the eight low bits into the low byte;
-  unpacking spreads them back with three shift-and-mask steps. This relies on little-endian byte order
-  of the int64 view, checked at import.
+* torch ops only (device-agnostic): eight mask bytes are read as one int64 whose byte ``i`` is 0 or 1,
+  and three shift-or steps gather the eight low bits into the low byte; unpacking spreads them back with
+  three shift-and-mask steps. This relies on little-endian byte order of the int64 view, checked at
+  import. Under ``torch.compile`` the same format is built with per-bit shifts and a sum instead, which
+  Inductor fuses (it cannot lower the bool/int64 bit views).
 * numpy's ``packbits``/``unpackbits`` for CPU tensors in eager mode: one pass each instead of several
   full-size torch temporaries, measured faster on CPU (see the report in ``activation.py``).
 """
@@ -61,7 +62,14 @@ def use_numpy(t: torch.Tensor) -> bool:
     )
 
 
+def _shifts(device) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
 def _pack_torch(flat: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # Inductor cannot lower bool<->int64 bit views; shifts and a sum fuse into one kernel instead.
+        return (flat.view(-1, 8).to(torch.uint8) << _shifts(flat.device)).sum(1, dtype=torch.uint8)
     v = flat.view(torch.uint8).view(torch.int64)
     t = v | (v >> 7)
     t |= t >> 14
@@ -70,6 +78,8 @@ def _pack_torch(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_torch(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return ((packed[:, None] >> _shifts(packed.device)) & 1).to(torch.bool).view(-1)[:numel]
     t = packed.to(torch.int64)
     t = (t | (t << 28)) & _SPREAD_1
     t = (t | (t << 14)) & _SPREAD_2

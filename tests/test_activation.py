@@ -1,0 +1,338 @@
+"""ReLU / LeakyReLU against stock PyTorch: bitwise outputs and gradients, 1 bit per element kept."""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import slimgrad.nn.activation  # noqa: F401  (registers the replacements)
+from _util import FLOAT_DTYPES, assert_same, saved_bytes, slim_copy
+from slimgrad.functional import _bitmask
+from slimgrad.functional._common import note_input_kept
+from slimgrad.functional.activation import leaky_relu, relu
+
+LEAF_MSG = "a leaf Variable that requires grad is being used in an in-place"
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.0, -3.0]
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(_INT_OF_SIZE[t.element_size()])
+
+
+def assert_bitwise(actual, expected, what):
+    """Bit patterns equal (so +0 and -0 differ), NaN where stock has NaN. NaN payloads are not compared:
+    stock's own bf16 kernels give different NaN bits on their vectorised and scalar paths."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
+    assert torch.equal(bits(actual)[~nan], bits(expected)[~nan]), f"{what}: bits differ"
+
+
+def make_input(shape, dtype, layout, seed=0):
+    """A leaf of ``shape`` in ``layout`` holding random values and every special value."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = math.prod(shape)
+    x = torch.randn(numel, generator=gen, dtype=torch.float64)
+    x[: min(numel, len(SPECIALS))] = torch.tensor(SPECIALS[: min(numel, len(SPECIALS))], dtype=torch.float64)
+    x = x[torch.randperm(numel, generator=gen)].reshape(shape).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":  # dense but not contiguous
+        x = x.transpose(1, 3).contiguous().transpose(1, 3)
+    return x
+
+
+def stock_fn(slope):
+    return (lambda x, inplace=False: F.relu(x, inplace=inplace)) if slope is None else (
+        lambda x, inplace=False: F.leaky_relu(x, slope, inplace=inplace))
+
+
+def slim_fn(slope):
+    return (lambda x, inplace=False: relu(x, inplace=inplace)) if slope is None else (
+        lambda x, inplace=False: leaky_relu(x, slope, inplace=inplace))
+
+
+def run(fn, x_leaf, inplace, grad, sliced=False):
+    """Forward (on a clone when in place, since a leaf cannot be modified) and backward; returns output,
+    the leaf's grad and the bytes kept for backward."""
+    from slimgrad.measure import SavedTensors
+
+    with SavedTensors() as counter:
+        x = x_leaf[..., ::2] if sliced else x_leaf
+        inp = x.clone() if inplace else x
+        out = fn(inp, inplace=inplace)
+    out.backward(grad)
+    return out, x_leaf.grad, counter.bytes
+
+
+SLOPES = [None, 0.01, 0.0, 2.0, -0.3]
+
+
+@pytest.mark.parametrize("slope", SLOPES, ids=lambda s: f"slope={s}")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed", "sliced"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_matches_stock_bitwise(slope, dtype, layout, inplace):
+    if inplace and slope is not None and slope < 0:
+        pytest.skip("stock refuses in-place leaky_relu backward with a negative slope: tested below")
+    shape = (2, 3, 5, 7)  # 210 elements: not a multiple of 8
+    sliced = layout == "sliced"
+    base = make_input(shape, dtype, "contiguous" if sliced else layout)
+    xs, xm = base.clone().requires_grad_(), base.clone().requires_grad_()
+    out_shape = (2, 3, 5, 4) if sliced else shape
+    grad = make_input(out_shape, dtype, "contiguous", seed=1)
+    ys, gs, bytes_stock = run(stock_fn(slope), xs, inplace, grad, sliced)
+    ym, gm, bytes_slim = run(slim_fn(slope), xm, inplace, grad, sliced)
+    assert_bitwise(ym, ys, "output")
+    assert_bitwise(gm, gs, "grad")
+    numel = math.prod(out_shape)
+    assert bytes_slim == (numel + 7) // 8
+    # stock keeps relu's output (a fresh tensor) or leaky_relu's input (the whole sliced storage)
+    # or, in place, the modified clone
+    keeps_whole_base = slope is not None and sliced and not inplace
+    assert bytes_stock == (math.prod(shape) if keeps_whole_base else numel) * base.element_size()
+
+
+@pytest.mark.parametrize("slope", SLOPES, ids=lambda s: f"slope={s}")
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (1,), (7,), (9,), (3, 1, 1, 5)])
+def test_odd_and_empty_shapes(slope, shape):
+    base = make_input(shape, torch.float32, "contiguous")
+    xs, xm = base.clone().requires_grad_(), base.clone().requires_grad_()
+    grad = make_input(shape, torch.float32, "contiguous", seed=2)
+    ys, gs, _ = run(stock_fn(slope), xs, False, grad)
+    ym, gm, kept = run(slim_fn(slope), xm, False, grad)
+    assert_bitwise(ym, ys, "output")
+    assert_bitwise(gm, gs, "grad")
+    assert kept == (math.prod(shape) + 7) // 8
+
+
+def test_inplace_leaf_error_like_stock():
+    for fn in (lambda x: relu(x, inplace=True), lambda x: leaky_relu(x, 0.1, inplace=True)):
+        with pytest.raises(RuntimeError, match=LEAF_MSG):
+            fn(torch.randn(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match=LEAF_MSG):
+        F.relu(torch.randn(3, requires_grad=True), inplace=True)
+
+
+def test_inplace_negative_slope_refused_in_backward_like_stock():
+    from slimgrad.measure import SavedTensors
+
+    for fn in (F.leaky_relu, leaky_relu):
+        x = torch.randn(5, requires_grad=True)
+        with SavedTensors() as counter:
+            y = fn(x.clone(), -0.2, inplace=True)
+        with pytest.raises(RuntimeError, match="In-place leakyReLu backward calculation is triggered with a"):
+            y.sum().backward()
+    assert counter.bytes == 0  # ours keeps nothing for a backward that can only fail
+
+
+def test_no_grad_needed_is_stock_and_keeps_nothing():
+    x = torch.randn(4, 4)
+    assert saved_bytes(relu, x) == 0
+    assert torch.equal(relu(x), F.relu(x))
+    with torch.no_grad():
+        y = torch.randn(4, requires_grad=True)
+        assert saved_bytes(leaky_relu, y) == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="argument 'input'"):
+        relu([1.0, -1.0])
+    with pytest.raises(TypeError, match="argument 'negative_slope'"):
+        leaky_relu(torch.randn(2), "0.1")
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.ReLU(inplace=True), nn.LeakyReLU(0.2),
+                                    nn.LeakyReLU(-0.5), nn.LeakyReLU(0.1, inplace=True)], ids=repr)
+def test_modules_match_stock(module):
+    slim = slim_copy(module)
+    base = make_input((2, 4, 3, 3), torch.float32, "channels_last")
+    xs, xm = base.clone().requires_grad_(), base.clone().requires_grad_()
+    grad = make_input((2, 4, 3, 3), torch.float32, "contiguous", seed=3)
+    ys = module(xs * 1.0)
+    ys.backward(grad)
+    from slimgrad.measure import SavedTensors
+
+    with SavedTensors() as counter:
+        ym = slim(xm * 1.0)
+    ym.backward(grad)
+    assert_bitwise(ym, ys, "output")
+    assert_bitwise(xm.grad, xs.grad, "grad")
+    # the multiplication keeps nothing (constant factor); ours the 72-element mask: 9 bytes
+    assert counter.bytes == 9
+
+
+class KeepInput(torch.autograd.Function):
+    """A consumer that keeps its input for backward, as a trainable conv does."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        note_input_kept(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum()
+
+
+class KeepNothing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.ReLU(inplace=True), nn.LeakyReLU(0.1), nn.LeakyReLU(0.0),
+                                    nn.LeakyReLU(-0.1)], ids=repr)
+def test_producer_keeps_output_when_consumer_keeps_it(module):
+    from slimgrad.measure import SavedTensors
+
+    slim = slim_copy(module)
+    w_stock = nn.Parameter(torch.tensor(1.5))  # parameters are not counted as kept
+    w_slim = nn.Parameter(torch.tensor(1.5))
+    shape = (4, 10)  # 40 elements
+    base = make_input(shape, torch.float32, "contiguous")
+    grad = make_input(shape, torch.float32, "contiguous", seed=4)
+
+    def step(mod, w):
+        x = base.clone().requires_grad_()
+        with SavedTensors() as counter:
+            h = mod(x * 1.0)
+            y = KeepInput.apply(h, w)
+        y.backward(grad)
+        return y, x.grad, counter.bytes
+
+    ys, gs, _ = step(module, w_stock)
+    activation_bytes = math.prod(shape) * 4
+    first = step(slim, w_slim)  # no consumer seen yet: mask
+    assert first[2] == activation_bytes + 5
+    second = step(slim, w_slim)
+    output_kept = not (isinstance(module, nn.LeakyReLU) and module.negative_slope < 0)
+    # the activation itself is shared with the consumer: nothing extra; otherwise the mask
+    assert second[2] == activation_bytes + (0 if output_kept else 5)
+    for y, g, _ in (first, second):
+        assert_bitwise(y, ys, "output")
+        assert_bitwise(g, gs, "grad")
+
+    # a consumer that keeps nothing: the first step still keeps the output (the flag lags one step),
+    # then back to the mask
+    for expected in (activation_bytes, 5):
+        with SavedTensors() as counter:
+            x = base.clone().requires_grad_()
+            KeepNothing.apply(slim(x * 1.0)).backward(grad)
+        assert counter.bytes == (expected if output_kept else 5)
+
+
+def test_functional_relu_always_masks():
+    x = torch.randn(16, requires_grad=True)
+    h = relu(x)
+    KeepInput.apply(h, nn.Parameter(torch.tensor(1.0)))
+    assert saved_bytes(relu, x) == 2
+
+
+@pytest.mark.parametrize("slope", [None, 0.1, -0.4])
+@pytest.mark.parametrize("kept", [False, True], ids=["mask", "output"])
+def test_double_backward(slope, kept):
+    from slimgrad.functional.activation import _ReLUFunction
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x = (x + x.sign() * 0.1).requires_grad_()  # away from the kink
+    torch.autograd.gradgradcheck(lambda t: _ReLUFunction.apply(t, slope, False, kept), (x,))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.LeakyReLU(0.2)], ids=repr)
+def test_checkpoint(module, reentrant):
+    lin = nn.Linear(6, 6)
+    stock = nn.Sequential(lin, module)
+    slim = nn.Sequential(lin, slim_copy(module))
+    x = torch.randn(5, 6, requires_grad=True)
+    stock(x).sum().backward()
+    expected = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = None
+    lin.zero_grad()
+    checkpoint(slim, x, use_reentrant=reentrant).sum().backward()
+    assert_same(x.grad, expected[0], what="input grad")
+    assert_same(lin.weight.grad, expected[1], what="weight grad")
+
+
+def test_autocast_runs_in_input_dtype():
+    x = torch.randn(4, 5)
+    xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = nn.Linear(5, 5).to(torch.float32)(xs)
+        torch.manual_seed(0)
+        lin = nn.Linear(5, 5)
+        ys = F.relu(lin(xs))
+        ym = relu(lin(xm))
+    assert_same(ym, ys, what="output")
+    ys.sum().backward()
+    ym.sum().backward()
+    assert_same(xm.grad, xs.grad, what="grad")
+
+
+# ---- bit packing -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pack_impl", ["torch", "numpy"])
+@pytest.mark.parametrize("unpack_impl", ["torch", "numpy"])
+def test_bitmask_every_byte(pack_impl, unpack_impl):
+    values = torch.arange(256, dtype=torch.uint8)
+    flat = ((values[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)
+    assert torch.equal(_bitmask.pack(flat, impl=pack_impl), values)
+    assert torch.equal(_bitmask.unpack(values, (256 * 8,), impl=unpack_impl), flat)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 9), min_size=0, max_size=4), seed=st.integers(0, 2**31 - 1),
+       density=st.floats(0, 1), pack_impl=st.sampled_from(["torch", "numpy"]),
+       unpack_impl=st.sampled_from(["torch", "numpy"]))
+def test_bitmask_round_trip(shape, seed, density, pack_impl, unpack_impl):
+    shape = tuple(shape)
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < density
+    flat, view = _bitmask.new_padded_mask(shape, mask.device)
+    view.copy_(mask)
+    packed = _bitmask.pack(flat, impl=pack_impl)
+    assert packed.dtype == torch.uint8 and packed.numel() == (mask.numel() + 7) // 8
+    assert torch.equal(_bitmask.unpack(packed, shape, impl=unpack_impl), mask)
+
+
+def test_bitmask_errors():
+    with pytest.raises(ValueError, match="'flat'"):
+        _bitmask.pack(torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'packed'"):
+        _bitmask.unpack(torch.zeros(2, dtype=torch.uint8), (3, 8))
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.LeakyReLU(0.1)], ids=repr)
+def test_compile_fullgraph(module):
+    torch._dynamo.reset()
+    slim = torch.compile(slim_copy(module), fullgraph=True)
+    base = make_input((2, 3, 4, 5), torch.float32, "contiguous")
+    xs, xm = base.clone().requires_grad_(), base.clone().requires_grad_()
+    grad = make_input((2, 3, 4, 5), torch.float32, "contiguous", seed=5)
+    ys = module(xs)
+    ys.backward(grad)
+    from slimgrad.measure import SavedTensors
+
+    with SavedTensors() as counter:
+        ym = slim(xm)
+    ym.backward(grad)
+    assert_same(ym, ys, what="output")
+    assert_same(xm.grad, xs.grad, what="grad")
+    assert counter.bytes == (2 * 3 * 4 * 5 + 7) // 8  # the compiled graph keeps the packed mask too
