@@ -64,6 +64,20 @@ def _shape_only_input(grad_out: torch.Tensor, shape, stride, x_dense: bool) -> t
     return _common.standin(shape, grad_out)
 
 
+def _eval_grad_input(grad_out, weight, running_var, eps, shape, stride):
+    """dX = dY * invstd * w in evaluation, rounded as stock's strided CPU kernel rounds it when the
+    parameters have dY's dtype: invstd = 1/sqrt(var + eps) in double, rounded once to the parameters'
+    dtype, then two products each rounded to that dtype."""
+    bcast = [1] * len(shape)
+    bcast[1] = shape[1]
+    invstd = (running_var.double() + eps).sqrt().reciprocal().to(running_var.dtype)
+    dx = grad_out.new_empty_strided(shape, stride)
+    torch.mul(grad_out, invstd.view(bcast), out=dx)
+    if weight is not None:
+        dx.mul_(weight.view(bcast))
+    return dx
+
+
 class BatchNormFunction(torch.autograd.Function):
     """``native_batch_norm`` with a backward that keeps x only where a requested gradient reads it.
 
@@ -94,9 +108,12 @@ class BatchNormFunction(torch.autograd.Function):
         keep_x = need_w or (training and need_x)
         if keep_x:
             _common.note_input_kept(input)
+        bias_as_stats = training and not keep_x
         ctx.save_for_backward(
             input if keep_x else None,
             weight,
+            # A parameter (not counted), only read where the statistics' values do not matter.
+            bias if bias_as_stats else None,
             # Evaluation reads the running statistics (parameters' peers: buffers, not counted).
             running_mean if not training else None,
             running_var if not training else None,
@@ -108,36 +125,49 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, weight, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
+        x, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
             return (None,) * 8
         standin = x is None
-        if standin:
-            x = _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense)
-        if ctx.training and save_mean is None:
-            # Only dB = sum(dY) is requested; the kernel still reads per-channel statistics (for the
-            # unrequested dX/dW terms), so give it C-sized zeros rather than keeping the real ones.
-            c = ctx.x_shape[1]
-            save_mean = grad_out.new_zeros(c, dtype=ctx.stat_dtype)
-            save_invstd = grad_out.new_zeros(c, dtype=ctx.stat_dtype)
-        dx, dw, db = _aten.native_batch_norm_backward(
-            grad_out,
-            x,
-            weight,
-            running_mean,
-            running_var,
-            save_mean,
-            save_invstd,
-            ctx.training,
-            ctx.eps,
-            [need_x, need_w, need_b],
+        # Evaluation, channels-last x, non-dense dY (e.g. ``sum().backward()``): stock's strided kernel
+        # lays dX out like x, but fed a zero-stride stand-in it would lay it out contiguously. Compute dX
+        # directly there (same rounding when the parameters have dY's dtype) instead of restriding it.
+        direct_dx = (
+            need_x and standin and not ctx.training and ctx.x_format is not None
+            and not (ctx.x_dense and _dense(grad_out)) and running_var.dtype == grad_out.dtype
         )
-        if need_x and standin and ctx.x_format is not None and x.stride() != ctx.x_stride:
-            # Zero-stride stand-in for a channels-last x (dY not dense, e.g. from ``sum().backward()``):
-            # the kernel laid dX out contiguously, stock lays it out like x. Same values; match the layout
-            # so that autograd does not have to restride it later (AccumulateGrad would copy it anyway).
-            dx = dx.contiguous(memory_format=ctx.x_format)
+        dx = dw = db = None
+        if direct_dx:
+            dx = _eval_grad_input(grad_out, weight, running_var, ctx.eps, ctx.x_shape, ctx.x_stride)
+        if need_w or need_b or (need_x and not direct_dx):
+            if standin:
+                x = _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense)
+            if ctx.training and save_mean is None:
+                # Only dB = sum(dY) is requested, but the kernel still reads per-channel statistics for
+                # the unrequested dX/dW terms. Any C-sized tensor of the statistics' dtype will do: the
+                # bias has that dtype in every combination the kernel accepts, and costs no allocation.
+                if bias.dtype == ctx.stat_dtype and bias.is_contiguous():
+                    save_mean = save_invstd = bias.detach()
+                else:
+                    save_mean = save_invstd = grad_out.new_zeros(ctx.x_shape[1], dtype=ctx.stat_dtype)
+            kdx, dw, db = _aten.native_batch_norm_backward(
+                grad_out,
+                x,
+                weight,
+                running_mean,
+                running_var,
+                save_mean,
+                save_invstd,
+                ctx.training,
+                ctx.eps,
+                [need_x and not direct_dx, need_w, need_b],
+            )
+            if need_x and not direct_dx:
+                dx = kdx
+                if standin and ctx.x_format is not None and dx.stride() != ctx.x_stride:
+                    # Mixed precision in the case above: restride (AccumulateGrad would copy anyway).
+                    dx = dx.contiguous(memory_format=ctx.x_format)
         return (dx if need_x else None, dw if need_w else None, db if need_b else None,
                 None, None, None, None, None)
 
