@@ -200,23 +200,26 @@ def test_channels_last(stock_cls, shape, fmt, grad_fmt, dtype, train):
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("upstream", ["expanded", "transposed-x"])
-def test_odd_layouts_gradient_layout(upstream, fmt, train):
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float16, None), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "fp16", "bf16+fp32"])
+def test_odd_layouts_gradient_layout(dtype, param_dtype, upstream, fmt, train):
     """Non-dense upstream gradients (sum().backward()) and non-dense inputs take the strided kernel path;
     the raw input gradient (autograd.grad, no AccumulateGrad restriding) has stock's values and layout."""
     for rg in [(True, False, False), (True, False, True), (True, True, True)]:
-        stock, slim = make_pair(nn.BatchNorm2d, 4, train=train)
+        stock, slim = make_pair(nn.BatchNorm2d, 4, train=train, dtype=param_dtype or dtype)
         for m in (stock, slim):
             set_requires_grad(m, weight=rg[1], bias=rg[2])
-        base = torch.randn(3, 4, 5, 6).contiguous(memory_format=fmt)
+        base = torch.randn(3, 4, 5, 6).to(dtype).contiguous(memory_format=fmt)
         if upstream == "transposed-x":
-            base = torch.randn(3, 4, 6, 5).transpose(2, 3)
+            base = torch.randn(3, 4, 6, 5).to(dtype).transpose(2, 3)
         results = []
         for m in (stock, slim):
             leaf = base.clone().requires_grad_()
             x = leaf.as_strided(base.shape, base.stride()) if upstream == "transposed-x" else leaf * 1
             y = m(x)
-            g = torch.ones(()).expand(y.shape) if upstream == "expanded" else torch.randn(
-                y.shape, generator=torch.Generator().manual_seed(1))
+            g = torch.ones((), dtype=dtype).expand(y.shape) if upstream == "expanded" else torch.randn(
+                y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
             params = [p for p in (m.weight, m.bias) if p.requires_grad]
             results.append((y, torch.autograd.grad(y, [x, *params], g)))
         (ys, gs), (ym, gm) = results
