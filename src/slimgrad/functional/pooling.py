@@ -135,31 +135,38 @@ def _window_starts(out_sizes, in_sizes, stride, padding, device, dtype):
     return base, flat
 
 
-def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype):
-    """Window-local position (row-major over the kernel) of each flat argmax index."""
+def _window_offsets(kernel, dilation, flat, device):
+    """Flat offset from the window origin of each window position, in row-major kernel order."""
+    offsets = torch.zeros((), dtype=torch.int64, device=device)
+    for i in range(len(kernel)):
+        step = torch.arange(kernel[i], device=device).mul_(dilation[i] * flat[i])
+        offsets = offsets.unsqueeze(-1) + step
+    return offsets.reshape(-1)
+
+
+_MAX_TABLE = 1 << 22  # entries of the offset -> position table; beyond that, decode by division
+
+
+def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype, in_place):
+    """Window-local position (row-major over the kernel) of each flat argmax index.
+
+    Large temporaries cost more than arithmetic here (each fresh big allocation is paid in page faults),
+    so the common path allocates only the small result: the offset from the window origin is formed in
+    place in ``indices`` when the caller does not return them, then mapped to a position by a table.
+    """
     nd = len(in_sizes)
     out_sizes = indices.shape[-nd:]
-    plane = math.prod(in_sizes)
-    work = torch.int32 if plane < 2**31 - 1 else torch.int64
-    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, indices.device, work)
+    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, indices.device, torch.int64)
+    # Offsets from the window origin are unique per window position unless a window's extent exceeds
+    # the input in some inner dim (tiny inputs), where two positions can share an offset.
+    unique = all((kernel[i] - 1) * dilation[i] < in_sizes[i] for i in range(1, nd))
+    offsets = _window_offsets(kernel, dilation, flat, indices.device)
+    if unique and int(offsets[-1]) < _MAX_TABLE:
+        table = torch.zeros(int(offsets[-1]) + 1, dtype=dtype, device=indices.device)
+        table[offsets] = torch.arange(offsets.numel(), device=indices.device).to(dtype)
+        off = indices.sub_(base) if in_place else indices - base
+        return torch.take(table, off)
     mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
-    # Offset from the window origin, written in the mixed radix of the input's spatial sizes. Its digits
-    # are (k_i * dilation_i); they can be read off directly unless a window's extent exceeds the input
-    # in some inner dim (tiny inputs), where a borrow between digits would make them ambiguous.
-    if all((kernel[i] - 1) * dilation[i] < in_sizes[i] for i in range(1, nd)):
-        off = indices.to(work).sub_(base)
-        pos = None
-        for i in range(nd - 1):
-            digit = torch.div(off, flat[i], rounding_mode="floor")
-            off.sub_(digit, alpha=flat[i])
-            if dilation[i] != 1:
-                digit.div_(dilation[i], rounding_mode="floor")
-            pos = digit.mul_(mult[i]) if pos is None else pos.add_(digit, alpha=mult[i])
-            del digit
-        if dilation[-1] != 1:
-            off.div_(dilation[-1], rounding_mode="floor")
-        pos = off if pos is None else pos.add_(off)
-        return pos.to(dtype)
     pos = None
     for i in range(nd):
         coord = torch.div(indices, flat[i], rounding_mode="floor")
@@ -172,21 +179,25 @@ def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation
 
 
 def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
-    """Stock's flat int64 argmax indices, rebuilt from window-local positions."""
+    """Stock's flat int64 argmax indices, rebuilt from window-local positions.
+
+    index = origin + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. Starting from
+    dilation_last * pos removes the last digit's term; the other digits are extracted in the positions'
+    small dtype, so the only large allocation is the int64 result itself.
+    """
     nd = len(in_sizes)
     out_sizes = pos.shape[-nd:]
     base, flat = _window_starts(out_sizes, in_sizes, stride, padding, pos.device, torch.int64)
     mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
-    # index = base + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. Starting from
-    # dilation_last * pos removes the last digit's term; the others are corrected digit by digit.
-    idx = pos.to(torch.int64)
     digits = []
     for i in range(nd - 1):
-        digit = torch.div(idx, mult[i], rounding_mode="floor")
+        digit = torch.div(pos, mult[i], rounding_mode="floor")
         if i > 0:
             digit.remainder_(kernel[i])
         digits.append(digit)
-    idx.mul_(dilation[-1])
+    idx = pos.to(torch.int64)
+    if dilation[-1] != 1:
+        idx.mul_(dilation[-1])
     for i in range(nd - 1):
         idx.add_(digits[i], alpha=dilation[i] * flat[i] - dilation[-1] * mult[i])
         digits[i] = None
@@ -196,12 +207,12 @@ def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
 class MaxPoolFunction(torch.autograd.Function):
     """N-d max pooling (nd = 1, 2, 3) keeping only the argmax's position inside its window.
 
-    Returns ``(output, indices)`` exactly as stock's ``max_poolNd_with_indices``; the int64 indices are
-    not kept (when the caller drops them they are freed after forward).
+    Returns ``(output, indices)`` exactly as stock's ``max_poolNd_with_indices`` when ``return_indices``,
+    else only the output; the int64 indices are never kept (unreturned, they are reused as scratch).
     """
 
     @staticmethod
-    def forward(ctx, x, nd, kernel_size, stride, padding, dilation, ceil_mode):
+    def forward(ctx, x, nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
         fn = f"max_pool{nd}d"
         out, indices = _MAX_FORWARD[nd](x, kernel_size, stride, padding, dilation, ceil_mode)
         kernel = _tuple(kernel_size, nd, "kernel_size", fn)
@@ -209,18 +220,22 @@ class MaxPoolFunction(torch.autograd.Function):
         padding_t = _tuple(padding, nd, "padding", fn)
         dilation_t = _tuple(dilation, nd, "dilation", fn)
         in_sizes = tuple(x.shape[-nd:])
-        ctx.mark_non_differentiable(indices)
-        if ctx.needs_input_grad[0]:
-            dtype = position_dtype(math.prod(kernel))
-            pos = _positions_from_indices(indices, in_sizes, kernel, stride_t, padding_t, dilation_t, dtype)
-            ctx.save_for_backward(pos)
         ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
         ctx.grad_format = _grad_format(x, nd)
+        ctx.return_indices = bool(return_indices)
+        if ctx.needs_input_grad[0]:
+            dtype = position_dtype(math.prod(kernel))
+            pos = _positions_from_indices(indices, in_sizes, kernel, stride_t, padding_t, dilation_t, dtype,
+                                          in_place=not return_indices)
+            ctx.save_for_backward(pos)
+        if not return_indices:
+            return out
+        ctx.mark_non_differentiable(indices)
         return out, indices
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_indices):
+    def backward(ctx, grad_out, *_grad_indices):
         (pos,) = ctx.saved_tensors
         nd, shape, kernel, stride, padding, dilation, ceil_mode = ctx.geometry
         indices = _indices_from_positions(pos, shape[-nd:], kernel, stride, padding, dilation)
@@ -238,12 +253,12 @@ class MaxPoolFunction(torch.autograd.Function):
             # transient input-sized copy, still less than the input stock keeps.
             grad = op(*args)
             del args, indices
-            return grad.contiguous(memory_format=ctx.grad_format), None, None, None, None, None, None
+            return (grad.contiguous(memory_format=ctx.grad_format),) + (None,) * 8
         buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
         grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
         if nd == 1:
             grad = grad.squeeze(-2)
-        return grad, None, None, None, None, None, None
+        return (grad,) + (None,) * 8
 
 
 def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, stock):
@@ -256,8 +271,8 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
     if nd == 3:
         input = _fp32_under_autocast(input)
     with autocast_off(input.device.type):
-        out, indices = MaxPoolFunction.apply(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
-    return (out, indices) if return_indices else out
+        return MaxPoolFunction.apply(input, nd, kernel_size, stride, padding, dilation, ceil_mode,
+                                     bool(return_indices))
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
