@@ -1,0 +1,354 @@
+"""Convolutions (1-3d, plain and transposed) that keep only what the requested gradients read.
+
+Stock PyTorch keeps the input X whenever X requires grad, although only the weight's gradient reads X;
+with a non-zero ``padding_mode`` it keeps the padded X *and* X. Here X (unpadded) is kept only when the
+weight needs grad, and the weight only when X needs grad; the padding is redone in backward.
+
+Gradients come from the same kernels stock runs, so they are bitwise equal:
+dX of a convolution is a transposed convolution of the output gradient (and dX of a transposed
+convolution a plain one) rather than ``aten.convolution_backward``, which would copy a stand-in input to
+an input-sized temporary; dW and dB come from ``aten.convolution_backward`` fed a weight stand-in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
+
+from . import _common
+
+__all__ = [
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "conv_nd",
+]
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_PAD_BACKWARD = {
+    "reflect": {
+        1: torch.ops.aten.reflection_pad1d_backward,
+        2: torch.ops.aten.reflection_pad2d_backward,
+        3: torch.ops.aten.reflection_pad3d_backward,
+    },
+    "replicate": {
+        1: torch.ops.aten.replication_pad1d_backward,
+        2: torch.ops.aten.replication_pad2d_backward,
+        3: torch.ops.aten.replication_pad3d_backward,
+    },
+}
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def _tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * nd
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        if len(value) == 1:
+            return tuple(value) * nd
+        if len(value) == nd:
+            return tuple(value)
+    raise ValueError(f"{fn}: argument '{name}' must be an int or a tuple of {nd} ints, got {value!r}")
+
+
+def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    """Backward of ``F.pad(..., mode='circular')`` without the input.
+
+    Stock's circular pad is a composite of slice copies, so its gradient is the reverse sequence of
+    ``g[source] += g[copied region]``: one addition per element and step, as in stock, hence bitwise equal.
+    """
+    nd = len(pad) // 2
+    g = grad  # a fresh tensor of our own: updated in place
+    for i in reversed(range(nd)):
+        dim = g.dim() - 1 - i
+        pad_l, pad_r = pad[2 * i], pad[2 * i + 1]
+        size = g.shape[dim]
+        if pad_r > 0:
+            g.narrow(dim, pad_l, pad_r).add_(g.narrow(dim, size - pad_r, pad_r))
+        if pad_l > 0:
+            g.narrow(dim, size - pad_l - pad_r, pad_l).add_(g.narrow(dim, 0, pad_l))
+    for i in range(nd):
+        dim = g.dim() - 1 - i
+        pad_l, pad_r = pad[2 * i], pad[2 * i + 1]
+        g = g.narrow(dim, pad_l, g.shape[dim] - pad_l - pad_r)
+    return g.contiguous(memory_format=suggest_memory_format(grad))
+
+
+class _ConvFunction(torch.autograd.Function):
+    """One Function for every convolution kind; ``cfg`` carries the non-tensor options:
+    (nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype).
+
+    ``pad``/``pad_mode``: an explicit F.pad applied to X first (non-zero padding modes, or the zero pad
+    of an asymmetric ``padding='same'``); ``cast_dtype``: autocast's dtype, applied after that pad as in
+    stock (stock pads in the input's dtype, then autocast casts for the convolution).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cfg):
+        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = cfg
+        xp = x
+        if pad is not None:
+            xp = F.pad(xp, pad, mode=pad_mode)
+        if cast_dtype is not None:
+            xp = xp.to(cast_dtype)
+        if transposed:
+            out = _CONV_T[nd](xp, weight, bias, stride, padding, output_padding, groups, dilation)
+        else:
+            out = _CONV[nd](xp, weight, bias, stride, padding, dilation, groups)
+
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w:
+            _common.note_input_kept(x)
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        ctx.cfg = cfg
+        ctx.x_dtype = x.dtype
+        ctx.xp_shape = tuple(xp.shape)
+        ctx.xp_format = suggest_memory_format(xp)
+        ctx.w_shape = tuple(weight.shape)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = ctx.cfg
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        dx = dw = db = None
+
+        if need_x:
+            w = weight
+            if ctx.xp_format != torch.contiguous_format:
+                # The backend picks its layout from (input, weight): stock sees X in channels_last here.
+                w = w.contiguous(memory_format=ctx.xp_format)
+            if transposed:
+                dx = _CONV[nd](grad, w, None, stride, padding, dilation, groups)
+                # With output_padding >= stride the plain conv yields extra trailing rows: drop them.
+                for i in range(nd):
+                    if dx.shape[2 + i] != ctx.xp_shape[2 + i]:
+                        dx = dx.narrow(2 + i, 0, ctx.xp_shape[2 + i])
+            else:
+                k = ctx.w_shape[2:]
+                in_sizes = ctx.xp_shape[2:]
+                out_sizes = grad.shape[2:]
+                extra = tuple(
+                    in_sizes[i]
+                    - ((out_sizes[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1) + 1)
+                    for i in range(nd)
+                )
+                dx = _CONV_T[nd](grad, w, None, stride, padding, extra, groups, dilation)
+            del w
+            if cast_dtype is not None:
+                dx = dx.to(ctx.x_dtype)
+            if pad is not None:
+                dx = _pad_backward(dx, pad, pad_mode, nd, ctx.x_dtype)
+
+        if need_w or need_b:
+            if need_w:
+                xp = x
+                if pad is not None:
+                    xp = F.pad(xp, pad, mode=pad_mode)
+                if cast_dtype is not None:
+                    xp = xp.to(cast_dtype)
+                _, dw, db = torch.ops.aten.convolution_backward(
+                    grad,
+                    xp,
+                    weight if weight is not None else _common.standin(ctx.w_shape, grad),
+                    [ctx.w_shape[1 if transposed else 0]] if need_b else None,
+                    list(stride),
+                    list(padding),
+                    list(dilation),
+                    transposed,
+                    list(output_padding),
+                    groups,
+                    [False, True, need_b],
+                )
+                del xp
+            else:
+                db = grad.sum([0] + list(range(2, grad.dim())))
+        return dx, dw, db if need_b else None, None
+
+
+def _pad_backward(dxp, pad, pad_mode, nd, dtype):
+    """Gradient of ``F.pad(x, pad, mode)`` w.r.t. x from the padded gradient, without x."""
+    if pad_mode == "constant":
+        return torch.constant_pad_nd(dxp, [-p for p in pad])
+    if pad_mode == "circular":
+        return _circular_pad_backward(dxp, pad)
+    shape = list(dxp.shape)
+    for i in range(nd):
+        shape[-1 - i] -= pad[2 * i] + pad[2 * i + 1]
+    return _PAD_BACKWARD[pad_mode][nd](dxp, _common.standin(shape, dxp), list(pad))
+
+
+def conv_nd(
+    x,
+    weight,
+    bias=None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups=1,
+    *,
+    nd: int,
+    transposed: bool = False,
+    output_padding=0,
+    padding_mode: str = "zeros",
+    fn: str = "conv",
+):
+    """Shared entry point: normalises options, handles unbatched inputs and autocast, then applies the
+    Function. ``padding_mode`` other than zeros pads X explicitly (as stock ``nn.ConvNd`` does) with
+    ``padding`` given in F.pad order (``_reversed_padding_repeated_twice``)."""
+    _common.check_tensor(x, "input", fn=fn)
+    _common.check_tensor(weight, "weight", fn=fn)
+    if bias is not None:
+        _common.check_tensor(bias, "bias", fn=fn)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{fn}: argument 'groups' must be a positive int, got {groups!r}")
+    if x.dim() not in (nd + 1, nd + 2):
+        raise RuntimeError(
+            f"{fn}: Expected {nd + 1}D (unbatched) or {nd + 2}D (batched) input, "
+            f"but got input of size: {list(x.shape)}"
+        )
+    if weight.dim() != nd + 2:
+        raise RuntimeError(f"{fn}: argument 'weight' must be {nd + 2}D, got size {list(weight.shape)}")
+    if padding_mode not in _PADDING_MODES:
+        raise ValueError(
+            f"{fn}: argument 'padding_mode' must be one of {_PADDING_MODES}, got {padding_mode!r}"
+        )
+
+    stride_t = _tuple(stride, nd, "stride", fn)
+    dilation_t = _tuple(dilation, nd, "dilation", fn)
+    pad_mode = None
+    pad = None
+    if padding_mode != "zeros":
+        if transposed:
+            raise ValueError(f"{fn}: Only `zeros` padding mode is supported for ConvTranspose{nd}d")
+        if not (isinstance(padding, (tuple, list)) and len(padding) == 2 * nd):
+            raise ValueError(f"{fn}: with padding_mode={padding_mode!r}, 'padding' must hold {2 * nd} ints")
+        pad_mode, pad = padding_mode, tuple(int(p) for p in padding)
+        padding_t = (0,) * nd
+    elif isinstance(padding, str):
+        if transposed:
+            raise ValueError(f"{fn}: argument 'padding' must be an int or a tuple of ints, got {padding!r}")
+        if padding == "valid":
+            padding_t = (0,) * nd
+        elif padding == "same":
+            if any(s != 1 for s in stride_t):
+                raise ValueError(f"{fn}: padding='same' is not supported for strided convolutions")
+            total = [dilation_t[i] * (weight.shape[2 + i] - 1) for i in range(nd)]
+            left = [t // 2 for t in total]
+            right = [t - t // 2 for t in total]
+            padding_t = tuple(left)
+            if left != right:
+                # As aten's _convolution_same: zero-pad the excess on the right, then symmetric padding.
+                pad_mode = "constant"
+                pad = [0] * (2 * nd)
+                for i in range(nd):
+                    pad[2 * (nd - 1 - i) + 1] = right[i] - left[i]
+                pad = tuple(pad)
+        else:
+            raise ValueError(
+                f"{fn}: Invalid padding string {padding!r}, argument 'padding' must be 'same' or 'valid'"
+            )
+    else:
+        padding_t = _tuple(padding, nd, "padding", fn)
+    output_padding_t = _tuple(output_padding, nd, "output_padding", fn) if transposed else (0,) * nd
+
+    cast_dtype = None
+    device_type = x.device.type
+    if _common.autocast_dtype(device_type) is not None:
+        if pad_mode in ("reflect", "replicate", "circular"):
+            # Stock pads in X's own dtype and autocast casts the padded X: do the same inside.
+            weight, bias = _common.autocast_lower_precision(weight, bias)
+            target = _common.autocast_dtype(device_type)
+            if x.is_floating_point() and x.dtype not in (torch.float64, target):
+                cast_dtype = target
+        else:
+            x, weight, bias = _common.autocast_lower_precision(x, weight, bias)
+
+    unbatched = x.dim() == nd + 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    cfg = (
+        nd,
+        transposed,
+        stride_t,
+        padding_t,
+        dilation_t,
+        output_padding_t,
+        groups,
+        pad_mode,
+        pad,
+        cast_dtype,
+    )
+    with _common.autocast_off(device_type):
+        out = _ConvFunction.apply(x, weight, bias, cfg)
+    return out.squeeze(0) if unbatched else out
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return conv_nd(input, weight, bias, stride, padding, dilation, groups, nd=1, fn="conv1d")
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return conv_nd(input, weight, bias, stride, padding, dilation, groups, nd=2, fn="conv2d")
+
+
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return conv_nd(input, weight, bias, stride, padding, dilation, groups, nd=3, fn="conv3d")
+
+
+def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    return conv_nd(
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        nd=1,
+        transposed=True,
+        output_padding=output_padding,
+        fn="conv_transpose1d",
+    )
+
+
+def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    return conv_nd(
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        nd=2,
+        transposed=True,
+        output_padding=output_padding,
+        fn="conv_transpose2d",
+    )
+
+
+def conv_transpose3d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    return conv_nd(
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        nd=3,
+        transposed=True,
+        output_padding=output_padding,
+        fn="conv_transpose3d",
+    )

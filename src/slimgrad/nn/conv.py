@@ -1,0 +1,89 @@
+"""Drop-in convolution modules: the stock classes with a forward that keeps only what the requested
+gradients need (see :mod:`slimgrad.functional.conv`). Constructor, parameters and state are stock's."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from slimgrad._registry import register
+from slimgrad.functional.conv import conv_nd
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
+
+
+def _conv_forward(self, input, nd: int):
+    name = type(self).__name__
+    if self.padding_mode != "zeros":
+        # As stock _conv_forward: F.pad with the module's reversed padding, then a conv with padding 0.
+        return conv_nd(
+            input,
+            self.weight,
+            self.bias,
+            self.stride,
+            self._reversed_padding_repeated_twice,
+            self.dilation,
+            self.groups,
+            nd=nd,
+            padding_mode=self.padding_mode,
+            fn=name,
+        )
+    return conv_nd(
+        input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, nd=nd, fn=name
+    )
+
+
+def _conv_transpose_forward(self, input, output_size, nd: int):
+    if self.padding_mode != "zeros":
+        raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
+    output_padding = self._output_padding(
+        input, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
+    )
+    return conv_nd(
+        input,
+        self.weight,
+        self.bias,
+        self.stride,
+        self.padding,
+        self.dilation,
+        self.groups,
+        nd=nd,
+        transposed=True,
+        output_padding=output_padding,
+        fn=type(self).__name__,
+    )
+
+
+@register(nn.Conv1d)
+class Conv1d(nn.Conv1d):
+    def forward(self, input):
+        return _conv_forward(self, input, 1)
+
+
+@register(nn.Conv2d)
+class Conv2d(nn.Conv2d):
+    def forward(self, input):
+        return _conv_forward(self, input, 2)
+
+
+@register(nn.Conv3d)
+class Conv3d(nn.Conv3d):
+    def forward(self, input):
+        return _conv_forward(self, input, 3)
+
+
+@register(nn.ConvTranspose1d)
+class ConvTranspose1d(nn.ConvTranspose1d):
+    def forward(self, input, output_size=None):
+        return _conv_transpose_forward(self, input, output_size, 1)
+
+
+@register(nn.ConvTranspose2d)
+class ConvTranspose2d(nn.ConvTranspose2d):
+    def forward(self, input, output_size=None):
+        return _conv_transpose_forward(self, input, output_size, 2)
+
+
+@register(nn.ConvTranspose3d)
+class ConvTranspose3d(nn.ConvTranspose3d):
+    def forward(self, input, output_size=None):
+        return _conv_transpose_forward(self, input, output_size, 3)
