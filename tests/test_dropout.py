@@ -1,0 +1,216 @@
+"""Dropout family against stock PyTorch: valid masks, stock's scaling bit for bit, a seed kept."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import slimgrad.nn.dropout  # noqa: F401  (registers the replacements)
+from _util import FLOAT_DTYPES, assert_same, saved_bytes, slim_copy
+from slimgrad.functional.dropout import dropout, dropout1d, dropout2d, dropout3d
+from slimgrad.measure import SavedTensors
+
+LEAF_MSG = "a leaf Variable that requires grad is being used in an in-place operation"
+PS = [0.0, 0.1, 0.5, 0.9, 1.0]
+# (ours, stock, input shape, noise shape)
+KINDS = {
+    "dropout": (dropout, F.dropout, (2, 3, 4, 5), (2, 3, 4, 5)),
+    "dropout1d": (dropout1d, F.dropout1d, (2, 3, 5), (2, 3, 1)),
+    "dropout1d-unbatched": (dropout1d, F.dropout1d, (3, 5), (3, 1)),
+    "dropout2d": (dropout2d, F.dropout2d, (2, 3, 4, 5), (2, 3, 1, 1)),
+    "dropout3d": (dropout3d, F.dropout3d, (2, 3, 2, 2, 3), (2, 3, 1, 1, 1)),
+    "dropout3d-unbatched": (dropout3d, F.dropout3d, (3, 2, 2, 3), (3, 1, 1, 1)),
+}
+
+
+def nonzero_input(shape, dtype, seed=0):
+    """Values away from zero, so a zero output means a dropped element."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return (x + x.sign() * 0.5).to(dtype)
+
+
+def scale_of(p, dtype):
+    """The kept elements' factor exactly as stock makes it: a 1 from bernoulli_, then div_(1 - p)."""
+    return torch.ones((), dtype=dtype).div_(1 - p) if p < 1 else torch.zeros((), dtype=dtype)
+
+
+@pytest.mark.parametrize("p", PS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_valid_dropout_with_stock_scaling(p, dtype, kind, inplace):
+    ours, stock, shape, noise_shape = KINDS[kind]
+    x = nonzero_input(shape, dtype).requires_grad_()
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with SavedTensors() as counter:
+        out = ours(x.clone() if inplace else x, p, True, inplace)
+    out.backward(g)
+    if p == 0:
+        assert_same(out, x.detach(), what="identity")
+        assert_same(x.grad, g, what="identity grad")
+        assert counter.bytes == 0
+        return
+    keep = out.detach() != 0
+    if noise_shape != shape:  # one draw per channel, shared over the spatial dimensions
+        channel_dims = sum(1 for size in noise_shape if size != 1)  # (N, C) or (C,) when unbatched
+        per_channel = keep.flatten(start_dim=channel_dims)
+        assert (per_channel == per_channel[..., :1]).all()
+    scale = scale_of(p, dtype)
+    noise = torch.where(keep, scale, torch.zeros((), dtype=dtype))
+    assert_same(out, x.detach() * noise, what="output")  # bitwise stock's input * noise
+    assert_same(x.grad, g * noise, what="grad")  # bitwise stock's grad * noise
+    assert counter.bytes <= 16  # the seed (nothing at p == 1)
+    with SavedTensors() as stock_counter:
+        stock(x.detach().clone().requires_grad_(), p, True, False)
+    assert stock_counter.bytes == (math.prod(noise_shape) * x.element_size() if p < 1 else x.element_size())
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_rate(p):
+    n = 200_000
+    x = torch.ones(n, requires_grad=True)
+    torch.manual_seed(123)
+    rate = (dropout(x, p) != 0).double().mean().item()
+    assert abs(rate - (1 - p)) < 6 * math.sqrt(p * (1 - p) / n)
+    torch.manual_seed(123)
+    channels = (dropout2d(torch.ones(400, 500, 1, 1, requires_grad=True), p) != 0).double().mean().item()
+    assert abs(channels - (1 - p)) < 6 * math.sqrt(p * (1 - p) / 200_000)
+
+
+def test_seed_reproducible_and_calls_differ():
+    x = torch.randn(1000, requires_grad=True)
+    torch.manual_seed(7)
+    a, b = dropout(x, 0.5), dropout(x, 0.5)
+    torch.manual_seed(7)
+    c = dropout(x, 0.5)
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+    # without grad the very same mask (reentrant checkpointing relies on it)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        d = dropout(x, 0.5)
+    assert torch.equal(a, d)
+
+
+def test_saved_bytes_large():
+    x = torch.randn(8, 64, 28, 28, requires_grad=True)
+    assert saved_bytes(dropout, x, 0.5) == 8  # one int64 seed
+    assert saved_bytes(F.dropout, x, 0.5) == x.numel() * 4
+    assert saved_bytes(dropout2d, x, 0.5) == 8
+    assert saved_bytes(F.dropout2d, x, 0.5) == 8 * 64 * 4
+
+
+def test_layout_like_stock():
+    x = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    assert dropout(x, 0.5).stride() == F.dropout(x, 0.5).stride()
+
+
+@pytest.mark.parametrize("fn,shape", [(dropout, (2, 3)), (dropout1d, (2, 3, 4)), (dropout2d, (2, 3, 4, 5)),
+                                      (dropout3d, (2, 3, 2, 2, 2))])
+def test_eval_is_identity_and_keeps_nothing(fn, shape):
+    x = torch.randn(shape, requires_grad=True)
+    assert fn(x, 0.5, training=False) is x
+    assert fn(x, 0.0) is x
+    assert saved_bytes(fn, x, 0.5, training=False) == 0
+
+
+def test_modules_train_and_eval():
+    for stock in (nn.Dropout(0.3), nn.Dropout1d(0.3), nn.Dropout2d(0.3), nn.Dropout3d(0.3)):
+        slim = slim_copy(stock)
+        shape = {nn.Dropout: (4, 6), nn.Dropout1d: (4, 6, 5), nn.Dropout2d: (4, 6, 3, 3),
+                 nn.Dropout3d: (4, 6, 2, 2, 2)}[type(stock)]
+        x = nonzero_input(shape, torch.float32).requires_grad_()
+        assert saved_bytes(slim, x) == 8
+        out = slim(x)
+        keep = out != 0
+        assert_same(out, x * torch.where(keep, scale_of(0.3, torch.float32), 0.0), what=type(stock).__name__)
+        slim.eval()
+        assert slim(x) is x
+    with pytest.raises(RuntimeError, match=LEAF_MSG):
+        slim_copy(nn.Dropout(0.5, inplace=True))(torch.randn(3, requires_grad=True))
+
+
+def test_validation_like_stock():
+    x = torch.randn(2, 3, 4)
+    for fn, ref in ((dropout, F.dropout), (dropout1d, F.dropout1d), (dropout2d, F.dropout2d),
+                    (dropout3d, F.dropout3d)):
+        for p in (-0.1, 1.5):
+            message = f"dropout probability has to be between 0 and 1, but got {p}"
+            with pytest.raises(ValueError, match=message):
+                ref(x, p)
+            with pytest.raises(ValueError, match=message):
+                fn(x, p)
+    for fn in (dropout1d, F.dropout1d):
+        with pytest.raises(RuntimeError, match="dropout1d: Expected 2D or 3D input, but received a 4D input"):
+            fn(torch.randn(1, 2, 3, 4))
+    for fn in (dropout2d, F.dropout2d):
+        with pytest.warns(UserWarning, match="Received a 3D input to dropout2d"):
+            fn(torch.randn(2, 3, 4))
+        with pytest.warns(UserWarning, match="Received a 1-D input to dropout2d"), \
+                pytest.raises(RuntimeError, match="Feature dropout requires at least 2 dimensions"):
+            fn(torch.randn(3, requires_grad=True))
+    for fn in (dropout3d, F.dropout3d):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fn(torch.randn(2, 3, 4, 5))  # unbatched: no warning
+        with pytest.warns(UserWarning, match="Received a 3-D input to dropout3d"):
+            fn(torch.randn(2, 3, 4))
+    with pytest.raises(TypeError, match="argument 'input'"):
+        dropout([1.0, 2.0])
+    with pytest.raises(RuntimeError, match=LEAF_MSG):
+        dropout(torch.randn(3, requires_grad=True), 0.5, inplace=True)
+
+
+@pytest.mark.parametrize("p", [0.3, 1.0])
+@pytest.mark.parametrize("fn", [dropout, dropout2d])
+def test_double_backward(fn, p):
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+
+    def seeded(t):
+        torch.manual_seed(0)  # the same mask on every call gradgradcheck makes
+        return fn(t, p)
+
+    torch.autograd.gradcheck(seeded, (x,))
+    torch.autograd.gradgradcheck(seeded, (x,))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("module", [nn.Dropout(0.4), nn.Dropout2d(0.4)], ids=repr)
+def test_checkpoint_regenerates_the_same_mask(module, reentrant):
+    lin1, lin2 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 2, 1)
+    net = nn.Sequential(lin1, slim_copy(module), lin2)
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    torch.manual_seed(0)
+    y_ref = net(x)
+    y_ref.sum().backward()
+    expected = [t.grad.clone() for t in (x, lin1.weight, lin2.weight)]
+    for t in (x, lin1.weight, lin2.weight):
+        t.grad = None
+    torch.manual_seed(0)
+    y = checkpoint(net, x, use_reentrant=reentrant)
+    y.sum().backward()
+    assert_same(y, y_ref, what="output")
+    for got, want in zip((x.grad, lin1.weight.grad, lin2.weight.grad), expected):
+        assert_same(got, want, what="grad")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stock", [nn.Dropout(0.3), nn.Dropout2d(0.3)], ids=repr)
+def test_compile_fullgraph(stock):
+    torch._dynamo.reset()
+    slim = torch.compile(slim_copy(stock), fullgraph=True)
+    x = nonzero_input((4, 6, 3, 3), torch.float32).requires_grad_()
+    g = torch.randn(4, 6, 3, 3)
+    out = slim(x)
+    out.backward(g)
+    keep = out.detach() != 0
+    noise = torch.where(keep, scale_of(0.3, torch.float32), 0.0)
+    assert_same(out, x.detach() * noise, what="output")
+    assert_same(x.grad, g * noise, what="grad")
+    assert 0 < keep.float().mean() < 1
