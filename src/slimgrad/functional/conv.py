@@ -148,7 +148,7 @@ class _ConvFunction(torch.autograd.Function):
             if cast_dtype is not None:
                 dx = dx.to(ctx.x_dtype)
             if pad is not None:
-                dx = _pad_backward(dx, pad, pad_mode, nd, ctx.x_dtype)
+                dx = _pad_backward(dx, pad, pad_mode, nd)
 
         if need_w or need_b:
             if need_w:
@@ -176,7 +176,7 @@ class _ConvFunction(torch.autograd.Function):
         return dx, dw, db if need_b else None, None
 
 
-def _pad_backward(dxp, pad, pad_mode, nd, dtype):
+def _pad_backward(dxp, pad, pad_mode, nd):
     """Gradient of ``F.pad(x, pad, mode)`` w.r.t. x from the padded gradient, without x."""
     if pad_mode == "constant":
         return torch.constant_pad_nd(dxp, [-p for p in pad])
