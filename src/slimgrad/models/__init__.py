@@ -1,5 +1,5 @@
 """Small models written in-repo (no torchvision CPU build exists) for the demo, tests and benchmarks."""
 
-from .cnn import MODELS, ResNet, VGG, build_model
+from .cnn import MODELS, VGG, ResNet, build_model
 
 __all__ = ["MODELS", "ResNet", "VGG", "build_model"]
