@@ -247,13 +247,12 @@ class MaxPoolFunction(torch.autograd.Function):
         op = _MAX_BACKWARD[max(nd, 2)]
         args = (grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
         if nd == 3 and ctx.grad_format != torch.contiguous_format:
-            # The 3-d kernel restrides any out= buffer to the input's suggested format, and a stand-in
-            # suggests contiguous: compute contiguous (same values: each element sums its winners in
-            # output order either way), free the indices, then lay it out like stock. This costs one
-            # transient input-sized copy, still less than the input stock keeps.
-            grad = op(*args)
-            del args, indices
-            return (grad.contiguous(memory_format=ctx.grad_format),) + (None,) * 8
+            # The 3-d kernel lays its out= buffer out like its *input* argument, and a stand-in suggests
+            # contiguous. It never reads the input's values (it zeroes the buffer, then scatters), so the
+            # channels_last_3d buffer itself serves as the input: stock's layout, no extra allocation.
+            buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
+            args = (grad_out, buffer) + args[2:]
+            return (op.grad_input(*args, grad_input=buffer),) + (None,) * 8
         buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
         grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
         if nd == 1:
@@ -268,6 +267,11 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
                      return_indices=return_indices)
     if stride is None:
         stride = []
+    if nd == 1 and not torch.compiler.is_compiling():
+        # Stock's max_pool1d validates its arguments with 1-d messages before running the 2-d kernel we
+        # call; replay that validation on a data-less meta tensor so errors read the same.
+        F.max_pool1d(torch.empty(input.shape, dtype=input.dtype, device="meta"), kernel_size, stride, padding,
+                     dilation, ceil_mode)
     if nd == 3:
         input = _fp32_under_autocast(input)
     with autocast_off(input.device.type):
@@ -335,8 +339,11 @@ class AvgPoolFunction(torch.autograd.Function):
         buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
         if ctx.adaptive:
             op = _ADAPTIVE_BACKWARD[max(nd, 2)]
-            args = (grad_out, standin(shape, grad_out))
-            grad = op(*args) if buffer is None else op.out(*args, out=buffer)
+            # This kernel has no out= variant of its own (out= computes then copies) and takes the result's
+            # layout from its input argument, whose values it never reads: for channels_last, an empty
+            # channels_last tensor carries that layout (one transient input-sized buffer, as stock's kept
+            # input would be).
+            grad = op(grad_out, standin(shape, grad_out) if buffer is None else buffer)
         else:
             kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.options
             if nd == 1:
