@@ -1,6 +1,7 @@
 """The audit: totals agree with an independent count, minima with hand-computed ones, CLI end to end."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -96,8 +97,16 @@ def test_json_round_trip_table_and_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "slimgrad", *args], capture_output=True, text=True)
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "slimgrad", *args], capture_output=True, text=True, env=env)
+
+
+def _one_line_error(result, *needles):
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("[")]
+    assert result.returncode == 2, result.stderr
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
 
 
 def test_cli_runs_end_to_end(tmp_path):
@@ -111,12 +120,17 @@ def test_cli_runs_end_to_end(tmp_path):
     assert "[3/3" in result.stderr  # progress
 
 
-def test_cli_errors_are_one_line():
-    bad_factory = _cli("audit", "--factory", "no_such_module_xyz:build")
-    assert bad_factory.returncode == 2
-    assert bad_factory.stderr.strip().count("\n") == 0 and "no_such_module_xyz" in bad_factory.stderr
-    raising = _cli("audit", "--factory", "json:loads")  # raises TypeError when called without args
-    assert raising.returncode == 2 and "raised TypeError" in raising.stderr
+def test_cli_errors_are_one_line(tmp_path):
+    _one_line_error(_cli("audit", "--factory", "no_such_module_xyz:build"), "no_such_module_xyz")
+    _one_line_error(_cli("audit", "--factory", "json:loads"), "raised TypeError")
+    _one_line_error(_cli("audit", "--factory", "json"), "module:function")
+    (tmp_path / "user_models.py").write_text(
+        "import torch\n"
+        "def wrong_shape():\n"
+        "    return torch.nn.Conv2d(3, 4, 3), torch.randn(2, 5, 8, 8)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    _one_line_error(_cli("audit", "--factory", "user_models:wrong_shape", env=env), "could not run")
     bad_model = _cli("audit", "--model", "nope")
     assert bad_model.returncode == 2 and "invalid choice" in bad_model.stderr
     bad_size = _cli("audit", "--batch-size", "0")

@@ -21,8 +21,8 @@ def _pair(case, **kw):
 @pytest.mark.parametrize("case", CASES)
 def test_resnet_trains_three_sgd_steps_like_stock(case):
     stock, slim, input_grad = _pair(case)
-    opt_a = torch.optim.SGD([p for p in stock.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    opt_b = torch.optim.SGD([p for p in slim.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    opt_a = torch.optim.SGD(stock.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(slim.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(4, 3, 32, 32, generator=gen)

@@ -1,2 +1,21 @@
-"""slimgrad (package imports are restored once every op family has landed)."""
-from .measure import SavedTensors, peak_bytes, saved_bytes  # noqa: F401
+"""slimgrad: PyTorch layers that keep for backward only what the requested gradients read.
+
+    model = slimgrad.convert(model)     # same numbers, less memory kept for backward
+    slimgrad.revert(model)              # back to stock modules
+"""
+
+from . import functional, nn
+from .convert import ConversionReport, convert, revert
+from .measure import SavedTensors, peak_bytes, saved_bytes
+
+__version__ = "0.1.0"
+__all__ = [
+    "ConversionReport",
+    "SavedTensors",
+    "convert",
+    "functional",
+    "nn",
+    "peak_bytes",
+    "revert",
+    "saved_bytes",
+]

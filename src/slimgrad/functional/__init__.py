@@ -1,1 +1,27 @@
-"""Functional forms (imports restored once every family has landed)."""
+"""Functional forms of slimgrad's layers: the same signatures as ``torch.nn.functional``."""
+
+from .activation import leaky_relu, relu
+from .batch_norm import batch_norm
+from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
+from .dropout import dropout, dropout1d, dropout2d, dropout3d
+from .pooling import (
+    adaptive_avg_pool1d,
+    adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
+    avg_pool1d,
+    avg_pool2d,
+    avg_pool3d,
+    max_pool1d,
+    max_pool2d,
+    max_pool3d,
+)
+
+__all__ = [
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "batch_norm",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "dropout", "dropout1d", "dropout2d", "dropout3d",
+    "leaky_relu", "relu",
+    "max_pool1d", "max_pool2d", "max_pool3d",
+]
