@@ -160,9 +160,10 @@ def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation
     # Offsets from the window origin are unique per window position unless a window's extent exceeds
     # the input in some inner dim (tiny inputs), where two positions can share an offset.
     unique = all((kernel[i] - 1) * dilation[i] < in_sizes[i] for i in range(1, nd))
-    offsets = _window_offsets(kernel, dilation, flat, indices.device)
-    if unique and int(offsets[-1]) < _MAX_TABLE:
-        table = torch.zeros(int(offsets[-1]) + 1, dtype=dtype, device=indices.device)
+    extent = sum((kernel[i] - 1) * dilation[i] * flat[i] for i in range(nd)) + 1
+    if unique and extent <= _MAX_TABLE:
+        offsets = _window_offsets(kernel, dilation, flat, indices.device)
+        table = torch.zeros(extent, dtype=dtype, device=indices.device)
         table[offsets] = torch.arange(offsets.numel(), device=indices.device).to(dtype)
         off = indices.sub_(base) if in_place else indices - base
         return torch.take(table, off)
