@@ -376,9 +376,7 @@ def test_modules_override_forward_only():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stock,channels_last", [
-    pytest.param(nn.MaxPool2d(3, 2, 1), False, marks=pytest.mark.xfail(
-        reason="inductor fuses the rebuilt indices into its scatter-add backward and bounds-checks the unused "
-               "lanes of the vector tail ('index out of bounds'); aot_eager is exact. Open issue.")),
+    (nn.MaxPool2d(3, 2, 1), False),
     (nn.MaxPool2d(3, 2, 1, return_indices=True), True),
     (nn.AvgPool2d(3, 2, 1), False),
     (nn.AvgPool2d(3, 2, 1), True),

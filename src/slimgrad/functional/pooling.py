@@ -224,7 +224,13 @@ class MaxPoolFunction(torch.autograd.Function):
         ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
         ctx.grad_format = _grad_format(x, nd)
         ctx.return_indices = bool(return_indices)
-        if ctx.needs_input_grad[0]:
+        # Under torch.compile, inductor fuses the index rebuild into its own scatter backward and then
+        # trips its bounds check on the unused lanes of a vector tail ("index out of bounds"); there the
+        # int64 indices are kept as stock keeps them (still never the input).
+        ctx.kept_indices = torch.compiler.is_compiling()
+        if ctx.needs_input_grad[0] and ctx.kept_indices:
+            ctx.save_for_backward(indices)
+        elif ctx.needs_input_grad[0]:
             dtype = position_dtype(math.prod(kernel))
             pos = _positions_from_indices(indices, in_sizes, kernel, stride_t, padding_t, dilation_t, dtype,
                                           in_place=not return_indices)
@@ -239,7 +245,10 @@ class MaxPoolFunction(torch.autograd.Function):
     def backward(ctx, grad_out, *_grad_indices):
         (pos,) = ctx.saved_tensors
         nd, shape, kernel, stride, padding, dilation, ceil_mode = ctx.geometry
-        indices = _indices_from_positions(pos, shape[-nd:], kernel, stride, padding, dilation)
+        if ctx.kept_indices:
+            indices = pos
+        else:
+            indices = _indices_from_positions(pos, shape[-nd:], kernel, stride, padding, dilation)
         del pos
         if nd == 1:
             shape = shape[:-1] + (1, shape[-1])
