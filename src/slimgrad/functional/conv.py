@@ -307,48 +307,15 @@ def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 
 
 def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    return conv_nd(
-        input,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        groups,
-        nd=1,
-        transposed=True,
-        output_padding=output_padding,
-        fn="conv_transpose1d",
-    )
+    return conv_nd(input, weight, bias, stride, padding, dilation, groups, nd=1, transposed=True,
+                   output_padding=output_padding, fn="conv_transpose1d")
 
 
 def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    return conv_nd(
-        input,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        groups,
-        nd=2,
-        transposed=True,
-        output_padding=output_padding,
-        fn="conv_transpose2d",
-    )
+    return conv_nd(input, weight, bias, stride, padding, dilation, groups, nd=2, transposed=True,
+                   output_padding=output_padding, fn="conv_transpose2d")
 
 
 def conv_transpose3d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    return conv_nd(
-        input,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        groups,
-        nd=3,
-        transposed=True,
-        output_padding=output_padding,
-        fn="conv_transpose3d",
-    )
+    return conv_nd(input, weight, bias, stride, padding, dilation, groups, nd=3, transposed=True,
+                   output_padding=output_padding, fn="conv_transpose3d")
