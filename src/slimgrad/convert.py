@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ._registry import ORIGINALS, REPLACEMENTS
+from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
+from .integrations import load_available
 
 __all__ = ["ConversionReport", "convert", "revert"]
 
@@ -113,7 +114,8 @@ def _why_not_exact(module: nn.Module) -> str | None:
             f"only exact types are converted")
 
 
-def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False):
+def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
+            chunked_loss: bool = False):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
 
     ``inplace=False`` (default) converts a deep copy: parameters and buffers are copied (with their
@@ -130,8 +132,11 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(inplace, bool):
-        raise TypeError(f"convert: 'inplace' must be True or False, got {inplace!r}")
+    for name, flag in (("inplace", inplace), ("report", report), ("chunked_loss", chunked_loss)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"convert: '{name}' must be True or False, got {flag!r}")
+    load_available()
+    options = {"chunked_loss": chunked_loss}
     paths = [name for name, _ in model.named_modules()]
     included = _Selector("include", include, paths)
     excluded = _Selector("exclude", exclude, paths)
@@ -145,6 +150,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         if (not included.empty and not included.selects(path, module)) or excluded.selects(path, module):
             continue
         replacement = REPLACEMENTS.get(kind)
+        if kind in OPTIONS and not options.get(OPTIONS[kind], False):
+            continue
         if replacement is None:
             reason = _why_not_exact(module)
             if reason is not None:
