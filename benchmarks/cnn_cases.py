@@ -63,8 +63,7 @@ def kept(model, x, input_grad):
 
 def run_case(name, case, args, device):
     torch.manual_seed(0)
-    kw = {"base_width": args.width} if name.startswith("resnet") else {"width_scale": args.width / 64}
-    model = build_model(name, num_classes=10, **kw).to(device)
+    model = build_model(name, num_classes=10, width_scale=args.width_scale).to(device)
     input_grad = apply_case(model, case)
     providers = make_providers(model, args.providers)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
@@ -101,7 +100,7 @@ def render(results, args, device) -> str:
     lines = [
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"torch {torch.__version__}, device {device.type} ({machine}), input {args.batch_size}×3×"
-        f"{args.image_size}², width {args.width}, median of {args.repeats} interleaved steps.",
+        f"{args.image_size}², width ×{args.width_scale}, median of {args.repeats} interleaved steps.",
         "",
         "MiB kept for backward / peak MiB over the step / step time ratio to eager (pair by pair). "
         "memsave column: memsave_torch's published peak ratio on ResNet-101 (a different model).",
@@ -154,12 +153,12 @@ def write_docs(text: str, results, args) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50", "vgg11"])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50", "vgg11", "convnext", "vit"])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=128)
-    parser.add_argument("--width", type=int, default=64, help="ResNet base width (VGG scales by width/64)")
+    parser.add_argument("--width-scale", type=float, default=1.0, help="channel width multiplier for every model")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-docs", action="store_true")

@@ -84,6 +84,29 @@ def test_hidden_ctx_attribute_tensors_are_counted():
     assert report.stock_hidden_total == 3 * 4 * 4
 
 
+def test_storages_never_unpacked_are_flagged():
+    class KeepsButNeverReads(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x * 3)  # kept for backward...
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2  # ...but never unpacked
+
+    class Wasteful(nn.Module):
+        def forward(self, x):
+            return KeepsButNeverReads.apply(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Wasteful())
+    report = audit(model, torch.randn(3, 4), case="all", measure_peak=False)
+    rows = {r.path: r for r in report.rows}
+    assert rows["1"].stock_unread_bytes == 3 * 4 * 4
+    assert rows["0"].stock_unread_bytes == 0  # Linear's kept input is read by its backward
+    assert "never unpacks" in report.table()
+
+
 def test_json_round_trip_table_and_png(tmp_path):
     report = audit(tiny(), torch.randn(2, 3, 8, 8), case="input-bn-eval")
     again = AuditReport.from_json(report.to_json())

@@ -34,6 +34,7 @@ class ModuleRow:
     slim_bytes: int = 0
     min_bytes: int | None = None
     stock_hidden_bytes: int = 0  # ctx-attribute tensors invisible to saved-tensor hooks
+    stock_unread_bytes: int = 0  # kept by stock but never unpacked by backward
     stock_kinds: list[str] = dataclasses.field(default_factory=list)
     slim_kinds: list[str] = dataclasses.field(default_factory=list)
 
@@ -86,6 +87,9 @@ class AuditReport:
                      f"{mib(self.slim_peak):>8}")
         if self.stock_hidden_total:
             lines.append(f"(stock includes {mib(self.stock_hidden_total)} MiB hidden in ctx attributes)")
+        unread = sum(r.stock_unread_bytes for r in self.rows)
+        if unread:
+            lines.append(f"(stock keeps {mib(unread)} MiB that its backward never unpacks)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -136,6 +140,8 @@ class _Tracker:
             self.exclude.add(key)
         self.nodes_seen: set = set()
         self.largest: dict[str, int] = {}
+        self.owner: dict = {}  # storage key -> (path, nbytes) of each packed storage
+        self.unpacked: set = set()
 
     def _pre(self, module, args):
         self.stack.append(self.paths[id(module)])
@@ -178,19 +184,35 @@ class _Tracker:
 
     def pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter):
-            return t
+            return None, t
         key, nbytes = _storage_key(t)
-        if key is None or key in self.seen or key in self.exclude:
-            return t
+        if key is None or key in self.exclude:
+            return None, t
+        if key in self.seen:
+            return key, t
         self.seen.add(key)
         path = self.stack[-1] if self.stack else ""
+        self.owner[key] = (path, nbytes)
         self.bytes[path] = self.bytes.get(path, 0) + nbytes
         self.largest[path] = max(self.largest.get(path, 0), t.numel())
         kinds = self.kinds.setdefault(path, [])
         kind = f"{self._classify(t, path)} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
         if kind not in kinds:
             kinds.append(kind)
+        return key, t
+
+    def unpack(self, packed):
+        key, t = packed
+        self.unpacked.add(key)
         return t
+
+    def unread(self) -> dict[str, int]:
+        """Bytes per module path of storages that backward never unpacked."""
+        result: dict[str, int] = {}
+        for key, (path, nbytes) in self.owner.items():
+            if key not in self.unpacked:
+                result[path] = result.get(path, 0) + nbytes
+        return result
 
     def run(self, step: Callable[[], torch.Tensor]):
         handles = []
@@ -198,7 +220,7 @@ class _Tracker:
             handles.append(m.register_forward_pre_hook(self._pre))
             handles.append(m.register_forward_hook(self._post))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 loss = step()
         finally:
             for h in handles:
@@ -259,6 +281,7 @@ def audit(model: nn.Module, *example_inputs, loss_fn: Callable | None = None, ca
              for name, m in (("stock", stock), ("slim", slim))}
 
     t_stock, t_slim = trackers["stock"], trackers["slim"]
+    unread = t_stock.unread()
     rows = []
     slim_modules = dict(slim.named_modules())
     for path, module in stock.named_modules():
@@ -267,7 +290,7 @@ def audit(model: nn.Module, *example_inputs, loss_fn: Callable | None = None, ca
             stock_bytes=t_stock.bytes.get(path, 0),
             slim_bytes=t_slim.bytes.get(path, 0) + t_slim.hidden.get(path, 0),
             min_bytes=t_stock.minimum.get(path) if path in slim_modules else None,
-            stock_hidden_bytes=t_stock.hidden.get(path, 0),
+            stock_hidden_bytes=t_stock.hidden.get(path, 0), stock_unread_bytes=unread.get(path, 0),
             stock_kinds=t_stock.kinds.get(path, []), slim_kinds=t_slim.kinds.get(path, []),
         ))
     known = [r for r in rows if r.min_bytes is not None]

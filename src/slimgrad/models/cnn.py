@@ -1,4 +1,4 @@
-"""ResNet- and VGG-like CNNs with the layer structure of torchvision's, at any width.
+"""ResNet-, VGG- and ConvNeXt-like CNNs and a ViT-like encoder, with torchvision's layer structure.
 
 They use the modules slimgrad converts (conv, batch norm, in-place ReLU, max/avg/adaptive pooling,
 dropout) the way torchvision's models do, including residual additions and downsampling shortcuts, so
@@ -7,6 +7,7 @@ that converting them exercises the same data flow a user's model has.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -128,14 +129,100 @@ def vgg11(**kw) -> VGG:
     return VGG(**kw)
 
 
-#: name -> factory; every factory takes ``num_classes`` and a width argument
-MODELS = {"resnet18": resnet18, "resnet50": resnet50, "vgg11": vgg11}
 
 
-def build_model(name: str, **kwargs) -> nn.Module:
-    """Build an in-repo model by name; unknown names get an error listing the known ones."""
+_DEFAULT_WIDTH = {"resnet18": 64, "resnet50": 64, "convnext": 48, "vit": 192}
+
+
+def build_model(name: str, *, width_scale: float | None = None, **kwargs) -> nn.Module:
+    """Build an in-repo model by name; unknown names get an error listing the known ones.
+
+    ``width_scale`` scales every model's channel widths the same way (1.0: the standard widths).
+    """
     try:
         factory = MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
+    if width_scale is not None:
+        if name in _DEFAULT_WIDTH:
+            step = 64 if name == "vit" else 8  # ViT heads are 64 wide
+            kwargs["base_width"] = max(step, round(_DEFAULT_WIDTH[name] * width_scale / step) * step)
+        else:
+            kwargs["width_scale"] = width_scale
     return factory(**kwargs)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over channels of an NCHW tensor (ConvNeXt's downsampling norm), via a permute."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7×7 conv, LayerNorm over channels, pointwise MLP with GELU, layer scale, residual."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x):
+        y = self.dwconv(x).permute(0, 2, 3, 1)
+        y = self.pwconv2(self.act(self.pwconv1(self.norm(y)))) * self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    """A small ConvNeXt-like network: 4×4/4 patchify stem, four stages, global pool, LayerNorm, head."""
+
+    def __init__(self, depths=(2, 2, 6, 2), dims=(48, 96, 192, 384), num_classes: int = 1000, in_channels: int = 3):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(in_channels, dims[0], 4, 4), LayerNorm2d(dims[0], eps=1e-6)]
+        for i, (depth, dim) in enumerate(zip(depths, dims)):
+            if i > 0:
+                layers += [LayerNorm2d(dims[i - 1], eps=1e-6), nn.Conv2d(dims[i - 1], dim, 2, 2)]
+            layers += [ConvNeXtBlock(dim) for _ in range(depth)]
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.norm = nn.LayerNorm(dims[-1], eps=1e-6)
+        self.head = nn.Linear(dims[-1], num_classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.pool(self.features(x)).flatten(1)))
+
+
+class ViTEncoder(nn.Module):
+    """A transformer encoder over image patches (ViT-like): conv patch embedding, nn.TransformerEncoder
+    with pre-norm layers and GELU, mean pooling, a linear head."""
+
+    def __init__(self, dim: int = 192, depth: int = 6, heads: int = 3, patch: int = 16, num_classes: int = 1000,
+                 in_channels: int = 3):
+        super().__init__()
+        self.embed = nn.Conv2d(in_channels, dim, patch, patch)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        tokens = self.embed(x).flatten(2).transpose(1, 2)
+        return self.head(self.norm(self.encoder(tokens)).mean(1))
+
+
+def convnext(base_width: int = 48, **kw) -> ConvNeXt:
+    return ConvNeXt(dims=tuple(base_width * 2**i for i in range(4)), **kw)
+
+
+def vit(base_width: int = 192, **kw) -> ViTEncoder:
+    return ViTEncoder(dim=base_width, heads=max(1, base_width // 64), **kw)
+
+
+#: name -> factory; every factory takes ``num_classes`` and a width argument (``base_width`` or, for VGG,
+#: ``width_scale``)
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "vgg11": vgg11, "convnext": convnext, "vit": vit}
