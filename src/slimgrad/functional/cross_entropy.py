@@ -1,0 +1,244 @@
+"""Linear layer + cross-entropy loss computed in row chunks, so the (tokens x vocab) logits never exist.
+
+A language model's head ``cross_entropy(linear(h, W, b).float(), t)`` is usually the largest single
+allocation of a training step: stock autograd keeps the fp32 logits' log-softmax (tokens x vocab x 4 bytes,
+e.g. 2 GiB for 4k tokens of a 128k vocabulary) plus, in reduced precision, the logits themselves, although
+every gradient can be rebuilt from the hidden states, the weight and the targets. Here the forward walks
+over row chunks and keeps nothing larger than one chunk's logits alive at a time; backward recomputes each
+chunk's logits from the saved hidden states and forms dHidden (and dWeight/dBias only when they require
+grad) chunk by chunk.
+
+Exactness: each chunk runs stock's own kernels in stock's order (linear in the input dtype, optional
+Gemma-style soft-capping in that dtype, upcast to fp32 as Hugging Face's ``ForCausalLMLoss`` does,
+``log_softmax``, ``nll_loss``), and the per-row values are reduced by the same ``nll_loss``/``sum`` kernels
+over all rows, so the loss is what stock computes whenever a row's logits are the same with fewer rows in
+the matmul. The weight and bias gradients are sums over all rows, accumulated chunk by chunk in fp32 (then
+rounded once to the parameter's dtype): a different summation order than stock's single matmul, so they
+agree within fp32 rounding (and within one rounding of bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.functional import _common
+
+__all__ = ["FusedLinearCrossEntropyFunction", "fused_linear_cross_entropy"]
+
+_aten = torch.ops.aten
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# Chunks hold at least this many logits: much smaller matmuls cost more in per-call overhead than they save.
+_MIN_CHUNK_ELEMENTS = 1 << 20
+
+
+def default_chunk_size(rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows per chunk such that one chunk's logits are about as large as all the hidden states (the size
+    backward keeps anyway), but never under ~1M logits, so that the peak stays near twice the hidden
+    states while the matmuls stay large."""
+    by_hidden = math.ceil(rows * hidden_size / max(vocab_size, 1))
+    by_floor = math.ceil(_MIN_CHUNK_ELEMENTS / max(vocab_size, 1))
+    return max(1, min(rows, max(by_hidden, by_floor)))
+
+
+def _chunk_logits(h, weight, bias, softcap):
+    """One chunk's fp32 logits, computed as the Hugging Face head computes them; also returns the tanh
+    output that soft-capping's backward reads (None without soft-capping)."""
+    z = F.linear(h, weight, bias)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = t * softcap
+    return z.float(), t
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """``cross_entropy(linear(hidden, weight, bias).float(), target)`` over row chunks.
+
+    hidden is (N, H), target (N,). Keeps the hidden states, the targets and the loss normaliser (a 0-d
+    tensor) and only when some gradient is requested. Double backward is refused: it would need the full
+    softmax, which this Function exists not to keep.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        valid = target != ignore_index
+        safe_target = torch.where(valid, target, torch.zeros_like(target))
+        picked = hidden.new_empty((n, 1), dtype=torch.float32)
+        smooth = hidden.new_empty((n,), dtype=torch.float32) if label_smoothing > 0 else None
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            logits, _ = _chunk_logits(hidden[start:stop], weight, bias, softcap)
+            logp = torch.log_softmax(logits, 1)
+            del logits
+            picked[start:stop] = logp.gather(1, safe_target[start:stop, None])
+            if smooth is not None:
+                smooth[start:stop] = logp.sum(1)
+            del logp
+        # The per-row log-probabilities of the targets, reduced by stock's nll_loss kernel (same order, same
+        # normaliser): ignored rows get the private ignore value -1, valid rows class 0 of ``picked``.
+        nll_target = torch.where(valid, torch.zeros_like(target), torch.full_like(target, -1))
+        loss, total_weight = _aten.nll_loss_forward(picked, nll_target, None, _REDUCTIONS[reduction], -1)
+        if smooth is not None:
+            # Stock's label-smoothing composite, on the same per-row values.
+            smooth_loss = (-smooth).masked_fill_(~valid, 0.0)
+            if reduction == "mean":
+                smooth_loss = smooth_loss.sum() / valid.sum()
+            elif reduction == "sum":
+                smooth_loss = smooth_loss.sum()
+            loss = (1 - label_smoothing) * loss + smooth_loss * (label_smoothing / vocab)
+
+        need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+        need_b = need_b and bias is not None
+        ctx.mask = (need_h, need_w, need_b)
+        ctx.options = (ignore_index, label_smoothing, reduction, chunk_size, softcap)
+        if need_h or need_w or need_b:
+            _common.note_input_kept(hidden)
+            ctx.save_for_backward(hidden, weight, bias, target, total_weight)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        need_h, need_w, need_b = ctx.mask
+        if not (need_h or need_w or need_b):
+            return (None,) * 9
+        hidden, weight, bias, target, total_weight = ctx.saved_tensors
+        ignore_index, label_smoothing, reduction, chunk_size, softcap = ctx.options
+        n, vocab = hidden.shape[0], weight.shape[0]
+        red = _REDUCTIONS[reduction]
+        low_precision = weight.dtype != torch.float32
+
+        # Stock's backward through ``(1-eps)*nll + smooth*(eps/V)``: the nll kernel's upstream gradient and
+        # the per-element gradient of the smoothing term's -sum(logp) (zero on ignored rows).
+        grad_nll, grad_smooth = grad_loss, None
+        if label_smoothing > 0:
+            grad_nll = grad_loss * (1 - label_smoothing)
+            grad_smooth = grad_loss * (label_smoothing / vocab)
+            if reduction == "mean":
+                grad_smooth = grad_smooth / total_weight
+            grad_smooth = -grad_smooth
+            valid = target != ignore_index
+
+        dh = torch.empty_like(hidden) if need_h else None
+        acc_dtype = torch.float32
+        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        db = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            h = hidden[start:stop]
+            logits, tanh_out = _chunk_logits(h, weight, bias, softcap)
+            logp = torch.log_softmax(logits, 1)
+            del logits
+            g_nll = grad_nll[start:stop] if reduction == "none" else grad_nll
+            grad_logp = _aten.nll_loss_backward(g_nll, logp, target[start:stop], None, red, ignore_index,
+                                                total_weight)
+            if grad_smooth is not None:
+                rows = grad_smooth[start:stop] if reduction == "none" else grad_smooth.expand(stop - start)
+                rows = rows.masked_fill(~valid[start:stop], 0.0)
+                grad_logp += rows[:, None]
+            g = _aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
+            del grad_logp, logp
+            if low_precision:
+                g = g.to(weight.dtype)
+            if softcap is not None:
+                g = _aten.tanh_backward(g * softcap, tanh_out) / softcap
+                del tanh_out
+            if need_h:
+                torch.mm(g, weight, out=dh[start:stop])
+            if need_w or need_b:
+                g32 = g.float() if low_precision else g
+                if need_w:
+                    dw.addmm_(g32.t(), h.float() if low_precision else h)
+                if need_b:
+                    db += g32.sum(0)
+                del g32
+            del g
+        if dw is not None and low_precision:
+            dw = dw.to(weight.dtype)
+        if db is not None and db.dtype != bias.dtype:
+            db = db.to(bias.dtype)
+        return dh, dw, None, db, None, None, None, None, None
+
+
+def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
+    fn = "fused_linear_cross_entropy"
+    _common.check_tensor(hidden, "hidden", fn=fn)
+    _common.check_tensor(weight, "weight", fn=fn)
+    _common.check_tensor(target, "target", fn=fn)
+    if bias is not None:
+        _common.check_tensor(bias, "bias", fn=fn)
+    if not hidden.is_floating_point() or hidden.dim() < 1:
+        raise ValueError(f"{fn}: 'hidden' must be a floating tensor of shape (..., hidden_size), got "
+                         f"{hidden.dtype} of shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{fn}: 'weight' must have shape (vocab_size, {hidden.shape[-1]}) to match 'hidden' "
+                         f"{tuple(hidden.shape)}, got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{fn}: 'bias' must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(f"{fn}: '{name}' has dtype {t.dtype} but 'hidden' has {hidden.dtype}; linear needs "
+                            f"one dtype (cast them, or run under torch.autocast)")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"{fn}: 'target' must hold class indices (an integer tensor), got {target.dtype}; "
+                        f"class probabilities are not supported")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{fn}: 'target' must have shape {tuple(hidden.shape[:-1])} (hidden's shape without "
+                         f"its last dimension), got {tuple(target.shape)}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{fn}: 'reduction' must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{fn}: 'ignore_index' must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{fn}: 'label_smoothing' must be a float in [0, 1], got {label_smoothing!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"{fn}: 'chunk_size' must be a positive int (rows per chunk) or None, got {chunk_size!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0):
+        raise ValueError(f"{fn}: 'softcap' must be a positive number or None, got {softcap!r}")
+    if not torch.compiler.is_compiling():
+        bad = (target != ignore_index) & ((target < 0) | (target >= weight.shape[0]))
+        if bool(bad.any()):
+            value = target[bad].flatten()[0].item()
+            raise IndexError(f"{fn}: 'target' holds {value}, outside [0, {weight.shape[0]}) and not "
+                             f"ignore_index={ignore_index}")
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without materialising the
+    logits (see the module docstring for what is kept and how exact it is).
+
+    ``hidden`` is (..., H) and ``target`` has hidden's leading shape; ``reduction="none"`` returns fp32
+    losses of target's shape. ``softcap`` applies Gemma's ``tanh(z / softcap) * softcap`` to the logits (in
+    the linear's dtype, as Hugging Face does) before the loss. ``chunk_size`` is rows per chunk; None picks
+    chunks whose logits are about the size of ``hidden``. Under autocast the linear runs in autocast's
+    lower-precision dtype, as stock ``F.linear`` would.
+    """
+    _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap)
+    hidden, weight, bias = _common.autocast_lower_precision(hidden, weight, bias)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = target.reshape(-1)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0])
+    with _common.autocast_off(hidden.device.type):
+        loss = FusedLinearCrossEntropyFunction.apply(
+            h2, weight, t1, bias, ignore_index, float(label_smoothing), reduction, chunk_size,
+            None if softcap is None else float(softcap),
+        )
+    return loss.view(target.shape) if reduction == "none" else loss
