@@ -1,0 +1,244 @@
+"""A linear layer plus LoRA adapters in one autograd Function that keeps only what the requested
+gradients read.
+
+Stock PEFT computes ``base(x) + B(A(dropout(x.to(A.dtype)))) * scaling`` with separate autograd nodes, and
+in a bf16 model whose adapters were upcast to fp32 (PEFT's default) every adapted layer keeps its own fp32
+copy of x for dA, although the q/k/v projections all read the same bf16 x. With dropout it keeps, per
+adapter, the float noise *and* the dropped input. What the gradients actually read:
+
+* dX: W, A, B (parameters) and the dropout masks. No activation.
+* dW (only when the user unfroze the base weight): x.
+* dA: dropout(x) in the adapter dtype, rebuilt in backward from x (kept once, in its own dtype) and the
+  mask, regenerated from an 8-byte seed.
+* dB: ``xa = A(dropout(x))``, r columns per row; kept because it is small and costly to rebuild.
+* biases: nothing.
+
+The forward runs PEFT's own ops in PEFT's order (``F.linear`` / ``addmm``, the same casts, the same
+left-to-right sum), so outputs are bitwise PEFT's. Backward runs the matrix products autograd runs for
+those ops (``mm`` with the same operand layouts), so gradients are bitwise too on CPU, except for the order
+in which several adapters' input gradients are summed (tested with a tolerance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.functional import _common
+from slimgrad.functional.dropout import _fill_noise
+
+__all__ = ["LoraAdapter", "LoraLinearFunction", "lora_linear"]
+
+
+class LoraAdapter(NamedTuple):
+    """One adapter: ``B(A(dropout(x))) * scaling`` with A [r, in], B [out, r], optional B bias [out]."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float = 1.0
+    dropout: float = 0.0
+    bias: torch.Tensor | None = None
+
+
+def _base_forward(x, weight, bias, fan_in_fan_out):
+    if not fan_in_fan_out:
+        return F.linear(x, weight, bias)
+    # transformers' Conv1D.forward (GPT-2): weight is [in, out]
+    out = torch.addmm(bias, x.view(-1, x.size(-1)), weight) if bias is not None else x.view(-1, x.size(-1)).mm(weight)
+    return out.view(x.size()[:-1] + (weight.size(1),))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.size(-1))
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """``base(x) + sum_i B_i(A_i(drop_i(x'))) * s_i`` cast back to the base result's dtype, x' = x cast to
+    the adapters' dtype (when ``cast``).
+
+    ``adapters`` is the flat tuple ``(A_0, B_0, bias_0, A_1, ...)``; ``scalings`` and ``ps`` hold each
+    adapter's scaling and (effective) dropout probability. Double backward is refused: stock's would need
+    the very tensors this Function exists not to keep.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters):
+        n = len(scalings)
+        result = _base_forward(x, weight, bias, fan_in_fan_out)
+        base_dtype = result.dtype
+        need = ctx.needs_input_grad
+        need_x, need_w = need[0], need[1]
+        need_a = [need[7 + 3 * i] for i in range(n)]
+        need_b = [need[8 + 3 * i] for i in range(n)]
+        compiling = torch.compiler.is_compiling()
+        xa = x
+        if n and cast and x.dtype != adapters[0].dtype:
+            xa = x.to(adapters[0].dtype)
+        dropout_p = [p for p in ps if 0 < p < 1]
+        seeds = None
+        if dropout_p and not compiling:
+            # One seed per dropping adapter from the default generator: reproducible under manual_seed, and
+            # checkpointing (which restores the generator) regenerates the same masks.
+            seeds = torch.empty(len(dropout_p), dtype=torch.int64, device=x.device).random_()
+        kept_t, masks, u_dtypes = [], [], []
+        j = 0
+        for i in range(n):
+            A, B, b_bias = adapters[3 * i: 3 * i + 3]
+            p = ps[i]
+            dropped, mask = xa, None
+            if p == 1:
+                dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
+            elif p > 0:
+                if compiling:
+                    noise = torch.empty_like(xa).bernoulli_(1 - p)
+                    mask = noise.to(torch.bool)
+                    noise = noise.div_(1 - p)
+                else:
+                    noise = _fill_noise(torch.empty_like(xa), p, seeds[j])
+                j += 1
+                dropped = xa * noise
+            t = F.linear(dropped, A)
+            u = F.linear(t, B, b_bias)
+            u_dtypes.append(u.dtype)
+            result = result + u * scalings[i]
+            kept_t.append(t if need_b[i] else None)
+            masks.append(mask if (need_x or need_a[i]) else None)
+        sum_dtype = result.dtype
+        if n:
+            result = result.to(base_dtype)
+
+        keep_x = need_w or any(need_a)
+        if keep_x:
+            _common.note_input_kept(x)
+        keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
+        ctx.meta = (fan_in_fan_out, cast, tuple(scalings), tuple(ps), base_dtype, sum_dtype, tuple(u_dtypes),
+                    tuple(x.shape), x.dtype, n)
+        # weight is a parameter (not counted); it is only read when dX is requested.
+        ctx.save_for_backward(x if keep_x else None, weight if need_x else None,
+                              seeds if keep_seeds else None, *kept_t, *masks, *adapters)
+        return result
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n = ctx.meta
+        saved = ctx.saved_tensors
+        x, weight, seeds = saved[:3]
+        kept_t = saved[3: 3 + n]
+        masks = saved[3 + n: 3 + 2 * n]
+        adapters = saved[3 + 2 * n:]
+        need = ctx.needs_input_grad
+        need_x, need_w, need_bias = need[0], need[1], need[2]
+        grads = [None] * (7 + 3 * n)
+
+        g = grad.to(sum_dtype)
+        g_base = _rows(g.to(base_dtype))
+        if need_x:
+            dx = g_base.mm(weight.t() if fan_in_fan_out else weight)
+        if need_w:
+            x2d = _rows(x)
+            grads[1] = x2d.t().mm(g_base) if fan_in_fan_out else g_base.t().mm(x2d)
+        if need_bias:
+            grads[2] = g_base.sum(0)
+
+        xa = None
+        dxa = None
+        seed_index = [0] * n
+        j = 0
+        for i in range(n):
+            if 0 < ps[i] < 1:
+                seed_index[i] = j
+                j += 1
+        # Autograd runs the adapters' nodes last-created first, so their input gradients add up in reverse.
+        for i in reversed(range(n)):
+            A, B, _ = adapters[3 * i: 3 * i + 3]
+            need_a, need_b, need_bb = need[7 + 3 * i], need[8 + 3 * i], need[9 + 3 * i]
+            if not (need_x or need_a or need_b or need_bb):
+                continue
+            g_u = _rows(g.to(u_dtypes[i]) * scalings[i])
+            if need_bb:
+                grads[9 + 3 * i] = g_u.sum(0)
+            if need_b:
+                grads[8 + 3 * i] = g_u.t().mm(_rows(kept_t[i]))
+            if not (need_x or need_a):
+                continue
+            p = ps[i]
+            noise = None
+            if p == 1:
+                noise = torch.zeros((), dtype=A.dtype, device=A.device)
+            elif p > 0:
+                if masks[i] is not None:
+                    noise = masks[i].to(A.dtype).div_(1 - p)
+                else:
+                    noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p,
+                                        seeds[seed_index[i]])
+            dt = g_u.mm(B)
+            if need_a:
+                if xa is None:
+                    xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
+                dropped = xa if noise is None else xa * noise
+                grads[7 + 3 * i] = dt.t().mm(_rows(dropped))
+            if need_x:
+                dd = dt.mm(A)
+                if noise is not None:
+                    dd = dd * _rows(noise) if noise.dim() else dd * noise
+                dxa = dd if dxa is None else dxa + dd
+        if need_x:
+            if dxa is not None:
+                dx = dxa.to(x_dtype) + dx
+            grads[0] = dx.view(x_shape)
+        return tuple(grads)
+
+
+def _check(x, weight, bias, adapters):
+    fn = "lora_linear"
+    _common.check_tensor(x, "x", fn=fn)
+    _common.check_tensor(weight, "weight", fn=fn)
+    if bias is not None:
+        _common.check_tensor(bias, "bias", fn=fn)
+    if weight.dim() != 2:
+        raise ValueError(f"{fn}: 'weight' must be 2-D, got shape {tuple(weight.shape)}")
+    if not isinstance(adapters, Sequence):
+        raise TypeError(f"{fn}: 'adapters' must be a sequence of LoraAdapter, got {type(adapters).__name__}")
+    for k, a in enumerate(adapters):
+        if not isinstance(a, LoraAdapter):
+            raise TypeError(f"{fn}: 'adapters[{k}]' must be a LoraAdapter, got {type(a).__name__}")
+        _common.check_tensor(a.A, f"adapters[{k}].A", fn=fn)
+        _common.check_tensor(a.B, f"adapters[{k}].B", fn=fn)
+        if a.A.dim() != 2 or a.B.dim() != 2 or a.B.size(1) != a.A.size(0):
+            raise ValueError(f"{fn}: 'adapters[{k}]' needs A [r, in] and B [out, r], got A "
+                             f"{tuple(a.A.shape)} and B {tuple(a.B.shape)}")
+        if a.A.dtype != adapters[0].A.dtype or a.B.dtype != a.A.dtype:
+            raise ValueError(f"{fn}: every adapter's A and B must share one dtype, got "
+                             f"{a.A.dtype}/{a.B.dtype} for 'adapters[{k}]' and {adapters[0].A.dtype} for adapters[0]")
+        if not 0.0 <= float(a.dropout) <= 1.0:
+            raise ValueError(f"{fn}: 'adapters[{k}].dropout' must be between 0 and 1, got {a.dropout}")
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                adapters: Sequence[LoraAdapter] = (), *, fan_in_fan_out: bool = False, training: bool = True,
+                cast_input: bool = True) -> torch.Tensor:
+    """PEFT's ``lora.Linear`` forward, keeping x once in its own dtype (only when dW or some dA is
+    requested), each adapter's ``A(dropout(x))`` only when its B trains, and dropout seeds, not masks.
+
+    ``weight`` is ``[out, in]`` (``nn.Linear``) or ``[in, out]`` with ``fan_in_fan_out=True`` (GPT-2's
+    ``Conv1D``). ``training=False`` turns the adapters' dropout off, as ``model.eval()`` does. With
+    ``cast_input`` x is cast to the adapters' dtype before them, as PEFT does; the sum is cast back to
+    the base result's dtype. Under autocast the tensors are cast as autocast casts ``F.linear``'s.
+    """
+    _check(x, weight, bias, adapters)
+    tensors = [x, weight, bias]
+    for a in adapters:
+        tensors += [a.A, a.B, a.bias]
+    tensors = list(_common.autocast_lower_precision(*tensors))
+    flat = []
+    for k in range(len(adapters)):
+        flat += tensors[3 + 3 * k: 6 + 3 * k]
+    scalings = tuple(float(a.scaling) for a in adapters)
+    ps = tuple(float(a.dropout) if training else 0.0 for a in adapters)
+    with _common.autocast_off(x.device.type):
+        return LoraLinearFunction.apply(tensors[0], tensors[1], tensors[2], bool(fan_in_fan_out), bool(cast_input),
+                                        scalings, ps, *flat)
