@@ -1,0 +1,162 @@
+"""Gated activations ``act(gate) * up`` (SwiGLU, GeGLU) that keep only the two pre-activations.
+
+Stock autograd keeps three tensors for ``act(gate) * up``: ``gate`` (for the activation's backward),
+``act(gate)`` and ``up`` (for the product's backward). ``act(gate)`` is one cheap element-wise op away
+from ``gate``, so here backward recomputes it and keeps at most ``gate`` and ``up``:
+
+* dGate = act'(gate) * (dY * up) reads gate and up;
+* dUp = dY * act(gate) reads gate only.
+
+So both are kept when gate needs a gradient, gate alone when only up does, nothing otherwise.
+
+Exactness: the forward runs the very ops of the reference formula (``F.silu``, ``F.gelu``, or the
+Python expression of the Hugging Face activation), so outputs are bitwise equal. Backward runs the
+formulas autograd runs for those ops, in autograd's order: aten's ``silu_backward`` / ``gelu_backward``
+on the recomputed values for the fused kernels, and for the Python formulas (``gelu_new``,
+``gelu_python``, ``quick_gelu``) the chain of per-op derivatives autograd uses, with the partial
+gradients of the input summed in the order autograd's engine delivers them. Gradients are therefore
+bitwise equal to stock as well (the tests check every dtype bitwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function_variadic
+
+from slimgrad.functional import _common
+
+__all__ = ["ACTIVATIONS", "GatedFunction", "activation_backward", "activation_forward", "gated_activation"]
+
+_aten = torch.ops.aten
+
+#: Activation names accepted by :func:`gated_activation`, as Hugging Face's ``ACT2FN`` keys name them:
+#: silu (``nn.SiLU``, ``SiLUActivation``), gelu (exact erf GELU, ``F.gelu``), gelu_pytorch_tanh
+#: (``F.gelu(approximate="tanh")``), gelu_new (``NewGELUActivation``'s Python tanh formula, also
+#: ``GELUTanh(use_gelu_tanh_python=True)``), gelu_python (``GELUActivation(use_gelu_python=True)``'s erf
+#: formula), quick_gelu (``QuickGELUActivation``).
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_python", "quick_gelu")
+
+# Constants exactly as transformers/activations.py writes them (same Python floats, same rounding).
+_TANH_C = math.sqrt(2.0 / math.pi)
+_SQRT2 = math.sqrt(2.0)
+_ERF_C = 2.0 / math.sqrt(math.pi)  # derivatives.yaml's erf: 2.0 / sqrt(M_PI) * exp(-(self.pow(2))) * grad
+
+
+def activation_forward(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """``act(x)`` with the reference's own ops, so the result is bitwise the reference's."""
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "gelu_new":
+        return 0.5 * x * (1.0 + torch.tanh(_TANH_C * (x + 0.044715 * torch.pow(x, 3.0))))
+    if kind == "gelu_python":
+        return x * 0.5 * (1.0 + torch.erf(x / _SQRT2))
+    if kind == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
+
+
+def activation_backward(kind: str, grad: torch.Tensor, x: torch.Tensor, need_out: bool = False):
+    """(dX, act(x) or None): the gradient autograd computes for ``activation_forward(kind, x)``, op for op.
+
+    ``need_out`` also returns ``act(x)`` (for the gated product's dUp), reusing the recomputed
+    intermediates where the formula has them.
+    """
+    if kind in ("silu", "gelu", "gelu_pytorch_tanh"):
+        if kind == "silu":
+            dx = _aten.silu_backward(grad, x)
+        else:
+            dx = _aten.gelu_backward(grad, x, approximate="tanh" if kind == "gelu_pytorch_tanh" else "none")
+        return dx, (activation_forward(kind, x) if need_out else None)
+    if kind == "gelu_new":
+        # y = a * v, a = 0.5 x, v = 1 + tanh(c * (x + 0.044715 x^3)). Autograd's engine runs the node
+        # created last first, so x receives d(x + b) first, then d(pow), then d(0.5 x).
+        a = 0.5 * x
+        t = torch.tanh(_TANH_C * (x + 0.044715 * torch.pow(x, 3.0)))
+        v = 1.0 + t
+        gs = _aten.tanh_backward(grad * a, t) * _TANH_C
+        g_pow = (gs * 0.044715) * (x.pow(2.0) * 3.0)
+        dx = (gs + g_pow) + (grad * v) * 0.5
+        return dx, (a * v if need_out else None)
+    if kind == "gelu_python":
+        # y = a * v, a = x * 0.5, v = 1 + erf(d), d = x / sqrt(2): x receives d(d) first, then d(a).
+        a = x * 0.5
+        d = x / _SQRT2
+        v = 1.0 + torch.erf(d)
+        g_d = (torch.exp(-(d.pow(2))) * _ERF_C) * (grad * a)
+        dx = g_d / _SQRT2 + (grad * v) * 0.5
+        return dx, (a * v if need_out else None)
+    if kind == "quick_gelu":
+        # y = x * s, s = sigmoid(1.702 x): x receives d(x * s) first, then d(1.702 x).
+        s = torch.sigmoid(1.702 * x)
+        dx = grad * s + _aten.sigmoid_backward(grad * x, s) * 1.702
+        return dx, (x * s if need_out else None)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
+
+
+class GatedFunction(torch.autograd.Function):
+    """``act(gate) * up`` keeping gate (and up) instead of gate, act(gate) and up.
+
+    Double backward is refused (``once_differentiable``): supporting it would need the recomputation to
+    be differentiable, which is what stock does by keeping everything.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, kind):
+        out = activation_forward(kind, gate) * up
+        need_gate, need_up = ctx.needs_input_grad[:2]
+        ctx.kind = kind
+        ctx.mask = (need_gate, need_up)
+        if need_gate or need_up:
+            _common.note_input_kept(gate)
+        if need_gate:
+            _common.note_input_kept(up)
+        ctx.save_for_backward(gate if (need_gate or need_up) else None, up if need_gate else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        need_gate, need_up = ctx.mask
+        d_gate = d_up = None
+        if need_gate:
+            # Stock: d(act) = dY * up (mul's backward), then the activation's backward on it.
+            d_gate, act = activation_backward(ctx.kind, grad_out * up, gate, need_out=need_up)
+            if need_up:
+                d_up = grad_out * act
+        elif need_up:
+            d_up = grad_out * activation_forward(ctx.kind, gate)
+        return d_gate, d_up, None
+
+
+def _check(gate, up, activation):
+    fn = "gated_activation"
+    _common.check_tensor(gate, "gate", fn=fn)
+    _common.check_tensor(up, "up", fn=fn)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{fn}: 'activation' must be one of {ACTIVATIONS}, got {activation!r}")
+    if not gate.is_floating_point():
+        raise TypeError(f"{fn}: 'gate' must be a floating-point tensor, got {gate.dtype}")
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"{fn}: 'up' must have gate's shape, dtype and device ({tuple(gate.shape)}, "
+                         f"{gate.dtype}, {gate.device}), got ({tuple(up.shape)}, {up.dtype}, {up.device})")
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` with the output and gradients of the stock expression, keeping for backward
+    only ``gate`` (and ``up`` when gate needs a gradient). ``activation``: one of :data:`ACTIVATIONS`.
+
+    ``gate`` and ``up`` must have the same shape, dtype and device (they are the two projections of one
+    input in every gated MLP); broadcasting or type promotion would change what backward must keep.
+    """
+    if has_torch_function_variadic(gate, up):
+        return handle_torch_function(gated_activation, (gate, up), gate, up, activation=activation)
+    _check(gate, up, activation)
+    return GatedFunction.apply(gate, up, activation)
