@@ -116,7 +116,7 @@ def test_converted_lora_model_matches_stock(name, dtype):
         assert n == m
         assert (p.grad is None) == (q.grad is None), n
         if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, **TOLERANCE[dtype], msg=lambda s: f"{n}: {s}")
+            torch.testing.assert_close(q.grad, p.grad, **TOLERANCE[dtype], msg=lambda s, n=n: f"{n}: {s}")
     assert all(p.grad is None for n, p in slim.named_parameters() if "lora_" not in n)
 
 
