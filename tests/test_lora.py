@@ -1,0 +1,450 @@
+"""peft's lora.Linear against slimgrad's fused replacement: outputs and gradients equal to peft's on
+independent copies, frozen parameters without gradients, and saved bytes equal to the analytical minimum
+(x once in its own dtype when dW or a dA is requested, A(dropout(x)) per adapter when its B trains, an
+8-byte seed per dropping adapter)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from tests._util import assert_same
+from torch import nn
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+import slimgrad  # noqa: E402
+from slimgrad.functional.dropout import _fill_noise  # noqa: E402
+from slimgrad.functional.lora import LoraAdapter, lora_linear  # noqa: E402
+from slimgrad.integrations.peft_lora import SlimLinear  # noqa: E402
+from slimgrad.measure import SavedTensors  # noqa: E402
+
+IN, OUT, R, ROWS = 12, 10, 4, (3, 2)
+
+
+class _Base(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.proj = layer
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def peft_layer(dtype=torch.float32, *, conv1d=False, dropout=0.0, seed=0, **config):
+    """A peft model around one Linear (or Conv1D) with non-zero adapters (init_lora_weights=False)."""
+    torch.manual_seed(seed)
+    layer = Conv1D(OUT, IN) if conv1d else nn.Linear(IN, OUT)
+    with torch.no_grad():
+        if conv1d:
+            layer.weight.normal_(0, 0.3)
+            layer.bias.normal_(0, 0.3)
+    cfg = LoraConfig(r=R, lora_alpha=8, target_modules=["proj"], lora_dropout=dropout, init_lora_weights=False,
+                     fan_in_fan_out=conv1d, **config)
+    return get_peft_model(_Base(layer.to(dtype)), cfg)
+
+
+def slim_of(model):
+    """An independent converted copy where only the LoRA layers are swapped (other families have their own
+    tests), with the conversion checked."""
+    slim, report = slimgrad.convert(model, include=[LoraLinear], report=True)
+    assert report.converted and not report.skipped, str(report)
+    assert all(type(m) is not LoraLinear for m in slim.modules())
+    return slim
+
+
+def lora_modules(model):
+    return [m for m in model.modules() if isinstance(m, LoraLinear)]
+
+
+def step(model, x, seed=1):
+    """Forward and backward with a fixed upstream gradient; returns (output, x.grad)."""
+    out = model(x)
+    out = out.logits if hasattr(out, "logits") else out
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    if out.requires_grad:
+        out.backward(g)
+    return out, (x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None)
+
+
+def compare_grads(stock, slim, *, exact=True, rtol=None, atol=None):
+    for (name, p), (name2, q) in zip(stock.named_parameters(), slim.named_parameters(), strict=True):
+        assert name == name2
+        if not p.requires_grad:
+            assert p.grad is None and q.grad is None, name
+        assert_same(q.grad, p.grad, exact=exact, rtol=rtol, atol=atol, what=name)
+
+
+def x_for(dtype, requires_grad=True, seed=2):
+    x = torch.randn(*ROWS, IN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def minimum_bytes(x, adapter_dtype, *, keep_x, kept_xa, seeds=0):
+    """x once in its own dtype, r columns of the adapter dtype per row for each adapter whose B trains, 8
+    bytes per seed."""
+    rows = x.numel() // x.shape[-1]
+    elt = torch.empty((), dtype=adapter_dtype).element_size()
+    return (x.numel() * x.element_size() if keep_x else 0) + sum(rows * r * elt for r in kept_xa) + 8 * seeds
+
+
+# ---------------------------------------------------------------- one layer, every requires_grad combination
+
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("combo", list(itertools.product([False, True], repeat=5)),
+                         ids=lambda c: "".join("xWbAB"[i] if f else "-" for i, f in enumerate(c)))
+def test_layer_matches_peft(combo, dtype, conv1d):
+    rg_x, rg_w, rg_b, rg_a, rg_bb = combo
+    stock = peft_layer(dtype, conv1d=conv1d)
+    layer = lora_modules(stock)[0]
+    adapter_dtype = layer.lora_A["default"].weight.dtype
+    assert adapter_dtype == torch.float32  # peft upcasts bf16 adapters by default
+    layer.base_layer.weight.requires_grad_(rg_w)
+    layer.base_layer.bias.requires_grad_(rg_b)
+    layer.lora_A["default"].weight.requires_grad_(rg_a)
+    layer.lora_B["default"].weight.requires_grad_(rg_bb)
+    slim = slim_of(stock)
+    xs, xk = x_for(dtype, rg_x), x_for(dtype, rg_x)
+
+    with SavedTensors(exclude=[stock]) as kept_stock:
+        out_s, gx_s = step(stock, xs)
+    with SavedTensors(exclude=[slim]) as kept:
+        out_k, gx_k = step(slim, xk)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="x.grad")
+    compare_grads(stock, slim)
+    assert kept.bytes == minimum_bytes(xk, adapter_dtype, keep_x=rg_w or rg_a, kept_xa=[R] if rg_bb else [])
+    assert kept.bytes <= kept_stock.bytes
+    if dtype == torch.bfloat16 and rg_a:
+        assert kept.bytes < kept_stock.bytes  # peft keeps an fp32 copy of x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bf16_adapters_and_lora_bias(dtype):
+    """Adapters left in the model's dtype (autocast_adapter_dtype=False) and lora_bias=True (B has a bias)."""
+    torch.manual_seed(0)
+    stock = get_peft_model(_Base(nn.Linear(IN, OUT).to(dtype)),
+                           LoraConfig(r=R, target_modules=["proj"], init_lora_weights=False, lora_bias=True),
+                           autocast_adapter_dtype=False)
+    assert lora_modules(stock)[0].lora_A["default"].weight.dtype == dtype
+    slim = slim_of(stock)
+    xs, xk = x_for(dtype), x_for(dtype)
+    out_s, gx_s = step(stock, xs)
+    with SavedTensors(exclude=[slim]) as kept:
+        out_k, gx_k = step(slim, xk)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="x.grad")
+    compare_grads(stock, slim)
+    assert lora_modules(slim)[0].lora_B["default"].bias.grad is not None
+    assert kept.bytes == minimum_bytes(xk, dtype, keep_x=True, kept_xa=[R])
+
+
+# ------------------------------------------------------------------------------------------------ dropout
+
+class _FixedNoise(nn.Module):
+    """Stands in for peft's nn.Dropout in the reference: multiplies by a given noise, as F.dropout does."""
+
+    def __init__(self, noise):
+        super().__init__()
+        self.noise = noise
+
+    def forward(self, x):
+        return x * self.noise
+
+
+def _noises_of_next_call(x_shape, ps, adapter_dtype, seed):
+    """The noises slimgrad's Function draws right after torch.manual_seed(seed): one int64 seed per dropping
+    adapter from the default generator, each expanded by a private generator."""
+    torch.manual_seed(seed)
+    seeds = torch.empty(len(ps), dtype=torch.int64).random_()
+    return [_fill_noise(torch.empty(x_shape, dtype=adapter_dtype), p, s) for p, s in zip(ps, seeds)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rg", [(True, True, True), (False, True, True), (True, False, False),
+                                (False, False, True), (False, True, False)], ids=["xAB", "AB", "x", "B", "A"])
+def test_dropout_matches_peft_with_same_mask(dtype, rg):
+    rg_x, rg_a, rg_b = rg
+    p = 0.1
+    stock = peft_layer(dtype, dropout=p)
+    layer = lora_modules(stock)[0]
+    layer.lora_A["default"].weight.requires_grad_(rg_a)
+    layer.lora_B["default"].weight.requires_grad_(rg_b)
+    slim = slim_of(stock)
+    xs, xk = x_for(dtype, rg_x), x_for(dtype, rg_x)
+    (noise,) = _noises_of_next_call(xs.shape, [p], torch.float32, seed=7)
+    assert 0 < (noise == 0).sum() < noise.numel()
+    layer.lora_dropout["default"] = _FixedNoise(noise)
+
+    torch.manual_seed(7)
+    with SavedTensors(exclude=[slim]) as kept:
+        out_k, gx_k = step(slim, xk)
+    out_s, gx_s = step(stock, xs)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="x.grad")
+    compare_grads(stock, slim)
+    seeds = 1 if (rg_x or rg_a) else 0
+    assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=rg_a, kept_xa=[R] if rg_b else [], seeds=seeds)
+
+
+def test_dropout_eval_mode_is_identity():
+    stock = peft_layer(dropout=0.5).eval()
+    slim = slim_of(stock)
+    out_s, _ = step(stock, x_for(torch.float32))
+    out_k, _ = step(slim, x_for(torch.float32))
+    assert_same(out_k, out_s, what="output")
+    compare_grads(stock, slim)
+
+
+def test_dropout_reproducible_and_checkpoint():
+    """Same seed, same mask; non-reentrant and reentrant checkpointing recompute the same mask."""
+    slim = slim_of(peft_layer(dropout=0.5))
+    x = x_for(torch.float32)
+    torch.manual_seed(3)
+    ref, _ = step(slim, x)
+    ref_grads = [p.grad.clone() for p in slim.parameters() if p.grad is not None]
+    for reentrant in (False, True):
+        slim.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        x2 = x_for(torch.float32)
+        out = torch.utils.checkpoint.checkpoint(slim, x2, use_reentrant=reentrant)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        assert_same(out, ref, what=f"output, reentrant={reentrant}")
+        assert_same(x2.grad, x.grad, what=f"x.grad, reentrant={reentrant}")
+        for a, b in zip([p.grad for p in slim.parameters() if p.grad is not None], ref_grads, strict=True):
+            assert_same(a, b, what=f"grad, reentrant={reentrant}")
+
+
+# ------------------------------------------------------------------------------------------- several adapters
+
+def _two_adapters(dtype, dropout=0.0):
+    stock = peft_layer(dtype, dropout=dropout)
+    stock.add_adapter("second", LoraConfig(r=2 * R, lora_alpha=3, target_modules=["proj"], use_rslora=True,
+                                           lora_dropout=dropout, init_lora_weights=False))
+    stock.base_model.set_adapter(["default", "second"])
+    layer = lora_modules(stock)[0]
+    assert layer.scaling["default"] == 2.0 and layer.scaling["second"] == 3 / (2 * R) ** 0.5
+    for name in ("default", "second"):
+        assert layer.lora_A[name].weight.requires_grad and layer.lora_B[name].weight.requires_grad
+    return stock
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_several_active_adapters(dtype, dropout):
+    stock = _two_adapters(dtype, dropout)
+    slim = slim_of(stock)
+    xs, xk = x_for(dtype), x_for(dtype)
+    if dropout:
+        noises = _noises_of_next_call(xs.shape, [dropout, dropout], torch.float32, seed=5)
+        layer = lora_modules(stock)[0]
+        for name, noise in zip(("default", "second"), noises):
+            layer.lora_dropout[name] = _FixedNoise(noise)
+    torch.manual_seed(5)
+    with SavedTensors(exclude=[slim]) as kept:
+        out_k, gx_k = step(slim, xk)
+    out_s, gx_s = step(stock, xs)
+    assert_same(out_k, out_s, what="output")
+    # the adapters' input gradients are summed in the order autograd sums them
+    assert_same(gx_k, gx_s, what="x.grad")
+    compare_grads(stock, slim)
+    assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=True, kept_xa=[R, 2 * R],
+                                       seeds=2 if dropout else 0)
+
+
+# ------------------------------------------------------------------------------ whole Hugging Face models
+
+def tiny_llama(dtype, r=R, dropout=0.0, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets),
+                                            lora_dropout=dropout, init_lora_weights=False))
+
+
+def tiny_gpt2(dtype):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).to(dtype)
+    with pytest.warns(UserWarning, match="fan_in_fan_out"):
+        return get_peft_model(model, LoraConfig(r=R, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                init_lora_weights=False))
+
+
+def ids(seed=3):
+    return torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_models_match_peft(build, dtype):
+    stock = build(dtype)
+    slim = slim_of(stock)
+    assert len(lora_modules(slim)) == len(lora_modules(stock)) > 0
+    assert all(type(m) is SlimLinear for m in lora_modules(slim))
+    with SavedTensors(exclude=[stock]) as kept_stock:
+        out_s, _ = step(stock, ids())
+    with SavedTensors(exclude=[slim]) as kept:
+        out_k, _ = step(slim, ids())
+    assert_same(out_k, out_s, what="logits")
+    # Each fused layer sums its base and adapter input gradients before autograd adds the q/k/v layers' at
+    # their shared input, where stock adds all six in one chain: another association of the same sums.
+    # fp32: a few ulps; bf16 (the sums round to bf16): up to a few ulps of the gradient's largest element.
+    for (name, p), q in zip(stock.named_parameters(), slim.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
+            assert_same(q.grad, p.grad, exact=False, rtol=0, atol=8 * ulp * p.grad.abs().max().item(), what=name)
+    for m in lora_modules(slim):
+        assert m.base_layer.weight.grad is None and m.base_layer.weight.requires_grad is False
+        assert m.lora_A["default"].weight.grad is not None and m.lora_B["default"].weight.grad is not None
+    # fp32: stock already keeps the shared x once; bf16: stock keeps an fp32 copy of x per adapted layer
+    if dtype == torch.float32:
+        assert kept.bytes == kept_stock.bytes
+    else:
+        assert kept.bytes < kept_stock.bytes
+
+
+def test_merged_disabled_mixed_batch_and_revert():
+    stock = _two_adapters(torch.float32)
+    stock.add_adapter("third", LoraConfig(r=R, target_modules=["proj"], init_lora_weights=False))
+    slim = slim_of(stock)
+    x = x_for(torch.float32, False)
+
+    # disabled: base only
+    with stock.disable_adapter(), slim.disable_adapter():
+        assert_same(slim(x), stock(x), what="disabled")
+        assert_same(slim(x), lora_modules(slim)[0].base_layer(x), what="disabled is base")
+    # mixed batch (inference only in peft): peft's own forward
+    stock.eval(), slim.eval()
+    rows = ["default", "third"] + ["__base__"] * (x.shape[0] - 2)
+    mixed = slim(x, adapter_names=rows)
+    assert_same(mixed, stock(x, adapter_names=rows), what="adapter_names")
+    assert not torch.equal(mixed, slim(x))
+    stock.train(), slim.train()
+    # merged: base only, with the merged weight
+    stock.merge_adapter()
+    slim.merge_adapter()
+    assert lora_modules(slim)[0].merged
+    with SavedTensors(exclude=[slim]) as kept:
+        out_k, _ = step(slim, x_for(torch.float32))
+    out_s, _ = step(stock, x_for(torch.float32))
+    assert_same(out_k, out_s, what="merged")
+    assert kept.bytes == 0  # frozen nn.Linear keeps nothing
+    stock.unmerge_adapter()
+    slim.unmerge_adapter()
+
+    reverted = slimgrad.revert(slim)
+    assert reverted is slim and all(type(m) is LoraLinear for m in lora_modules(slim))
+    for a, b in zip(stock.parameters(), slim.parameters(), strict=True):
+        a.grad = b.grad = None
+    out_s, _ = step(stock, x_for(torch.float32))
+    out_k, _ = step(slim, x_for(torch.float32))
+    assert_same(out_k, out_s, what="reverted")
+    compare_grads(stock, slim)
+
+
+def test_unsupported_variants_are_reported():
+    torch.manual_seed(0)
+    model = get_peft_model(_Base(nn.Linear(IN, OUT)), LoraConfig(r=R, target_modules=["proj"], use_dora=True))
+    slim, report = slimgrad.convert(model, include=[LoraLinear], report=True)
+    assert not report.converted
+    assert len(report.skipped) == 1 and "variant" in report.skipped[0].reason
+    assert type(lora_modules(slim)[0]) is LoraLinear
+
+
+def test_hooks_on_submodules_use_peft_forward():
+    """A hook on the base layer would be skipped by a direct parameter read: peft's forward runs instead."""
+    stock = peft_layer()
+    slim = slim_of(stock)
+    calls = []
+    for model in (stock, slim):
+        lora_modules(model)[0].base_layer.register_forward_hook(lambda m, i, o: calls.append(1))
+    out_s, _ = step(stock, x_for(torch.float32))
+    out_k, _ = step(slim, x_for(torch.float32))
+    assert calls == [1, 1]
+    assert_same(out_k, out_s)
+
+
+def test_autocast_matches_peft():
+    stock = peft_layer()
+    slim = slim_of(stock)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_s, gx_s = step(stock, x_for(torch.float32))
+        out_k, gx_k = step(slim, x_for(torch.float32))
+    assert out_k.dtype == out_s.dtype == torch.bfloat16
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="x.grad")
+    compare_grads(stock, slim)
+
+
+# ------------------------------------------------------------------------------------------------- functional
+
+def test_functional_bad_arguments():
+    x, w = torch.randn(3, IN), torch.randn(OUT, IN)
+    good = LoraAdapter(torch.randn(R, IN), torch.randn(OUT, R), 2.0)
+    with pytest.raises(TypeError, match="'x'"):
+        lora_linear(x.numpy(), w, None, [good])
+    with pytest.raises(TypeError, match=r"'adapters\[0\]'"):
+        lora_linear(x, w, None, [(good.A, good.B)])
+    with pytest.raises(ValueError, match=r"'adapters\[0\]'"):
+        lora_linear(x, w, None, [LoraAdapter(good.A, good.A)])
+    with pytest.raises(ValueError, match=r"'adapters\[1\]'"):
+        lora_linear(x, w, None, [good, LoraAdapter(good.A.double(), good.B.double())])
+    with pytest.raises(ValueError, match="dropout"):
+        lora_linear(x, w, None, [good._replace(dropout=1.5)])
+
+
+def test_functional_refuses_double_backward():
+    x = torch.randn(3, IN, requires_grad=True)
+    a = LoraAdapter(torch.randn(R, IN, requires_grad=True), torch.randn(OUT, R, requires_grad=True), 2.0)
+    out = lora_linear(x, torch.randn(OUT, IN), None, [a])
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        gx.sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------------- slow
+
+def test_adamw_finetune_tracks_peft():
+    stock = tiny_llama(torch.float32, dropout=0.0)
+    slim = slim_of(stock)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (stock, slim)]
+    for i in range(5):
+        losses = []
+        for model, opt in zip((stock, slim), opts):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids(i), labels=ids(i)).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(stock.parameters(), slim.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_one_layer():
+    stock = peft_layer(dropout=0.0)
+    layer = lora_modules(slim_of(stock))[0]
+    ref = copy.deepcopy(lora_modules(stock)[0])
+    compiled = torch.compile(layer, fullgraph=True)
+    out_k, gx_k = step(compiled, x_for(torch.float32))
+    out_s, gx_s = step(ref, x_for(torch.float32))
+    assert_same(out_k, out_s, exact=False, rtol=1e-5, atol=1e-6, what="output")
+    assert_same(gx_k, gx_s, exact=False, rtol=1e-5, atol=1e-6, what="x.grad")
+    compare_grads(ref, layer, exact=False, rtol=1e-5, atol=1e-6)
