@@ -1,0 +1,501 @@
+"""Normalisation layers (RMSNorm in every casting style, LayerNorm, GroupNorm, FusedAddRMSNorm, PolyNorm)
+that keep for backward only the input in its own dtype plus per-row statistics, and compute a weight's or
+bias's gradient only when it is requested.
+
+Why each reference wastes, and what is kept instead:
+
+* ``torch.rms_norm`` on CPU is a decomposition (the fused kernel runs on CUDA/XPU/MPS only), and the
+  Hugging Face RMSNorms are written in Python. Autograd then keeps the fp32 upcast of x (reduced
+  precision), rstd, and the normalised ``x·rstd`` (whenever the weight trains): up to 3x the input. We keep
+  x (its own dtype) and rstd (fp32) and rebuild the rest in backward, which is cheap element-wise work.
+* ``native_layer_norm`` / ``native_group_norm`` keep x, mean and rstd even when only the bias trains,
+  though ``dB = Σ dy`` reads none of them.
+
+RMSNorm backward replays, op for op, what autograd runs on the reference's forward graph (same ops, same
+dtypes, same reduction shapes), so outputs and gradients are bitwise equal to each reference. LayerNorm and
+GroupNorm call stock's own forward and backward kernels with stock's ``output_mask``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function_variadic
+
+from slimgrad.functional import _common
+
+__all__ = [
+    "RMSNormFunction",
+    "LayerNormFunction",
+    "GroupNormFunction",
+    "FusedAddRMSNormFunction",
+    "PolyNormFunction",
+    "rms_norm",
+    "rms_norm_hf",
+    "layer_norm",
+    "group_norm",
+    "fused_add_rms_norm",
+    "poly_norm",
+    "RMS_STYLES",
+]
+
+_aten = torch.ops.aten
+
+#: Casting styles of RMSNorm, each the exact arithmetic of a reference implementation:
+#: ``torch``: ``torch.rms_norm``'s CPU decomposition (stats in opmath, i.e. fp32 for half types and fp64 for
+#: fp64; ``x·rstd·w`` in opmath, cast to x's dtype at the end);
+#: ``llama``: LlamaRMSNorm and its 100+ copies (stats in fp32 whatever the input, ``w · (x·rstd).to(dtype)``);
+#: ``olmo2``: Olmo2RMSNorm (``(w · x·rstd).to(dtype)``, product in fp32);
+#: ``gemma``: Gemma/Gemma2/Gemma3RMSNorm (all fp32, ``x̂·(1 + w)``, cast at the end);
+#: ``t5``: T5LayerNorm (``x · rstd`` promoted, cast to w's dtype only when w is half precision).
+RMS_STYLES = ("torch", "llama", "olmo2", "gemma", "t5")
+_FUSED_RMS_DEVICES = ("cuda", "xpu", "mps")
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _variance_path_grad(d_rstd, rstd, up, n):
+    """Gradient reaching ``up`` through ``rsqrt(mean(up²) + eps)``, as autograd computes it: rsqrt's
+    ``-0.5·g·r³``, mean's ``g/n`` (on the per-row tensor; the expand autograd does first changes no value)
+    and pow's ``g·(2·up)``."""
+    d_var = (d_rstd * -0.5) * rstd.pow(3)
+    return (d_var / n) * (2.0 * up.pow(1))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm in one of :data:`RMS_STYLES`; keeps x and the per-row rstd, nothing else."""
+
+    @staticmethod
+    def forward(ctx, input, weight, eps, ndim, style):
+        dims = tuple(range(input.dim() - ndim, input.dim()))
+        fused = (style == "torch" and input.device.type in _FUSED_RMS_DEVICES
+                 and (weight is None or weight.dtype == input.dtype))
+        normed = None
+        if fused:
+            out, rstd = _aten._fused_rms_norm(input, list(input.shape[-ndim:]), weight, eps)
+        else:
+            out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        need_w = need_w and weight is not None
+        ctx.mask = (need_x, need_w)
+        ctx.dims, ctx.style, ctx.fused, ctx.x_dtype = dims, style, fused, input.dtype
+        if not (need_x or need_w):
+            return out
+        # The weight is a parameter (not an activation): keeping it costs nothing.
+        if (not need_x and normed is not None
+                and normed.numel() * normed.element_size()
+                <= input.numel() * input.element_size() + rstd.numel() * rstd.element_size()):
+            # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
+            # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there.
+            ctx.save_for_backward(None, None, weight, normed)
+        else:
+            _common.note_input_kept(input)
+            kept = input
+            if style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size():
+                # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward
+                # reads, and half its size.
+                kept = input.to(rstd.dtype)
+            ctx.save_for_backward(kept, rstd, weight, None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        need_x, need_w = ctx.mask
+        if not (need_x or need_w):
+            return None, None, None, None, None
+        x, rstd, weight, normed = ctx.saved_tensors
+        if normed is not None:
+            return None, _weight_grad(_upstream_of_product(grad_out, ctx.style, weight, normed), normed, weight), \
+                None, None, None
+        if ctx.fused:
+            dx, dw = _aten._fused_rms_norm_backward(grad_out, x, list(x.shape[x.dim() - len(ctx.dims):]), rstd,
+                                                    weight, [need_x, need_w])
+        else:
+            dx, dw = _rms_backward(grad_out, x, rstd, weight, ctx.dims, ctx.style, need_x, need_w, ctx.x_dtype)
+        return (dx if need_x else None), (dw if need_w else None), None, None, None
+
+
+def _rms_forward(x, weight, eps, dims, style, keep_normed=False):
+    """The reference forward of ``style``; returns (output, rstd), plus, with ``keep_normed``, the tensor the
+    weight's gradient reads (the normalised input, in the dtype the weight multiplies it in)."""
+    out, rstd, normed = _rms_forward_impl(x, weight, eps, dims, style)
+    return (out, rstd, normed) if keep_normed else (out, rstd)
+
+
+def _rms_forward_impl(x, weight, eps, dims, style):
+    if style == "torch":
+        up = x.to(_opmath(x.dtype))
+        rstd = torch.rsqrt(up.pow(2).mean(dims, keepdim=True).add_(eps))
+        h = up * rstd
+        return (h * weight if weight is not None else h).type_as(x), rstd, h
+    if style == "t5":
+        rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        h = x * rstd
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            h = h.to(weight.dtype)
+        return weight * h, rstd, h
+    up = x.to(torch.float32)
+    rstd = torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps)
+    h = up * rstd
+    if style == "llama":
+        normed = h.to(x.dtype)
+        return weight * normed, rstd, normed
+    if style == "olmo2":
+        return (weight * h).to(x.dtype), rstd, h
+    return (h * (1.0 + weight.float())).type_as(x), rstd, h  # gemma
+
+
+def _upstream_of_product(dy, style, weight, h):
+    """The gradient reaching the ``weight × normalised`` product: dY itself where the product is the output
+    (Llama, T5), dY cast to the product's dtype where a cast follows it (torch, Olmo2: promoted; Gemma: fp32)."""
+    if style in ("llama", "t5"):
+        return dy
+    if style == "gemma":
+        return dy.to(torch.float32)
+    return dy.to(torch.promote_types(weight.dtype, h.dtype))
+
+
+def _weight_grad(g, h, weight):
+    """``Σ_rows g·h`` as autograd reduces a broadcast product's gradient (sum_to, then cast)."""
+    return (g * h).sum_to_size(weight.shape).to(weight.dtype)
+
+
+def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype):
+    """Autograd's backward of ``_rms_forward(style)``, replayed op for op (so bitwise), computing only the
+    requested gradients."""
+    n = math.prod(x.shape[d] for d in dims)
+    dx = dw = None
+    if style == "t5":
+        xf = x.to(torch.float32)
+        h = x * rstd
+        hd = h.dtype
+        cast = weight.dtype in (torch.float16, torch.bfloat16)
+        ht = h.to(weight.dtype) if cast else h
+        if need_w:
+            dw = _weight_grad(dy, ht, weight)
+        if not need_x:
+            return None, dw
+        dh = (dy * weight).to(ht.dtype).to(hd)
+        dx1 = (dh * rstd).to(x.dtype)
+        d_rstd = (dh * x).sum(-1, keepdim=True).to(rstd.dtype)
+        dx2 = _variance_path_grad(d_rstd, rstd, xf, n).to(x.dtype)
+        return dx1 + dx2, dw
+    up = x.to(rstd.dtype)  # x may already be that copy (fp64 input, fp32 styles)
+    h = up * rstd
+    if weight is None:  # torch style without affine
+        g_h = dy.to(h.dtype)
+    elif style == "llama":
+        if need_w:
+            dw = _weight_grad(dy, h.to(x_dtype), weight)
+        g_h = (dy * weight).to(x_dtype).to(h.dtype) if need_x else None
+    elif style in ("torch", "olmo2"):
+        g = _upstream_of_product(dy, style, weight, h)
+        if need_w:
+            dw = _weight_grad(g, h, weight)
+        g_h = (g * weight).to(h.dtype) if need_x else None
+    else:  # gemma
+        g = _upstream_of_product(dy, style, weight, h)
+        if need_w:
+            dw = _weight_grad(g, h, weight)
+        g_h = g * (1.0 + weight.float()) if need_x else None
+    if need_x:
+        del h
+        d_rstd = (g_h * up).sum(dims, keepdim=True)
+        dx = (g_h * rstd + _variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype)
+    return dx, dw
+
+
+def _check_rms(fn, input, weight, eps, ndim=1):
+    _common.check_tensor(input, "input", fn=fn)
+    if weight is not None:
+        _common.check_tensor(weight, "weight", fn=fn)
+    if not input.is_floating_point():
+        raise TypeError(f"{fn}: argument 'input' must be a floating-point tensor, got {input.dtype}")
+    if input.dim() < ndim:
+        raise ValueError(f"{fn}: argument 'input' must have at least {ndim} dim(s), got shape {tuple(input.shape)}")
+    if eps is not None and (not isinstance(eps, (int, float)) or eps < 0):
+        raise ValueError(f"{fn}: argument 'eps' must be a non-negative number, got {eps!r}")
+
+
+def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.rms_norm``: same output and gradients, keeping x and rstd only."""
+    if has_torch_function_variadic(input, weight):
+        return handle_torch_function(rms_norm, (input, weight), input, normalized_shape, weight=weight, eps=eps)
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = tuple(normalized_shape)
+    _check_rms("rms_norm", input, weight, eps, len(normalized_shape))
+    if tuple(input.shape[input.dim() - len(normalized_shape):]) != normalized_shape:
+        raise ValueError(f"rms_norm: argument 'normalized_shape' {list(normalized_shape)} does not match the last "
+                         f"dims of 'input' (shape {tuple(input.shape)})")
+    if weight is not None and tuple(weight.shape) != normalized_shape:
+        raise ValueError(f"rms_norm: argument 'weight' must have shape {list(normalized_shape)}, got "
+                         f"{list(weight.shape)}")
+    if eps is None:
+        eps = torch.finfo(_opmath(input.dtype)).eps
+    return RMSNormFunction.apply(input, weight, eps, len(normalized_shape), "torch")
+
+
+def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, style: str = "llama") -> torch.Tensor:
+    """RMSNorm over the last dim with the casting of a Hugging Face reference (see :data:`RMS_STYLES`);
+    ``style="gemma"`` scales by ``1 + weight``."""
+    if has_torch_function_variadic(input, weight):
+        return handle_torch_function(rms_norm_hf, (input, weight), input, weight, eps=eps, style=style)
+    if style not in RMS_STYLES or style == "torch":
+        raise ValueError(f"rms_norm_hf: argument 'style' must be one of {RMS_STYLES[1:]}, got {style!r}")
+    _check_rms("rms_norm_hf", input, weight, eps)
+    if weight is None or weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
+        got = None if weight is None else list(weight.shape)
+        raise ValueError(f"rms_norm_hf: argument 'weight' must have shape [{input.shape[-1]}] (input's last dim), "
+                         f"got {got}")
+    return RMSNormFunction.apply(input, weight, float(eps), 1, style)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LayerNorm / GroupNorm: stock kernels, stock output_mask, nothing input-sized when only the bias trains.
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """``native_layer_norm``; keeps x, mean and rstd only when dX or dW is requested.
+
+    For a bias-only backward the kernel is handed dY itself in x's place: with only dB requested it never
+    reads x's values, and dY is contiguous (the kernel makes it so anyway), so nothing is copied."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight, bias, eps):
+        out, mean, rstd = _aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+        need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
+        need_w = need_w and weight is not None
+        need_b = need_b and bias is not None
+        ctx.mask = (need_x, need_w, need_b)
+        ctx.normalized_shape = normalized_shape
+        ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
+        keep = need_x or need_w
+        if keep:
+            _common.note_input_kept(input)
+        if keep or need_b:
+            ctx.save_for_backward(input if keep else None, mean if keep else None, rstd if keep else None,
+                                  weight, bias)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        need_x, need_w, need_b = ctx.mask
+        if not (need_x or need_w or need_b):
+            return (None,) * 5
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        if x is None:
+            grad_out = grad_out.contiguous()
+            x = grad_out
+            mean = rstd = grad_out.new_zeros(ctx.stat_shape, dtype=ctx.stat_dtype)
+        dx, dw, db = _aten.native_layer_norm_backward(grad_out, x, ctx.normalized_shape, mean, rstd, weight, bias,
+                                                      [need_x, need_w, need_b])
+        return (dx if need_x else None), None, (dw if need_w else None), (db if need_b else None), None
+
+
+def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.layer_norm`` (bitwise: stock's kernels)."""
+    if has_torch_function_variadic(input, weight, bias):
+        return handle_torch_function(layer_norm, (input, weight, bias), input, normalized_shape, weight=weight,
+                                     bias=bias, eps=eps)
+    _common.check_tensor(input, "input", fn="layer_norm")
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = list(normalized_shape)
+    k = len(normalized_shape)
+    if input.dim() < k or list(input.shape[input.dim() - k:]) != normalized_shape:
+        raise ValueError(f"layer_norm: argument 'normalized_shape' {normalized_shape} does not match the last dims "
+                         f"of 'input' (shape {tuple(input.shape)})")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and list(p.shape) != normalized_shape:
+            raise ValueError(f"layer_norm: argument '{name}' must have shape {normalized_shape}, got {list(p.shape)}")
+    return LayerNormFunction.apply(input, normalized_shape, weight, bias, eps)
+
+
+class GroupNormFunction(torch.autograd.Function):
+    """``native_group_norm``; keeps x, mean and rstd only when dX or dW is requested (dY stands in for x
+    when only dB is: the kernel folds x only into the per-channel ``Σ dy·x``, which dB does not read)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, num_groups, eps):
+        n, c = input.shape[0], input.shape[1]
+        hxw = input.numel() // (n * c) if n * c else 1
+        fmt = input.suggest_memory_format()
+        input_c = input.contiguous(memory_format=fmt)
+        out, mean, rstd = _aten.native_group_norm(input_c, weight, bias, n, c, hxw, num_groups, eps)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_w = need_w and weight is not None
+        need_b = need_b and bias is not None
+        ctx.mask = (need_x, need_w, need_b)
+        ctx.dims = (n, c, hxw, num_groups)
+        ctx.fmt = fmt
+        ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
+        keep = need_x or need_w
+        if keep:
+            _common.note_input_kept(input)
+        if keep or need_b:
+            ctx.save_for_backward(input_c if keep else None, mean if keep else None, rstd if keep else None, weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        need_x, need_w, need_b = ctx.mask
+        if not (need_x or need_w or need_b):
+            return (None,) * 5
+        x, mean, rstd, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous(memory_format=ctx.fmt)
+        if x is None:
+            x = grad_out
+            mean = rstd = grad_out.new_zeros(ctx.stat_shape, dtype=ctx.stat_dtype)
+        dx, dw, db = _aten.native_group_norm_backward(grad_out, x, mean, rstd, weight, *ctx.dims,
+                                                      [need_x, need_w, need_b])
+        return (dx if need_x else None), (dw if need_w else None), (db if need_b else None), None, None
+
+
+def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.group_norm`` (bitwise: stock's kernels)."""
+    if has_torch_function_variadic(input, weight, bias):
+        return handle_torch_function(group_norm, (input, weight, bias), input, num_groups, weight=weight,
+                                     bias=bias, eps=eps)
+    _common.check_tensor(input, "input", fn="group_norm")
+    if input.dim() < 2:
+        raise ValueError(f"group_norm: argument 'input' must have at least 2 dims (N, C, ...), got shape "
+                         f"{tuple(input.shape)}")
+    c = input.shape[1]
+    if not isinstance(num_groups, int) or num_groups <= 0 or c % num_groups:
+        raise ValueError(f"group_norm: argument 'num_groups' must be a positive divisor of the {c} channels, "
+                         f"got {num_groups!r}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and (p.dim() != 1 or p.shape[0] != c):
+            raise ValueError(f"group_norm: argument '{name}' must have shape [{c}], got {list(p.shape)}")
+    return GroupNormFunction.apply(input, weight, bias, num_groups, eps)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FusedAddRMSNorm and PolyNorm: no stock counterpart; references are the formulas in plain PyTorch.
+
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """``s = x + r``; returns ``(rms_norm(s), s)``. Keeps s and rstd; ``dx = dr = dRMSNorm + ds_out``."""
+
+    @staticmethod
+    def forward(ctx, input, residual, weight, eps, style):
+        s = input + residual
+        out, rstd = _rms_forward(s, weight, eps, (s.dim() - 1,), style)
+        need_x, need_r, need_w = ctx.needs_input_grad[:3]
+        ctx.mask = (need_x, need_r, need_w)
+        ctx.style = style
+        ctx.in_dtypes = (input.dtype, residual.dtype)
+        if need_x or need_r or need_w:
+            ctx.save_for_backward(s, rstd, weight)
+        return out, s
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_s):
+        need_x, need_r, need_w = ctx.mask
+        if not (need_x or need_r or need_w):
+            return (None,) * 5
+        s, rstd, weight = ctx.saved_tensors
+        need_s = need_x or need_r
+        ds = dw = None
+        if grad_out is not None:
+            ds, dw = _rms_backward(grad_out, s, rstd, weight, (s.dim() - 1,), ctx.style, need_s, need_w, s.dtype)
+        if need_s and grad_s is not None:
+            ds = grad_s if ds is None else ds + grad_s
+        if need_s and ds is None:
+            ds = torch.zeros_like(s)
+        dx = ds.to(ctx.in_dtypes[0]) if need_x else None
+        dr = ds.to(ctx.in_dtypes[1]) if need_r else None
+        return dx, dr, (dw if need_w else None), None, None
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       style: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = input + residual``; returns ``(RMSNorm(s), s)`` with ``style``'s casting (Llama by default),
+    keeping s and one fp32 stat per row."""
+    _common.check_tensor(residual, "residual", fn="fused_add_rms_norm")
+    if style not in RMS_STYLES or style == "torch":
+        raise ValueError(f"fused_add_rms_norm: argument 'style' must be one of {RMS_STYLES[1:]}, got {style!r}")
+    _check_rms("fused_add_rms_norm", input, weight, eps)
+    if residual.shape != input.shape:
+        raise ValueError(f"fused_add_rms_norm: argument 'residual' must have input's shape {tuple(input.shape)}, "
+                         f"got {tuple(residual.shape)}")
+    if weight is None or weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
+        raise ValueError(f"fused_add_rms_norm: argument 'weight' must have shape [{input.shape[-1]}]")
+    return FusedAddRMSNormFunction.apply(input, residual, weight, float(eps), style)
+
+
+class PolyNormFunction(torch.autograd.Function):
+    """``y = w0·norm(x³) + w1·norm(x²) + w2·norm(x) + b`` with ``norm(u) = u·rsqrt(mean(u²)+eps)`` over the
+    last dim, computed in fp32 (fp64 for fp64) and cast to x's dtype. Keeps x and the three per-row rstds (fp32)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, eps):
+        xf = input.to(_opmath(input.dtype))
+        r3, r2, r1 = (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) for u in (xf.pow(3), xf.pow(2), xf))
+        w = weight.to(xf.dtype)
+        out = w[0] * (xf.pow(3) * r3) + w[1] * (xf.pow(2) * r2) + w[2] * (xf * r1)
+        if bias is not None:
+            out = out + bias.to(xf.dtype)
+        rstds = (r3, r2, r1)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        ctx.mask = (need_x, need_w, need_b and bias is not None)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if need_x or need_w:
+            _common.note_input_kept(input)
+            ctx.save_for_backward(input, torch.cat(rstds, -1), weight)
+        return out.to(input.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        need_x, need_w, need_b = ctx.mask
+        g = grad_out.to(_opmath(grad_out.dtype))
+        db = g.sum_to_size((1,)).to(ctx.bias_dtype) if need_b else None
+        if not (need_x or need_w):
+            return None, None, db, None
+        x, rstds, weight = ctx.saved_tensors
+        xf = x.to(g.dtype)
+        n = x.shape[-1]
+        powers = (xf.pow(3), xf.pow(2), xf)
+        dw = torch.empty(3, dtype=g.dtype, device=x.device) if need_w else None
+        dx = torch.zeros_like(xf) if need_x else None
+        for i, u in enumerate(powers):
+            r = rstds[..., i:i + 1]
+            u_hat = u * r
+            if need_w:
+                dw[i] = (g * u_hat).sum()
+            if need_x:
+                m = g * weight[i].to(g.dtype)
+                # d norm(u)/du applied to m: r·m − r³/n·Σ(m·u)·u, then chain rule through u = x^(3-i).
+                du = r * m - (r.pow(3) / n) * (m * u).sum(-1, keepdim=True) * u
+                if i == 0:
+                    du = du * (3 * xf * xf)
+                elif i == 1:
+                    du = du * (2 * xf)
+                dx.add_(du)
+        return (dx.to(x.dtype) if need_x else None), (dw.to(weight.dtype) if need_w else None), db, None
+
+
+def poly_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              eps: float = 1e-6) -> torch.Tensor:
+    """PolyNorm (BRIEF §5): ``weight`` has 3 elements (for x³, x², x), ``bias`` 1."""
+    _check_rms("poly_norm", input, weight, eps)
+    if weight is None or weight.shape != (3,):
+        raise ValueError(f"poly_norm: argument 'weight' must have shape [3], got "
+                         f"{None if weight is None else list(weight.shape)}")
+    if bias is not None:
+        _common.check_tensor(bias, "bias", fn="poly_norm")
+        if bias.shape != (1,):
+            raise ValueError(f"poly_norm: argument 'bias' must have shape [1], got {list(bias.shape)}")
+    return PolyNormFunction.apply(input, weight, bias, float(eps))
