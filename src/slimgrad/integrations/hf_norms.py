@@ -1,0 +1,152 @@
+"""Hugging Face RMSNorm classes: forward-only replacements that run slimgrad's RMSNorm with the class's own
+casting.
+
+transformers copies one RMSNorm per model family (140+ classes in 5.x), mostly verbatim. A class is
+converted only when its ``forward`` (and, for Gemma, ``_norm``) source is character for character one we
+have read and reproduce bitwise (:data:`REFERENCE_FORWARDS`); anything else (gated norms, ``with_scale``
+variants, centred or unweighted norms) is left alone. Matching by source rather than by a list of names
+keeps the list honest when transformers edits a copy, and covers new copies of an identical forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+
+from torch import nn
+
+from slimgrad._registry import REPLACEMENTS, register_forward
+from slimgrad.functional.norms import rms_norm_hf
+
+__all__ = ["REFERENCE_FORWARDS", "register_loaded"]
+
+_LLAMA = '''
+def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+'''
+_OLMO2 = '''
+def forward(self, hidden_states) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+'''
+_GEMMA_NORM = '''
+def _norm(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+'''
+_T5 = '''
+def forward(self, hidden_states):
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    if self.weight.dtype in [torch.float16, torch.bfloat16]:
+        hidden_states = hidden_states.to(self.weight.dtype)
+    return self.weight * hidden_states
+'''
+
+
+def _gemma_forward(name: str) -> str:
+    return f'''
+def forward(self, x):
+    output = self._norm(x.float())
+    # Llama does x.to(float16) * w whilst {name} is (x * w).to(float16)
+    # See https://github.com/huggingface/transformers/pull/29402
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+'''
+
+
+def _code(source: str) -> str:
+    """Source without decorators, comments, blank lines or indentation differences."""
+    lines = textwrap.dedent(source).splitlines()
+    while lines and lines[0].lstrip().startswith("@"):
+        lines.pop(0)
+    out = []
+    for line in lines:
+        stripped = line.split("#", 1)[0].rstrip() if not line.strip().startswith("#") else ""
+        if stripped.strip():
+            out.append(stripped)
+    return "\n".join(out)
+
+
+#: casting style -> (forward source, extra methods' sources) we have read and reproduce bitwise
+REFERENCE_FORWARDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "llama": ((_LLAMA,), {}),
+    "olmo2": ((_OLMO2,), {}),
+    "gemma": (tuple(_gemma_forward(n) for n in ("Gemma", "Gemma2", "Gemma3")), {"_norm": _GEMMA_NORM}),
+    "t5": ((_T5,), {}),
+}
+_REFERENCE_CODE = {
+    style: ({_code(f) for f in forwards}, {k: _code(v) for k, v in extra.items()})
+    for style, (forwards, extra) in REFERENCE_FORWARDS.items()
+}
+_EPS_ATTRIBUTE = {"llama": "variance_epsilon", "olmo2": "variance_epsilon", "t5": "variance_epsilon", "gemma": "eps"}
+_checked: set[type] = set()
+
+
+def _style_of(cls: type) -> str | None:
+    """The casting style whose reference source ``cls``'s forward matches, or None."""
+    try:
+        forward = _code(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return None
+    for style, (forwards, extra) in _REFERENCE_CODE.items():
+        if forward not in forwards:
+            continue
+        try:
+            if all(_code(inspect.getsource(getattr(cls, k))) == v for k, v in extra.items()):
+                return style
+        except (OSError, TypeError, AttributeError):
+            return None
+    return None
+
+
+def _make_forward(style: str):
+    eps_attribute = _EPS_ATTRIBUTE[style]
+
+    def forward(self, hidden_states):
+        return rms_norm_hf(hidden_states, self.weight, getattr(self, eps_attribute), style)
+
+    forward.__doc__ = f"RMSNorm with {style}-style casting, keeping the input and one fp32 statistic per row."
+    return forward
+
+
+def _unsupported_reason(module: nn.Module) -> str | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return "weight is not a 1-d parameter over the hidden size; left as stock"
+    return None
+
+
+_FORWARDS = {style: _make_forward(style) for style in REFERENCE_FORWARDS}
+
+
+def register_loaded() -> list[type]:
+    """Register every RMSNorm-like class of the transformers modeling modules imported so far whose
+    forward matches a reference; returns the classes newly registered. Cheap to call again."""
+    added = []
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("transformers.models.") or module is None:
+            continue
+        for name, cls in list(vars(module).items()):
+            if (not isinstance(cls, type) or cls in _checked or cls.__module__ != module_name
+                    or not issubclass(cls, nn.Module) or not ("RMSNorm" in name or name == "T5LayerNorm")):
+                continue
+            _checked.add(cls)
+            if cls in REPLACEMENTS:
+                continue
+            style = _style_of(cls)
+            if style is None:
+                continue
+            register_forward(cls, _FORWARDS[style], module=__name__, unsupported_reason=_unsupported_reason)
+            added.append(cls)
+    return added
+
+
+register_loaded()
