@@ -9,7 +9,7 @@ and the targets.
 
 When the chunked path runs: ``labels`` given, grad enabled, ``logits_to_keep == 0``, the model's
 ``loss_function`` is transformers' ``ForCausalLMLoss`` (not a custom one), and ``lm_head`` is a plain
-``nn.Linear`` with no hooks whose size is the vocabulary the loss uses. Then the body
+``nn.Linear`` (or slimgrad's drop-in for it) with no hooks whose size is the vocabulary the loss uses. Then the body
 (``self.model(...)`` / ``self.transformer(...)``) is called exactly as stock calls it, and the loss follows
 ``ForCausalLMLoss``: labels shifted left and padded with ``ignore_index`` (or ``shift_labels`` as given),
 mean over non-ignored tokens, or sum divided by ``num_items_in_batch`` when that is passed; Gemma's
@@ -182,7 +182,7 @@ def _match(cls) -> _Head | None:
 
 def _unsupported_reason(module) -> str | None:
     head = getattr(module, "lm_head", None)
-    if type(head) is not nn.Linear:
+    if ORIGINALS.get(type(head), type(head)) is not nn.Linear:
         return (f"lm_head is {type(head).__name__}, not torch.nn.Linear (a LoRA or quantized head?); the chunked "
                 f"loss reads its weight directly, so the head is left as stock")
     return None
@@ -209,8 +209,8 @@ def _plan(self, stock, args, kwargs):
     if isinstance(keep, torch.Tensor) or keep != 0:
         return None
     lm_head = self.lm_head
-    if (type(lm_head) is not nn.Linear or lm_head._forward_hooks or lm_head._forward_pre_hooks
-            or hasattr(lm_head, "_hf_hook") or nn.modules.module._global_forward_hooks
+    if (ORIGINALS.get(type(lm_head), type(lm_head)) is not nn.Linear or lm_head._forward_hooks
+            or lm_head._forward_pre_hooks or hasattr(lm_head, "_hf_hook") or nn.modules.module._global_forward_hooks
             or nn.modules.module._global_forward_pre_hooks):
         return None
     vocab = self.config.vocab_size if head.vocab_from_config else self.vocab_size
