@@ -107,12 +107,6 @@ def _step(model, x, scheme, input_grad):
 @pytest.mark.parametrize("case", TRAIN_CASES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_scheme_gives_stock_gradients(name, case, scheme, request):
-    if case == "all" and scheme in ("checkpoint", "selective-checkpoint"):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=torch.utils.checkpoint.CheckpointError,
-            reason="ReLU's keep-output decision flips between forward and recomputation (the consumer "
-                   "reports during the forward), so non-reentrant checkpointing sees different saved "
-                   "tensors: a fix belongs in functional/activation.py"))
     stock, x, input_grad = _prepare(name, case)
     slim = slimgrad.convert(stock)
     for step in range(2):  # the second step runs with the ReLU "keep output" decisions learned

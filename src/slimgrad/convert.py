@@ -25,7 +25,7 @@ __all__ = ["ConversionReport", "convert", "revert"]
 log = logging.getLogger("slimgrad")
 
 #: Attributes a replacement may set on a module at run time; revert removes them.
-_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept",)
+_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,8 @@ __all__ = [
     "autocast_lower_precision",
     "autocast_off",
     "check_tensor",
+    "UseCell",
+    "learn_from_use",
     "mark_producer",
     "note_input_kept",
 ]
@@ -72,25 +74,58 @@ def check_tensor(value, name: str, *, fn: str) -> None:
         raise TypeError(f"{fn}: argument '{name}' must be a torch.Tensor, got {type(value).__name__}")
 
 
-# Activation outputs whose producer could keep them instead of a mask, and who produced them. A producer
-# (for instance a ReLU module) reads its ``_slimgrad_output_kept`` flag at the next forward: True means a
-# consumer kept the output anyway last time, so keeping it again costs nothing, whereas a mask would be
-# extra. Only the flag's value changes what is kept; gradients are exact either way.
+# The producer/consumer rule. An activation (a ReLU module, say) can keep either a small mask or its
+# output; keeping the output is free when a consumer keeps that same tensor anyway (the next conv whose
+# weight trains keeps its input), while a mask would then be extra. Whether a consumer keeps it is only
+# known after the producer's forward, so the producer decides from what it learned in the previous step:
+#
+# - each call of the producer gets a :class:`UseCell`, attached to its output tensor (``mark_producer``);
+# - a consumer that saves that tensor for backward marks the cell (``note_input_kept``);
+# - the producer's backward ORs its cells into the module (``learn_from_use``) and queues a callback that
+#   publishes the result as ``module._slimgrad_output_kept`` once the whole backward pass is over.
+#
+# Publishing only at the end of backward keeps the decision fixed while checkpointing recomputes the
+# forward inside backward (non-reentrant checkpointing insists that the recomputation saves the same
+# tensors), and a module called several times per forward (torchvision reuses ``self.relu``) keeps its
+# output when any of its uses is kept. Gradients are exact either way; only the bytes kept differ.
 _PRODUCERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def mark_producer(output: torch.Tensor, producer) -> None:
-    """Record that ``producer`` made ``output`` and wants to hear whether a consumer keeps it."""
-    if torch.compiler.is_compiling():
-        return
-    producer._slimgrad_output_kept = False
-    _PRODUCERS[output] = producer
+class UseCell:
+    """Whether a consumer kept the output of one call of a producer."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self):
+        self.kept = False
+
+
+def mark_producer(output: torch.Tensor, cell: UseCell) -> None:
+    """Attach ``cell`` to ``output`` so that a consumer saving ``output`` can mark it."""
+    if not torch.compiler.is_compiling():
+        _PRODUCERS[output] = cell
 
 
 def note_input_kept(x: torch.Tensor) -> None:
-    """Called by a Function that saves its input ``x`` for backward: tells x's producer, if any."""
+    """Called by a Function that saves its input ``x`` for backward: marks x's producer cell, if any."""
     if torch.compiler.is_compiling():
         return
-    producer = _PRODUCERS.get(x)
-    if producer is not None:
-        producer._slimgrad_output_kept = True
+    cell = _PRODUCERS.get(x)
+    if cell is not None:
+        cell.kept = True
+
+
+def learn_from_use(producer, cell: UseCell) -> None:
+    """Called from the producer's backward: fold this call's cell into what the next forward will use."""
+    if torch.compiler.is_compiling():
+        return
+    task = torch._C._current_graph_task_id()
+    if getattr(producer, "_slimgrad_task", None) != task:
+        producer._slimgrad_task = task
+        producer._slimgrad_uses_kept = False
+
+        def publish():
+            producer._slimgrad_output_kept = producer._slimgrad_uses_kept
+
+        torch.autograd.Variable._execution_engine.queue_callback(publish)
+    producer._slimgrad_uses_kept = producer._slimgrad_uses_kept or cell.kept

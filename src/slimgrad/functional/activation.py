@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.functional import _bitmask
-from slimgrad.functional._common import check_tensor
+from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 
 __all__ = ["relu", "leaky_relu"]
 
@@ -100,7 +100,8 @@ class _ReLUFunction(torch.autograd.Function):
     """relu (``negative_slope is None``) and leaky_relu, keeping a packed mask or the output."""
 
     @staticmethod
-    def forward(ctx, input, negative_slope, inplace, keep_output):
+    def forward(ctx, input, negative_slope, inplace, keep_output, use):
+        ctx.use = use  # (module, UseCell) when called by a module: see _common.learn_from_use
         relu = negative_slope is None
         ctx.negative_slope = negative_slope
         if relu:
@@ -131,22 +132,24 @@ class _ReLUFunction(torch.autograd.Function):
         if ctx.mode == _REFUSE:
             raise RuntimeError(_NEGATIVE_INPLACE)
         (saved,) = ctx.saved_tensors
+        if ctx.use is not None:
+            learn_from_use(*ctx.use)
         slope = ctx.negative_slope
         if ctx.mode == _OUTPUT:
             if slope is None:
-                return torch.ops.aten.threshold_backward(grad, saved, 0), None, None, None
-            return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True), None, None, None
+                return torch.ops.aten.threshold_backward(grad, saved, 0), None, None, None, None
+            return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True), None, None, None, None
         mask = _unpack_mask(saved, ctx)
         if slope is None:
             if grad.requires_grad:  # double backward: stay differentiable in grad
-                return torch.where(mask, grad, 0), None, None, None
+                return torch.where(mask, grad, 0), None, None, None, None
             # Multiplying the gradient's bits by 0/1 is where(mask, grad, +0) bit for bit, and much
             # faster on CPU than torch.where with a bool condition.
             bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-            return (bits * mask).view(grad.dtype), None, None, None
+            return (bits * mask).view(grad.dtype), None, None, None, None
         # Stock's own kernel, reading the 0/1 mask where it would read the input's sign.
         grad_input = torch.ops.aten.leaky_relu_backward(grad, mask.view(torch.uint8), slope, False)
-        return grad_input, None, None, None
+        return grad_input, None, None, None, None
 
 
 def _check_slope(negative_slope) -> float:
@@ -156,7 +159,7 @@ def _check_slope(negative_slope) -> float:
     return float(negative_slope)
 
 
-def _apply(input, negative_slope, inplace, keep_output, fn):
+def _apply(input, negative_slope, inplace, keep_output, fn, use=None):
     """Run stock where no gradient will be asked of us; otherwise our Function."""
     check_tensor(input, "input", fn=fn)
     if not (torch.is_grad_enabled() and input.requires_grad):
@@ -165,7 +168,7 @@ def _apply(input, negative_slope, inplace, keep_output, fn):
         return F.leaky_relu(input, negative_slope, inplace=inplace)
     if inplace and input.is_leaf:
         raise RuntimeError(_LEAF_INPLACE)
-    return _ReLUFunction.apply(input, negative_slope, bool(inplace), bool(keep_output))
+    return _ReLUFunction.apply(input, negative_slope, bool(inplace), bool(keep_output), use)
 
 
 def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -179,12 +182,12 @@ def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool 
 
 
 def _module_forward(module, input, negative_slope):
-    """Shared by the ReLU/LeakyReLU modules: keep the output instead of a mask when a consumer kept the
-    previous output (then it is shared, not extra), and register the new output with its consumers."""
-    from slimgrad.functional._common import mark_producer
-
+    """Shared by the ReLU/LeakyReLU modules: keep the output instead of a mask when a consumer kept this
+    module's output during the previous step (then it is shared, not extra); see the producer/consumer
+    rule in ``_common``."""
     keep_output = getattr(module, "_slimgrad_output_kept", False)
-    out = _apply(input, negative_slope, module.inplace, keep_output, type(module).__name__)
+    cell = UseCell()
+    out = _apply(input, negative_slope, module.inplace, keep_output, type(module).__name__, use=(module, cell))
     if out.requires_grad:
-        mark_producer(out, module)
+        mark_producer(out, cell)
     return out
