@@ -319,6 +319,15 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
     return LayerNormFunction.apply(input, normalized_shape, weight, bias, eps)
 
 
+def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """The layout stock's group norm keeps (``Tensor::suggest_memory_format``: channels-last when t is laid
+    out so and not also plain contiguous)."""
+    for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if t.dim() == dim and not t.is_contiguous() and t.is_contiguous(memory_format=fmt):
+            return fmt
+    return torch.contiguous_format
+
+
 class GroupNormFunction(torch.autograd.Function):
     """``native_group_norm``; keeps x, mean and rstd only when dX or dW is requested (dY stands in for x
     when only dB is: the kernel folds x only into the per-channel ``Σ dy·x``, which dB does not read)."""
@@ -327,7 +336,7 @@ class GroupNormFunction(torch.autograd.Function):
     def forward(ctx, input, weight, bias, num_groups, eps):
         n, c = input.shape[0], input.shape[1]
         hxw = input.numel() // (n * c) if n * c else 1
-        fmt = input.suggest_memory_format()
+        fmt = _suggest_memory_format(input)
         input_c = input.contiguous(memory_format=fmt)
         out, mean, rstd = _aten.native_group_norm(input_c, weight, bias, n, c, hxw, num_groups, eps)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -351,7 +360,13 @@ class GroupNormFunction(torch.autograd.Function):
         if not (need_x or need_w or need_b):
             return (None,) * 5
         x, mean, rstd, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous(memory_format=ctx.fmt)
+        fmt = ctx.fmt
+        if not need_x and fmt != torch.contiguous_format:
+            # torch 2.13's channels-last CPU kernel writes dX unconditionally and segfaults when dX is not
+            # requested (stock GroupNorm crashes there); use the contiguous kernel for dW/dB instead.
+            fmt = torch.contiguous_format
+            x = None if x is None else x.contiguous()
+        grad_out = grad_out.contiguous(memory_format=fmt)
         if x is None:
             x = grad_out
             mean = rstd = grad_out.new_zeros(ctx.stat_shape, dtype=ctx.stat_dtype)
@@ -389,6 +404,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, residual, weight, eps, style):
+        ctx.set_materialize_grads(False)  # an unused output's gradient must stay None (no dW from zeros)
         s = input + residual
         out, rstd = _rms_forward(s, weight, eps, (s.dim() - 1,), style)
         need_x, need_r, need_w = ctx.needs_input_grad[:3]
