@@ -20,17 +20,24 @@ INTEGRATIONS: dict[str, tuple[str, ...]] = {
 
 
 def load_available() -> list[str]:
-    """Import the integration modules of every library already imported; returns those loaded."""
+    """Import the integration modules of every library already imported; returns those loaded.
+
+    An integration module may define ``refresh()``: it is called on every load so that classes from
+    model code imported since the last conversion are registered too.
+    """
     loaded = []
     for library, modules in INTEGRATIONS.items():
         if library not in sys.modules:
             continue
         for name in modules:
             try:
-                importlib.import_module(f"{__name__}.{name}")
+                module = importlib.import_module(f"{__name__}.{name}")
             except ModuleNotFoundError as e:
                 if e.name != f"{__name__}.{name}":  # a real missing dependency, not a missing module
                     raise
                 continue
+            refresh = getattr(module, "refresh", None)
+            if refresh is not None:
+                refresh()
             loaded.append(name)
     return loaded

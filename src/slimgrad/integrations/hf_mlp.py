@@ -200,13 +200,17 @@ def _unique_register(stock: type, forward, reason) -> type:
     return cls
 
 
+_REJECTED: set[type] = set()  # classes whose forward source was already read and matched no known MLP
+
+
 def _register_mlp(cls: type) -> bool:
-    if cls in REPLACEMENTS or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+    if cls in REPLACEMENTS or cls in _REJECTED or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         return False
     if "forward" not in cls.__dict__:
         return False
     layout = _MLP_FORWARDS.get(_canonical(cls.forward))
     if layout is None:
+        _REJECTED.add(cls)
         return False
     _VERIFIED[cls] = cls.forward
     _MLP_LAYOUT[cls] = layout
@@ -270,6 +274,9 @@ def register_loaded() -> list[str]:
             if isinstance(value, type) and value.__module__ == modname and _register_mlp(value):
                 added.append(value.__name__)
     return added
+
+
+refresh = register_loaded  # called by slimgrad.integrations.load_available on every convert
 
 
 def _load() -> None:
