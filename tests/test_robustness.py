@@ -1,0 +1,147 @@
+"""Converted models under the things users do to models: freezing between steps, swapping parameters,
+sharing modules, converting twice, saving and loading, copying."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import torch
+from tests._util import assert_same
+from torch import nn
+
+import slimgrad
+from slimgrad._registry import ORIGINALS
+
+torch.set_num_threads(1)
+SHAPE = (2, 3, 8, 8)
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+
+
+def step(model, x, input_grad=True):
+    x = x.clone().requires_grad_(input_grad)
+    with slimgrad.SavedTensors(exclude=[model]) as kept:
+        out = model(x)
+    out.sum().backward()
+    return out, x.grad, kept.bytes
+
+
+def compare(stock, slim, x, input_grad=True):
+    for model in (stock, slim):
+        model.zero_grad(set_to_none=True)
+    a, ga, _ = step(stock, x, input_grad)
+    b, gb, kept = step(slim, x, input_grad)
+    assert_same(b, a, what="output")
+    assert_same(gb, ga, what="input grad")
+    for (n, p), q in zip(stock.named_parameters(), slim.parameters()):
+        # A conv's bias gradient with its weight frozen is a plain sum over dY in slimgrad, oneDNN's fused
+        # kernel in stock (README, Exactness): equal within fp32 rounding, not bitwise.
+        frozen_conv_bias = n.endswith("bias") and isinstance(getattr(stock, n.split(".")[0]), nn.Conv2d) \
+            and not getattr(stock, n.split(".")[0]).weight.requires_grad
+        assert_same(q.grad, p.grad, exact=not frozen_conv_bias, rtol=1e-5, atol=1e-6, what=n)
+    return kept
+
+
+def _conv_in(numel_in, conv_trains):
+    return numel_in * 4 if conv_trains else 0
+
+
+def test_requires_grad_toggled_between_steps():
+    stock = cnn()
+    slim = slimgrad.convert(stock)
+    x = torch.randn(SHAPE)
+    n0, n1, pooled = 2 * 3 * 64, 2 * 6 * 64, 2 * 6 * 16
+    for conv_trains in (True, False, True):
+        for model in (stock, slim):
+            model[0].requires_grad_(conv_trains)
+            model[4].requires_grad_(conv_trains)
+        kept = compare(stock, slim, x)
+        # conv0 keeps x only for its dW; BN (train) keeps its input + 2 stats; ReLU 1 bit per element (its
+        # consumer, the max pool, keeps nothing, so never the output); max pool 1 byte per output; conv4
+        # keeps its input only for dW; the Linear keeps its input (its weight trains).
+        expected = (_conv_in(n0, conv_trains) + n1 * 4 + 2 * 6 * 4 + (n1 + 7) // 8 + pooled
+                    + _conv_in(pooled, conv_trains) + 2 * 4 * 4)
+        assert kept == expected, conv_trains
+        assert (slim[0].weight.grad is None) == (not conv_trains)
+
+
+def test_parameters_replaced_after_conversion():
+    stock = cnn()
+    slim = slimgrad.convert(stock)
+    for model in (stock, slim):
+        torch.manual_seed(5)
+        model[0].weight = nn.Parameter(torch.randn(6, 3, 3, 3), requires_grad=False)
+        model[1].bias = nn.Parameter(torch.randn(6))
+    assert type(slim[0]) is slimgrad.nn.Conv2d
+    compare(stock, slim, torch.randn(SHAPE))
+    assert slim[0].weight.grad is None and slim[1].bias.grad is not None
+
+
+def test_module_shared_by_two_parents():
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    stock = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(shared), nn.Sequential(shared))
+    slim = slimgrad.convert(stock)
+    assert slim[1][0] is slim[2][0] and type(slim[1][0][0]) is slimgrad.nn.Conv2d
+    compare(stock, slim, torch.randn(SHAPE))
+    compare(stock, slim, torch.randn(SHAPE))  # the second step, decisions learned
+
+
+def test_converting_twice_changes_nothing():
+    model = cnn()
+    once, report = slimgrad.convert(model, report=True)
+    classes = [type(m) for m in once.modules()]
+    twice, report2 = slimgrad.convert(once, inplace=True, report=True)
+    assert twice is once and [type(m) for m in twice.modules()] == classes
+    assert report.converted and not report2.converted and not report2.skipped
+
+
+def test_state_dict_round_trips_between_stock_and_converted():
+    stock = cnn()
+    slim = slimgrad.convert(stock)
+    step(slim, torch.randn(SHAPE))  # changes running stats and num_batches_tracked
+    for p in slim.parameters():
+        p.data.add_(0.5)
+    fresh = cnn()
+    fresh.load_state_dict(slim.state_dict())
+    back = slimgrad.convert(cnn())
+    back.load_state_dict(fresh.state_dict())
+    for (k, v), (k2, v2) in zip(slim.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    assert all(type(m) not in ORIGINALS for m in fresh.modules())
+
+
+def test_whole_model_pickle_round_trip():
+    slim = slimgrad.convert(cnn())
+    buf = io.BytesIO()
+    torch.save(slim, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in slim.modules()]
+    compare(copy.deepcopy(slim), loaded, torch.randn(SHAPE))
+
+
+def test_deepcopy_is_independent():
+    slim = slimgrad.convert(cnn())
+    twin = copy.deepcopy(slim)
+    assert [type(m) for m in twin.modules()] == [type(m) for m in slim.modules()]
+    assert all(p is not q for p, q in zip(twin.parameters(), slim.parameters()))
+    compare(slim, twin, torch.randn(SHAPE))
+    twin[0].weight.data.zero_()
+    assert slim[0].weight.abs().sum() > 0
+
+
+def test_revert_after_training_gives_a_stock_model_with_the_same_numbers():
+    slim = slimgrad.convert(cnn())
+    x = torch.randn(SHAPE)
+    step(slim, x)
+    ref = copy.deepcopy(slim)
+    slimgrad.revert(slim)
+    assert all(type(m) not in ORIGINALS for m in slim.modules())
+    assert not any("_slimgrad_" in k for m in slim.modules() for k in vars(m))
+    compare(slim, ref, x)
