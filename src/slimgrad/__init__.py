@@ -6,6 +6,7 @@
 
 from . import functional, nn
 from .convert import ConversionReport, convert, revert
+from .functional.cross_entropy import fused_linear_cross_entropy
 from .measure import SavedTensors, peak_bytes, saved_bytes
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __all__ = [
     "SavedTensors",
     "convert",
     "functional",
+    "fused_linear_cross_entropy",
     "nn",
     "peak_bytes",
     "revert",

@@ -3,6 +3,7 @@
 from .activation import leaky_relu, relu
 from .batch_norm import batch_norm
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
+from .cross_entropy import fused_linear_cross_entropy
 from .dropout import dropout, dropout1d, dropout2d, dropout3d
 from .gated import gated_activation
 from .hf_activations import gelu_new, gelu_python, quick_gelu
@@ -24,6 +25,7 @@ __all__ = [
     "batch_norm",
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "dropout", "dropout1d", "dropout2d", "dropout3d",
+    "fused_linear_cross_entropy",
     "gated_activation", "gelu_new", "gelu_python", "quick_gelu",
     "leaky_relu", "relu",
     "max_pool1d", "max_pool2d", "max_pool3d",

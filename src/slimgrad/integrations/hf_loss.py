@@ -266,6 +266,9 @@ def _forward(self, *args, **kwargs):
     return _chunked(self, *plan)
 
 
+_REJECTED: set[type] = set()  # causal-LM classes whose forward was read and matched no known one
+
+
 def register_loaded() -> list[type]:
     """Register every causal-LM class of an already imported transformers modeling module whose forward
     matches one of the known ones; returns the newly registered stock classes."""
@@ -275,11 +278,13 @@ def register_loaded() -> list[type]:
             continue
         for cls in list(vars(mod).values()):
             if (not isinstance(cls, type) or cls.__module__ != name or cls in REPLACEMENTS or cls in _HEADS
+                    or cls in _REJECTED
                     or not (cls.__name__.endswith("ForCausalLM") or cls.__name__.endswith("LMHeadModel"))
                     or not issubclass(cls, nn.Module)):
                 continue
             head = _match(cls)
             if head is None:
+                _REJECTED.add(cls)
                 continue
             _HEADS[cls] = (head, inspect.signature(inspect.unwrap(cls.__dict__["forward"])))
             register_forward(cls, _forward, module=__name__, unsupported_reason=_unsupported_reason,
@@ -287,6 +292,8 @@ def register_loaded() -> list[type]:
             added.append(cls)
     return added
 
+
+refresh = register_loaded  # called by slimgrad.integrations.load_available on every convert
 
 for _name in CORE_MODELS:
     try:
