@@ -448,3 +448,14 @@ def test_compile_fullgraph_one_layer():
     assert_same(out_k, out_s, exact=False, rtol=1e-5, atol=1e-6, what="output")
     assert_same(gx_k, gx_s, exact=False, rtol=1e-5, atol=1e-6, what="x.grad")
     compare_grads(ref, layer, exact=False, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_inference_matches_peft():
+    stock = peft_layer(torch.bfloat16).eval()
+    slim = slim_of(stock)
+    with torch.no_grad(), SavedTensors() as kept:
+        out_k = slim(x_for(torch.bfloat16, False))
+    with torch.no_grad():
+        out_s = stock(x_for(torch.bfloat16, False))
+    assert_same(out_k, out_s)
+    assert kept.bytes == 0 and not out_k.requires_grad
