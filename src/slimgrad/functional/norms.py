@@ -18,8 +18,6 @@ GroupNorm call stock's own forward and backward kernels with stock's ``output_ma
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
@@ -85,19 +83,18 @@ class RMSNormFunction(torch.autograd.Function):
         if not (need_x or need_w):
             return out
         # The weight is a parameter (not an activation): keeping it costs nothing.
-        if (not need_x and normed is not None
-                and normed.numel() * normed.element_size()
-                <= input.numel() * input.element_size() + rstd.numel() * rstd.element_size()):
+        # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
+        # and half its size.
+        narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
+        kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
+        if not need_x and normed is not None and (
+                normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
             # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
             # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there.
             ctx.save_for_backward(None, None, weight, normed)
         else:
             _common.note_input_kept(input)
-            kept = input
-            if style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size():
-                # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward
-                # reads, and half its size.
-                kept = input.to(rstd.dtype)
+            kept = input.to(rstd.dtype) if narrow else input
             ctx.save_for_backward(kept, rstd, weight, None)
         return out
 
@@ -167,7 +164,9 @@ def _weight_grad(g, h, weight):
 def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype):
     """Autograd's backward of ``_rms_forward(style)``, replayed op for op (so bitwise), computing only the
     requested gradients."""
-    n = math.prod(x.shape[d] for d in dims)
+    n = 1
+    for d in dims:  # a plain loop: dynamo cannot trace math.prod over a generator
+        n *= x.shape[d]
     dx = dw = None
     if style == "t5":
         xf = x.to(torch.float32)
