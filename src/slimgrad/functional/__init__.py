@@ -7,6 +7,7 @@ from .cross_entropy import fused_linear_cross_entropy
 from .dropout import dropout, dropout1d, dropout2d, dropout3d
 from .gated import gated_activation
 from .hf_activations import gelu_new, gelu_python, quick_gelu
+from .lora import LoraAdapter, lora_linear
 from .pooling import (
     adaptive_avg_pool1d,
     adaptive_avg_pool2d,
@@ -28,5 +29,6 @@ __all__ = [
     "fused_linear_cross_entropy",
     "gated_activation", "gelu_new", "gelu_python", "quick_gelu",
     "leaky_relu", "relu",
+    "LoraAdapter", "lora_linear",
     "max_pool1d", "max_pool2d", "max_pool3d",
 ]
