@@ -7,6 +7,7 @@ Models and training schemes are tables: a family that lands (norms, LoRA, MLPs, 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -198,3 +199,49 @@ def test_torch_func_matches_stock_or_says_setup_context(layer, transform):
         assert "setup_context" in str(e)
         return
     assert_same(got, expected, what=f"{transform} of {layer}")
+
+
+def _compile_case(model, x, compiled):
+    torch._dynamo.reset()
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    xi = x.clone().requires_grad_()
+    run(xi).sum().backward()  # warm-up: compile outside the count
+    model.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    with slimgrad.SavedTensors(exclude=[model]) as kept:
+        out = run(xi)
+    out.sum().backward()
+    return out, xi.grad, kept.bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["input", "input-bn-eval"])
+def test_compile_fullgraph_resnet(case):
+    """fullgraph compile of a converted ResNet: no graph break, eager stock's gradients within rounding
+    (inductor generates its own kernels), and never more kept than compiling stock. ReLUs are made
+    out-of-place: the in-place slimgrad ReLU breaks the graph (see the xfail below)."""
+    stock, x, _ = _prepare("resnet18", case)
+    for m in stock.modules():
+        if isinstance(m, nn.ReLU):
+            m.inplace = False
+    slim = slimgrad.convert(stock)
+    a, ga, _ = _compile_case(copy.deepcopy(stock), x, False)
+    c, gc, stock_compiled = _compile_case(copy.deepcopy(stock), x, True)
+    b, gb, slim_compiled = _compile_case(slim, x, True)
+    # Inductor's fused batch-norm reductions sum in their own order, and training-mode batch norm over a
+    # batch of 2 at 1x1 spatial size amplifies that rounding (measured up to 7e-3 on dX for compiled stock
+    # itself): slimgrad compiled must be as close to eager stock as compiled stock is, within 2x + 1e-5.
+    for got, ref, expected, what in ((b, c, a, "output"), (gb, gc, ga, "input grad")):
+        stock_err = (ref - expected).abs().max().item()
+        assert (got - expected).abs().max().item() <= 2 * stock_err + 1e-5, what
+    assert 0 < slim_compiled <= stock_compiled
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
+                   reason="_ReLUFunction marks its input dirty but returns torch.relu_'s result, a different "
+                          "tensor object to dynamo ('mark_dirty input not returned'): functional/activation.py")
+def test_compile_fullgraph_inplace_relu():
+    torch._dynamo.reset()
+    model = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)))
+    torch.compile(model, fullgraph=True)(torch.randn(1, 3, 6, 6, requires_grad=True))
