@@ -107,7 +107,7 @@ def _step(model, x, scheme, input_grad):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("case", TRAIN_CASES)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_scheme_gives_stock_gradients(name, case, scheme, request):
+def test_scheme_gives_stock_gradients(name, case, scheme):
     stock, x, input_grad = _prepare(name, case)
     slim = slimgrad.convert(stock)
     for step in range(2):  # the second step runs with the ReLU "keep output" decisions learned
