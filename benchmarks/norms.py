@@ -165,6 +165,13 @@ the contiguous kernel there.
 runs; MiB kept for backward by one forward (saved-tensor hooks, parameters excluded).
 
 {table}
+
+Reading the figures: "frozen" freezes every parameter (input gradient only). slimgrad's backward
+rebuilds x·rstd from x instead of keeping it, so on CPU it runs up to ~25% slower than the decomposed
+references in bf16 and about as fast in fp32, for 1/3 (bf16, W trains) to 1/2 of the bytes kept; its
+frozen-weight backward is faster than its trainable one (no dW product and row reduction). LayerNorm's
+saving appears only when the bias alone trains (not in this table; tested in tests/test_norms.py).
+The CPU figures come from a 2-core machine shared with other jobs: treat differences under ~10% as noise.
 """
 
 
