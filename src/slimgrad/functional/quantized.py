@@ -19,6 +19,7 @@ arguments and backward the same dequantization and matmul, so results are bitwis
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import torch
@@ -217,15 +218,25 @@ def linear_8bit(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bias: torc
     return QuantizedLinearFunction.apply(x, bias, spec, cb, scb)
 
 
+def _nf4_class():
+    """torchao's NF4Tensor class (its module moved between releases), or None without torchao."""
+    for name in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+        try:
+            return importlib.import_module(name).NF4Tensor
+        except ImportError:
+            continue
+    return None
+
+
 def linear_nf4(x: torch.Tensor, weight) -> torch.Tensor:
-    """torchao's ``linear_nf4(x, weight)`` for an ``NF4Tensor`` weight, with the weight saved through
-    ``save_for_backward`` (torchao keeps it as ``ctx.nf4_weight``)."""
+    """torchao's ``linear_nf4(x, weight)`` for an ``NF4Tensor`` weight through the same Function as the
+    bitsandbytes layers. torchao 0.18's own ``LinearNF4`` already keeps only the weight, through
+    ``save_for_backward``, so this changes nothing kept; it exists so one code path serves both."""
     fn = "linear_nf4"
     _check_x(x, fn)
-    try:
-        from torchao.dtypes.nf4tensor import NF4Tensor
-    except ImportError as e:
-        raise ImportError(f"{fn} needs torchao: pip install torchao") from e
+    NF4Tensor = _nf4_class()
+    if NF4Tensor is None:
+        raise ImportError(f"{fn} needs torchao: pip install torchao")
     if not isinstance(weight, NF4Tensor):
         raise TypeError(f"{fn}: 'weight' must be a torchao NF4Tensor, got {type(weight).__name__}")
     return QuantizedLinearFunction.apply(x, None, ("nf4", None, 0.0, True, None), weight)

@@ -21,7 +21,7 @@ import torch
 from bitsandbytes.nn.modules import Linear4bit, Linear8bitLt, LinearFP4, LinearNF4
 from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module as _fix_quant_state
 
-from slimgrad._registry import register_forward
+from slimgrad._registry import register, register_forward
 from slimgrad.functional.lora import LoraLinearFunction
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
 
@@ -123,6 +123,19 @@ except ImportError:  # peft not installed: only bitsandbytes' own layers
     _peft_bnb = None
 
 if _peft_bnb is not None and _adapters_only_supported():
-    SlimLoraLinear4bit = register_forward(_peft_bnb.Linear4bit, _lora_forward, module=__name__)
-    SlimLoraLinear8bitLt = register_forward(_peft_bnb.Linear8bitLt, _lora_forward, module=__name__)
+    # Declared, not built by register_forward: peft's classes share bitsandbytes' names (Linear4bit), and the
+    # generated "SlimLinear4bit" would shadow bitsandbytes' replacement in this module (breaking pickling).
+
+    @register(_peft_bnb.Linear4bit)
+    class SlimLoraLinear4bit(_peft_bnb.Linear4bit):
+        """slimgrad's drop-in for peft.tuners.lora.bnb.Linear4bit (forward only)."""
+
+        forward = _lora_forward
+
+    @register(_peft_bnb.Linear8bitLt)
+    class SlimLoraLinear8bitLt(_peft_bnb.Linear8bitLt):
+        """slimgrad's drop-in for peft.tuners.lora.bnb.Linear8bitLt (forward only)."""
+
+        forward = _lora_forward
+
     __all__ += ["SlimLoraLinear4bit", "SlimLoraLinear8bitLt"]
