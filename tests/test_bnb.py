@@ -1,0 +1,368 @@
+"""bitsandbytes' quantized linear layers (and peft's LoRA wrappers over them) against slimgrad's
+replacements, on independent copies: outputs, input and bias gradients bitwise bitsandbytes' own (same
+kernels, same dequantization), and what is kept for backward equal to the analytical minimum: references
+to the packed weight's quantization state only when dX is requested, never the input, never a dequantized
+weight. bitsandbytes keeps its tensors as ctx attributes, so the stock side is measured by walking the graph
+(``slimgrad.audit``), not with saved-tensor hooks."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import sys
+
+import pytest
+import torch
+from tests._util import assert_same
+from torch import nn
+
+bnb = pytest.importorskip("bitsandbytes")
+
+import slimgrad  # noqa: E402
+from slimgrad.audit import audit  # noqa: E402
+from slimgrad.functional import quantized  # noqa: E402
+from slimgrad.integrations import bnb as slim_bnb  # noqa: E402
+from slimgrad.measure import SavedTensors, _storage_key  # noqa: E402
+
+IN, OUT = 64, 48
+ROWS = (3, 5)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def linear_4bit(quant_type="nf4", double=True, compute_dtype=torch.bfloat16, bias=True, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(IN, OUT, bias=bias)
+    layer = bnb.nn.Linear4bit(IN, OUT, bias=bias, compute_dtype=compute_dtype, compress_statistics=double,
+                              quant_type=quant_type)
+    layer.load_state_dict(ref.state_dict())
+    return layer.to("cpu")  # quantizes
+
+
+def linear_8bit(threshold=0.0, bias=True, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(IN, OUT, bias=bias)
+    layer = bnb.nn.Linear8bitLt(IN, OUT, bias=bias, has_fp16_weights=False, threshold=threshold)
+    layer.load_state_dict(ref.state_dict())
+    return layer.to("cpu")
+
+
+def converted(layer):
+    slim, report = slimgrad.convert(layer, report=True)
+    assert report.converted and not report.skipped, str(report)
+    assert type(slim) is not type(layer) and isinstance(slim, type(layer))
+    return slim
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    seen = {}
+    for t in tensors:
+        key, nbytes = _storage_key(t)
+        seen[key] = nbytes
+    return sum(seen.values())
+
+
+def run(layer, x, x_grad, seed=1):
+    x = x.detach().clone().requires_grad_(x_grad)
+    with SavedTensors(exclude=[layer]) as kept:
+        out = layer(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    if out.requires_grad:
+        out.backward(g)
+    return out, x.grad, kept
+
+
+def compare_layers(stock, slim, x, x_grad, bias_grad, state_tensors):
+    for m in (stock, slim):
+        if m.bias is not None:
+            m.bias.requires_grad_(bias_grad)
+    out1, dx1, _ = run(stock, x, x_grad)
+    out2, dx2, kept = run(slim, x, x_grad)
+    assert_same(out2, out1, what="output")
+    assert_same(dx2, dx1, what="x.grad")
+    if stock.bias is not None:
+        assert_same(slim.bias.grad, stock.bias.grad, what="bias.grad")
+        assert slim.bias.dtype == stock.bias.dtype  # bitsandbytes recasts the bias parameter itself
+    assert slim.weight.grad is None and stock.weight.grad is None
+    # Minimum: dX reads only the packed weight (a parameter, excluded) and its quantization state, which the
+    # layer holds anyway; the input is never kept.
+    expected = storage_bytes(state_tensors) if x_grad else 0
+    assert kept.bytes == expected, kept.records
+    if x_grad:
+        kept_ptrs = {_storage_key(t)[0] for t in state_tensors}
+        assert len(kept.records) == len(kept_ptrs)  # the very state tensors, no copies
+
+
+@pytest.mark.parametrize("quant_type,double", list(itertools.product(["nf4", "fp4"], [False, True])))
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_grad,bias_grad", [(True, False), (True, True), (False, True)])
+def test_linear_4bit_matches_bitsandbytes(quant_type, double, compute_dtype, x_dtype, x_grad, bias_grad):
+    stock = linear_4bit(quant_type, double, compute_dtype)
+    slim = converted(copy.deepcopy(stock))
+    x = torch.randn(*ROWS, IN).to(x_dtype)
+    qs = slim.weight.quant_state
+    compare_layers(stock, slim, x, x_grad, bias_grad, quantized._quant_state_tensors(qs))
+    assert type(slim.weight) is type(stock.weight)
+
+
+def test_linear_4bit_subclasses_and_no_bias():
+    for cls in (bnb.nn.LinearNF4, bnb.nn.LinearFP4):
+        stock = cls(IN, OUT, bias=False, compute_dtype=torch.float32).to("cpu")
+        slim = converted(copy.deepcopy(stock))
+        assert type(slim).__name__ == f"Slim{cls.__name__}"
+        compare_layers(stock, slim, torch.randn(*ROWS, IN), True, False,
+                       quantized._quant_state_tensors(slim.weight.quant_state))
+
+
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_grad,bias_grad", [(True, False), (True, True), (False, True)])
+def test_linear_8bit_matches_bitsandbytes(threshold, training, x_dtype, x_grad, bias_grad):
+    stock = linear_8bit(threshold)
+    stock.train(training)
+    slim = converted(copy.deepcopy(stock))
+    x = (torch.randn(*ROWS, IN) * 4).to(x_dtype)  # some columns above the outlier threshold
+    stock(x.detach())  # hand the int8 weight to the state, as the first forward does, to read its scales
+    slim(x.detach())
+    compare_layers(stock, slim, x, x_grad, bias_grad, (slim.state.SCB,))
+    if threshold > 0 and not training:
+        assert torch.equal(slim.state.idx, stock.state.idx)
+
+
+def test_stock_8bit_hides_its_input_and_audit_counts_it():
+    """bitsandbytes' CPU training kernel keeps the whole input as ``ctx.A``, unseen by saved-tensor hooks;
+    the audit walks the graph and charges it to the stock side, while slimgrad keeps only the scales."""
+    model = nn.Sequential(linear_8bit()).train()
+    x = torch.randn(*ROWS, IN)
+    model(x)  # int8 state hand-over
+    x_bytes = x.numel() * x.element_size()
+    report = audit(model, x.requires_grad_(), measure_peak=False)
+    assert report.stock_total == 0  # nothing visible to hooks
+    assert report.stock_hidden_total == x_bytes
+    assert report.slim_total == model[0].state.SCB.numel() * 4
+
+
+def test_deprecated_kn_branch_keeps_no_dequantized_weight():
+    """``matmul_4bit`` with a weight quantized as [K, N] dequantizes outside any Function, so autograd keeps
+    the whole dequantized weight; slimgrad's Function keeps only the state."""
+    torch.manual_seed(0)
+    w = torch.randn(IN, OUT)  # [K, N]
+    packed, qs = bnb.functional.quantize_4bit(w, quant_type="nf4")
+    x = torch.randn(*ROWS, IN)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with pytest.warns(DeprecationWarning), SavedTensors() as stock_kept:
+        y1 = bnb.matmul_4bit(x1, packed, qs)
+    with SavedTensors(exclude=[packed]) as slim_kept:
+        y2 = quantized.linear_4bit(x2, packed, qs)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert_same(y2, y1, what="output")
+    assert_same(x2.grad, x1.grad, what="x.grad")
+    assert stock_kept.bytes >= IN * OUT * 4  # the dequantized fp32 weight
+    assert slim_kept.bytes == storage_bytes(quantized._quant_state_tensors(qs))
+
+
+def test_no_grad_and_frozen_bias_keep_nothing():
+    stock = linear_4bit()
+    slim = converted(copy.deepcopy(stock))
+    slim.bias.requires_grad_(False)
+    x = torch.randn(*ROWS, IN)
+    with torch.no_grad():
+        assert torch.equal(slim(x), stock(x))
+    assert slimgrad.saved_bytes(slim, x) == 0
+
+
+def test_has_fp16_weights_is_left_alone():
+    layer = bnb.nn.Linear8bitLt(IN, OUT, has_fp16_weights=True)
+    _, report = slimgrad.convert(layer, report=True)
+    assert not report.converted and "has_fp16_weights" in report.skipped[0].reason
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(2, IN)
+    with pytest.raises(TypeError, match="'x'"):
+        quantized.linear_8bit(None, torch.zeros(OUT, IN, dtype=torch.int8), torch.ones(OUT))
+    with pytest.raises(ValueError, match="'cb'"):
+        quantized.linear_8bit(x, torch.zeros(OUT, IN), torch.ones(OUT))
+    with pytest.raises(ValueError, match="'scb'"):
+        quantized.linear_8bit(x, torch.zeros(OUT, IN, dtype=torch.int8), torch.ones(OUT + 1))
+    with pytest.raises(ValueError, match="'quant_state'"):
+        quantized.linear_4bit(x, torch.zeros(8, 1, dtype=torch.uint8), None)
+    with pytest.raises(TypeError, match="'x'"):
+        quantized.linear_4bit(x.long(), torch.zeros(8, 1, dtype=torch.uint8), None)
+
+
+def test_missing_bitsandbytes_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError, match=r"pip install 'slimgrad\[bnb\]'"):
+        quantized.linear_8bit(torch.randn(2, IN), torch.zeros(OUT, IN, dtype=torch.int8), torch.ones(OUT))
+
+
+def test_torchao_nf4_weight_through_the_same_function():
+    nf4 = quantized._nf4_class()
+    if nf4 is None:
+        pytest.skip("torchao not installed")
+    torch.manual_seed(0)
+    w = nf4.from_tensor(torch.randn(IN, IN, dtype=torch.bfloat16), 64, 64)
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    x = torch.randn(*ROWS, IN, dtype=torch.bfloat16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = linear_nf4(x1, w), quantized.linear_nf4(x2, w)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert_same(y2, y1, what="output")
+    assert_same(x2.grad, x1.grad, what="x.grad")
+    with pytest.raises(TypeError, match="'weight'"):
+        quantized.linear_nf4(x, torch.randn(IN, IN))
+
+
+# ---- peft's LoRA wrappers and whole QLoRA models -------------------------------------------------------
+
+peft_lora_wrappers = pytest.mark.skipif(
+    not hasattr(slim_bnb, "SlimLoraLinear4bit"),
+    reason="needs slimgrad.functional.lora.LoraLinearFunction to accept weight=None (adapters only)")
+
+
+def _peft():
+    return pytest.importorskip("peft"), pytest.importorskip("transformers")
+
+
+class _One(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.proj = layer
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@peft_lora_wrappers
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_peft_bnb_lora_layer_keeps_x_once(bits, dropout):
+    peft, _ = _peft()
+    base = linear_4bit(compute_dtype=torch.bfloat16) if bits == 4 else linear_8bit()
+    torch.manual_seed(3)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], init_lora_weights=False, lora_dropout=dropout)
+    stock = peft.get_peft_model(_One(base), cfg)
+    slim = converted(copy.deepcopy(stock))
+    x = torch.randn(*ROWS, IN)
+    stock(x)
+    slim(x)
+    torch.manual_seed(5)
+    out1, dx1, kept1 = run(stock, x, True)
+    torch.manual_seed(5)
+    out2, dx2, kept2 = run(slim, x, True)
+    if dropout == 0:  # with dropout the masks differ (slimgrad draws from a private generator)
+        assert_same(out2, out1, what="output")
+        assert_same(dx2, dx1, exact=False, rtol=1e-5, atol=1e-6, what="x.grad")  # base+adapter sum order
+        for (n, p), (_, q) in zip(stock.named_parameters(), slim.named_parameters(), strict=True):
+            if p.requires_grad:
+                assert_same(q.grad, p.grad, what=n)
+            else:
+                assert q.grad is None and p.grad is None, n
+    rows = ROWS[0] * ROWS[1]
+    state = (quantized._quant_state_tensors(slim.base_model.model.proj.base_layer.weight.quant_state) if bits == 4
+             else (slim.base_model.model.proj.base_layer.state.SCB,))
+    seed = 8 if dropout else 0
+    # x once (fp32, shared with nothing else), A(dropout(x)) [rows, r] fp32, a dropout seed, the base's state
+    assert kept2.bytes == rows * IN * 4 + rows * 4 * 4 + seed + storage_bytes(state)
+    assert kept2.bytes <= kept1.bytes
+
+
+def _tiny_llama_dir(tmp_path_factory):
+    _, transformers = _peft()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return _tiny_llama_dir(tmp_path_factory)
+
+
+QUANT_CONFIGS = {
+    "nf4-double-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16),
+    "fp4-fp32": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False,
+                     bnb_4bit_compute_dtype=torch.float32),
+    "nf4-fp32": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                     bnb_4bit_compute_dtype=torch.float32),
+    "fp4-double-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16),
+    "int8": dict(load_in_8bit=True),
+    "int8-threshold": dict(load_in_8bit=True, llm_int8_threshold=6.0),
+}
+
+
+def qlora_model(path, quant):
+    peft, transformers = _peft()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.BitsAndBytesConfig(**QUANT_CONFIGS[quant]), device_map="cpu")
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      init_lora_weights=False))
+
+
+def _assert_grads_close(stock, slim):
+    for (n, p), (_, q) in zip(stock.named_parameters(), slim.named_parameters(), strict=True):
+        if not p.requires_grad:
+            assert p.grad is None and q.grad is None, n
+            continue
+        # fp32 adapters; the q/k/v (gate/up) input gradients add up in another order: a few fp32 ulps
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(),
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("quant", list(QUANT_CONFIGS))
+def test_qlora_llama_matches_stock(llama_dir, quant):
+    stock = qlora_model(llama_dir, quant)
+    slim, report = slimgrad.convert(stock, report=True)
+    assert not report.skipped, str(report)
+    quantized_types = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    bases = [m for m in slim.modules() if isinstance(m, quantized_types)]
+    assert bases and all(type(m) in slimgrad._registry.ORIGINALS for m in bases)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with SavedTensors(exclude=[stock]) as kept_stock:
+        loss1 = stock(input_ids=ids, labels=ids).loss
+    with SavedTensors(exclude=[slim]) as kept_slim:
+        loss2 = slim(input_ids=ids, labels=ids).loss
+    loss1.backward()
+    loss2.backward()
+    assert_same(loss2, loss1, what="loss")
+    _assert_grads_close(stock, slim)
+    assert kept_slim.bytes < kept_stock.bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["nf4-double-bf16", "int8"])
+def test_qlora_finetune_tracks_stock(llama_dir, quant):
+    stock = qlora_model(llama_dir, quant)
+    slim = slimgrad.convert(stock)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (stock, slim)]
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        ids = torch.randint(0, 128, (2, 12), generator=gen)
+        losses = []
+        for model, opt in zip((stock, slim), opts):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
