@@ -54,7 +54,8 @@ def linear_8bit(threshold=0.0, bias=True, seed=0):
 def converted(layer):
     slim, report = slimgrad.convert(layer, report=True)
     assert report.converted and not report.skipped, str(report)
-    assert type(slim) is not type(layer) and isinstance(slim, type(layer))
+    if type(layer) in slimgrad._registry.REPLACEMENTS:
+        assert type(slim) is not type(layer) and isinstance(slim, type(layer))
     return slim
 
 
@@ -254,7 +255,11 @@ def test_peft_bnb_lora_layer_keeps_x_once(bits, dropout):
     base = linear_4bit(compute_dtype=torch.bfloat16) if bits == 4 else linear_8bit()
     torch.manual_seed(3)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], init_lora_weights=False, lora_dropout=dropout)
-    stock = peft.get_peft_model(_One(base), cfg)
+    model = _One(base)
+    setattr(model, f"is_loaded_in_{bits}bit", True)  # what transformers sets; peft dispatches on it
+    stock = peft.get_peft_model(model, cfg)
+    wrapper = stock.base_model.model.proj
+    assert type(wrapper).__module__ == "peft.tuners.lora.bnb", type(wrapper)
     slim = converted(copy.deepcopy(stock))
     x = torch.randn(*ROWS, IN)
     stock(x)
@@ -277,7 +282,8 @@ def test_peft_bnb_lora_layer_keeps_x_once(bits, dropout):
     seed = 8 if dropout else 0
     # x once (fp32, shared with nothing else), A(dropout(x)) [rows, r] fp32, a dropout seed, the base's state
     assert kept2.bytes == rows * IN * 4 + rows * 4 * 4 + seed + storage_bytes(state)
-    assert kept2.bytes <= kept1.bytes
+    # stock holds the same state through ctx attributes hooks cannot see; beyond it, never more than stock
+    assert kept2.bytes - storage_bytes(state) <= kept1.bytes
 
 
 def _tiny_llama_dir(tmp_path_factory):
