@@ -1,0 +1,148 @@
+"""QLoRA (bitsandbytes 4-bit / 8-bit base + peft LoRA) on a Llama-like model: bytes kept for backward and
+peak bytes over a step, stock vs slimgrad, a per-module audit of one decoder layer, and what a dequantized
+weight per layer (bitsandbytes PR #1935's claim) would cost next to what is kept.
+
+Bytes kept: saved-tensor hooks (parameters excluded, storages once) plus, on the stock side, tensors that
+bitsandbytes hides as ctx attributes (found by walking the graph). Peak: allocator records over
+forward+backward (CPU).
+
+    python benchmarks/qlora.py                    # LlamaConfig(512, 1408, 4 layers, 8 heads, vocab 8192), 2x256
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import tempfile
+
+import torch
+
+import slimgrad
+from slimgrad.audit import audit
+from slimgrad.measure import _storage_key, peak_bytes
+
+MiB = 2**20
+PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def hidden_bytes(root, seen: set, exclude: set) -> int:
+    """Bytes of tensors stored as attributes on custom-Function nodes, not already counted."""
+    total, todo, nodes = 0, [root], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        for value in getattr(node, "__dict__", {}).values():
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    key, n = _storage_key(t)
+                    if key is not None and key not in seen and key not in exclude:
+                        seen.add(key)
+                        total += n
+        todo.extend(f for f, _ in node.next_functions)
+    return total
+
+
+def kept(model, ids):
+    """(bytes kept visibly through save_for_backward, bytes hidden as ctx attributes) for one training step."""
+    exclude = {_storage_key(t)[0] for t in list(model.parameters()) + list(model.buffers())}
+    seen: dict = {}
+
+    def pack(t):
+        key, n = _storage_key(t)
+        if key is not None and key not in exclude and not isinstance(t, torch.nn.Parameter):
+            seen[key] = n
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    visible = sum(seen.values())
+    hidden = hidden_bytes(loss.grad_fn, set(seen), exclude)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return visible, hidden
+
+
+def build(path, quant, rank):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if quant == "bf16":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    else:
+        q = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16) if quant == "nf4"
+             else BitsAndBytesConfig(load_in_8bit=True))
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu")
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJ))
+    model.train()
+    return model
+
+
+def main():
+    logging.disable(logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=8)
+    args = parser.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                      vocab_size=8192)
+    path = tempfile.mkdtemp()
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(2))
+    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; "
+          f"batch {args.batch_size}x{args.seq_len}, LoRA r={args.rank} on {len(PROJ)} projections")
+    lora_peft = None
+    rows = []
+    for quant in ("nf4", "int8", "bf16"):
+        stock = build(path, quant, args.rank)
+        slim = slimgrad.convert(stock)
+        if quant != "bf16" and lora_peft is None:
+            import slimgrad.integrations.bnb as ib
+
+            lora_peft = hasattr(ib, "SlimLoraLinear4bit")
+        res = {}
+        for name, m in (("stock", stock), ("slimgrad", slim)):
+            visible, hidden = kept(m, ids)
+            peak = peak_bytes(lambda m=m: m(input_ids=ids, labels=ids).loss.backward())
+            m.zero_grad(set_to_none=True)
+            res[name] = (visible, hidden, peak)
+        rows.append((quant, res))
+        if quant != "bf16":
+            import bitsandbytes as bnb
+
+            layer_weights = sum(mod.out_features * mod.in_features for n, mod in stock.named_modules()
+                                if ".layers.0." in n and isinstance(mod, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)))
+            print(f"\n[{quant}] PR #1935: a dequantized bf16 weight per projection would keep "
+                  f"{layer_weights * 2 / MiB:.2f} MiB per decoder layer, "
+                  f"{layer_weights * 2 * cfg.num_hidden_layers / MiB:.2f} MiB for the model")
+            small = ids[:, :64]
+            rep = audit(stock, small, loss_fn=lambda out: out.logits.float().sum(), measure_peak=False)
+            print(f"[{quant}] audit of decoder layer 0 (batch {args.batch_size}x64), MiB kept for backward:")
+            print(f"  {'module':<44} {'stock+hidden':>12} {'slimgrad':>9}")
+            for r in rep.rows:
+                if ".layers.0." in r.path + "." and (r.stock_bytes or r.stock_hidden_bytes or r.slim_bytes):
+                    print(f"  {r.path.split('layers.0.')[-1]:<44} "
+                          f"{(r.stock_bytes + r.stock_hidden_bytes) / MiB:>12.3f} {r.slim_bytes / MiB:>9.3f}")
+        del stock, slim
+    print(f"\npeft bnb LoRA wrappers converted: {lora_peft}")
+    print(f"{'model':<6} {'side':<9} {'kept (hooks)':>12} {'hidden ctx':>10} {'kept total':>10} {'peak':>8}  (MiB)")
+    for quant, res in rows:
+        for name, (visible, hidden, peak) in res.items():
+            total = (visible + hidden) / MiB
+            print(f"{quant:<6} {name:<9} {visible / MiB:>12.2f} {hidden / MiB:>10.2f} {total:>10.2f} "
+                  f"{peak / MiB:>8.2f}")
+        s, g = res["stock"], res["slimgrad"]
+        print(f"{quant:<6} ratio     {'':>12} {'':>10} {(g[0] + g[1]) / (s[0] + s[1]):>10.3f} {g[2] / s[2]:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
