@@ -165,10 +165,10 @@ def test_offloading_hooks_see_only_what_slimgrad_keeps():
     assert totals[1] >= kept.bytes  # the hook sees each storage as often as it is saved
 
 
-# torch.func: the slimgrad Functions are old-style (forward takes ctx) and carry no vmap rule. Until they
-# gain ``setup_context`` and a vmap rule, torch.func must fail with torch's explicit message naming
-# ``setup_context``, never with wrong numbers or an obscure error. Layers that fall back to stock when
-# nothing they see needs grad still work under vmap.
+# torch.func: the slimgrad Functions decide what to keep inside forward (old-style, no setup_context) and
+# carry no vmap rule. Until they do, torch.func must fail with slimgrad's message saying what to do, never
+# with wrong numbers or an obscure error. Layers that fall back to stock when nothing they see needs grad
+# still work under vmap.
 FUNC_LAYERS = {
     "conv": lambda: nn.Conv2d(3, 4, 3),
     "bn-eval": lambda: nn.BatchNorm2d(3).eval(),
@@ -182,7 +182,7 @@ FUNC_LAYERS = {
 
 @pytest.mark.parametrize("layer", list(FUNC_LAYERS))
 @pytest.mark.parametrize("transform", ["grad", "vmap-grad"])
-def test_torch_func_matches_stock_or_says_setup_context(layer, transform):
+def test_torch_func_matches_stock_or_refuses_clearly(layer, transform):
     torch.manual_seed(0)
     stock = FUNC_LAYERS[layer]()
     slim = slimgrad.convert(stock)
@@ -196,7 +196,7 @@ def test_torch_func_matches_stock_or_says_setup_context(layer, transform):
     try:
         got = transformed(slim)
     except RuntimeError as e:
-        assert "setup_context" in str(e)
+        assert "slimgrad" in str(e) and "does not support torch.func" in str(e) and "revert" in str(e)
         return
     assert_same(got, expected, what=f"{transform} of {layer}")
 
@@ -218,12 +218,9 @@ def _compile_case(model, x, compiled):
 @pytest.mark.parametrize("case", ["input", "input-bn-eval"])
 def test_compile_fullgraph_resnet(case):
     """fullgraph compile of a converted ResNet: no graph break, eager stock's gradients within rounding
-    (inductor generates its own kernels), and never more kept than compiling stock. ReLUs are made
-    out-of-place: the in-place slimgrad ReLU breaks the graph (see the xfail below)."""
+    (inductor generates its own kernels), and never more kept than compiling stock. The ResNet's ReLUs
+    are in-place, as torchvision's are."""
     stock, x, _ = _prepare("resnet18", case)
-    for m in stock.modules():
-        if isinstance(m, nn.ReLU):
-            m.inplace = False
     slim = slimgrad.convert(stock)
     a, ga, _ = _compile_case(copy.deepcopy(stock), x, False)
     c, gc, stock_compiled = _compile_case(copy.deepcopy(stock), x, True)
@@ -238,10 +235,16 @@ def test_compile_fullgraph_resnet(case):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
-                   reason="_ReLUFunction marks its input dirty but returns torch.relu_'s result, a different "
-                          "tensor object to dynamo ('mark_dirty input not returned'): functional/activation.py")
 def test_compile_fullgraph_inplace_relu():
     torch._dynamo.reset()
-    model = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)))
-    torch.compile(model, fullgraph=True)(torch.randn(1, 3, 6, 6, requires_grad=True))
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True))
+    model = slimgrad.convert(stock)
+    x = torch.randn(1, 3, 6, 6)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = stock(a)
+    yb = torch.compile(model, fullgraph=True)(b)
+    torch.testing.assert_close(yb, ya)
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(b.grad, a.grad)
+    torch.testing.assert_close(model[0].weight.grad, stock[0].weight.grad)

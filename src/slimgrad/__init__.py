@@ -8,12 +8,14 @@ from . import functional, nn
 from .convert import ConversionReport, convert, revert
 from .functional.cross_entropy import fused_linear_cross_entropy
 from .measure import SavedTensors, peak_bytes, saved_bytes
+from .mode import enabled
 
 __version__ = "0.1.0"
 __all__ = [
     "ConversionReport",
     "SavedTensors",
     "convert",
+    "enabled",
     "functional",
     "fused_linear_cross_entropy",
     "nn",

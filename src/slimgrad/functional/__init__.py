@@ -8,6 +8,7 @@ from .dropout import dropout, dropout1d, dropout2d, dropout3d
 from .gated import gated_activation
 from .hf_activations import gelu_new, gelu_python, quick_gelu
 from .lora import LoraAdapter, lora_linear
+from .norms import fused_add_rms_norm, group_norm, layer_norm, poly_norm, rms_norm, rms_norm_hf
 from .pooling import (
     adaptive_avg_pool1d,
     adaptive_avg_pool2d,
@@ -30,5 +31,6 @@ __all__ = [
     "gated_activation", "gelu_new", "gelu_python", "quick_gelu",
     "leaky_relu", "relu",
     "LoraAdapter", "lora_linear",
+    "fused_add_rms_norm", "group_norm", "layer_norm", "poly_norm", "rms_norm", "rms_norm_hf",
     "max_pool1d", "max_pool2d", "max_pool3d",
 ]

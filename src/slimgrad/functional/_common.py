@@ -12,6 +12,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "Function",
     "standin",
     "autocast_dtype",
     "autocast_lower_precision",
@@ -22,6 +23,26 @@ __all__ = [
     "mark_producer",
     "note_input_kept",
 ]
+
+
+class Function(torch.autograd.Function):
+    """Base of slimgrad's autograd Functions: refuses ``torch.func`` transforms with a message that says
+    what to do, instead of torch's generic one about ``setup_context``.
+
+    The Functions decide what to keep inside ``forward`` from ``ctx.needs_input_grad`` and the tensors'
+    values (masks, positions, seeds), which functorch's split ``forward``/``setup_context`` protocol
+    cannot express without returning those as extra outputs; until they do, transforms are refused.
+    """
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            raise RuntimeError(
+                f"slimgrad: {cls.__name__} does not support torch.func transforms (grad, vmap, jacrev, "
+                f"functional_call under a transform, ...). Run this part with stock layers "
+                f"(slimgrad.revert(model), or outside `with slimgrad.enabled():`)."
+            )
+        return super().apply(*args, **kwargs)
 
 
 def standin(shape, like: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slimgrad.functional import _bitmask
+from slimgrad.functional import _bitmask, _common
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 
 __all__ = ["relu", "leaky_relu"]
@@ -96,7 +96,7 @@ def _unpack_mask(packed: torch.Tensor, ctx) -> torch.Tensor:
     return mask
 
 
-class _ReLUFunction(torch.autograd.Function):
+class _ReLUFunction(_common.Function):
     """relu (``negative_slope is None``) and leaky_relu, keeping a packed mask or the output."""
 
     @staticmethod
@@ -104,14 +104,18 @@ class _ReLUFunction(torch.autograd.Function):
         ctx.use = use  # (module, UseCell) when called by a module: see _common.learn_from_use
         relu = negative_slope is None
         ctx.negative_slope = negative_slope
-        if relu:
-            out = torch.relu_(input) if inplace else torch.relu(input)
-        elif inplace:
-            out = torch._C._nn.leaky_relu_(input, negative_slope)
+        if inplace:
+            # Return ``input`` itself: torch.compile checks that a dirty tensor is returned as the same object.
+            if relu:
+                torch.relu_(input)
+            else:
+                torch._C._nn.leaky_relu_(input, negative_slope)
+            out = input
+            ctx.mark_dirty(input)
+        elif relu:
+            out = torch.relu(input)
         else:
             out = torch._C._nn.leaky_relu(input, negative_slope)
-        if inplace:
-            ctx.mark_dirty(input)
         if not ctx.needs_input_grad[0]:
             ctx.mode = _REFUSE
             return out

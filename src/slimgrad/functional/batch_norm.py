@@ -78,7 +78,7 @@ def _eval_grad_input(grad_out, weight, running_var, eps, shape, stride):
     return dx
 
 
-class BatchNormFunction(torch.autograd.Function):
+class BatchNormFunction(_common.Function):
     """``native_batch_norm`` with a backward that keeps x only where a requested gradient reads it.
 
     Running statistics are updated in place by the forward kernel, exactly as in stock. Double backward

@@ -81,7 +81,7 @@ def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Te
     return g.contiguous(memory_format=suggest_memory_format(grad))
 
 
-class _ConvFunction(torch.autograd.Function):
+class _ConvFunction(_common.Function):
     """One Function for every convolution kind; ``cfg`` carries the non-tensor options:
     (nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype).
 

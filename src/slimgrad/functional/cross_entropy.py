@@ -54,7 +54,7 @@ def _chunk_logits(h, weight, bias, softcap):
     return z.float(), t
 
 
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+class FusedLinearCrossEntropyFunction(_common.Function):
     """``cross_entropy(linear(hidden, weight, bias).float(), target)`` over row chunks.
 
     hidden is (N, H), target (N,). Keeps the hidden states, the targets and the loss normaliser (a 0-d

@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from slimgrad.functional import _common
 from slimgrad.functional._common import check_tensor
 
 __all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d"]
@@ -70,7 +71,7 @@ def _apply_noise(input, noise, inplace):
     return input.mul_(noise) if inplace else input * noise
 
 
-class _DropoutFunction(torch.autograd.Function):
+class _DropoutFunction(_common.Function):
     """Dropout (``feature=False``) and feature dropout for 0 < p <= 1 in training mode."""
 
     @staticmethod

@@ -100,7 +100,7 @@ def activation_backward(kind: str, grad: torch.Tensor, x: torch.Tensor, need_out
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
 
 
-class GatedFunction(torch.autograd.Function):
+class GatedFunction(_common.Function):
     """``act(gate) * up`` keeping gate (and up) instead of gate, act(gate) and up.
 
     Double backward is refused (``once_differentiable``): supporting it would need the recomputation to

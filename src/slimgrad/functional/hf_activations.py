@@ -28,7 +28,7 @@ __all__ = ["FORMULA_ACTIVATIONS", "FormulaActivationFunction", "gelu_new", "gelu
 FORMULA_ACTIVATIONS = ("gelu_new", "gelu_python", "quick_gelu")
 
 
-class FormulaActivationFunction(torch.autograd.Function):
+class FormulaActivationFunction(_common.Function):
     """One of :data:`FORMULA_ACTIVATIONS`, keeping its input (only when it needs a gradient).
 
     Double backward is refused (``once_differentiable``).

@@ -55,7 +55,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
 
 
-class LoraLinearFunction(torch.autograd.Function):
+class LoraLinearFunction(_common.Function):
     """``base(x) + sum_i B_i(A_i(drop_i(x'))) * s_i`` cast back to the base result's dtype, x' = x cast to
     the adapters' dtype (when ``cast``).
 

@@ -63,7 +63,7 @@ def _variance_path_grad(d_rstd, rstd, up, n):
     return (d_var / n) * (2.0 * up.pow(1))
 
 
-class RMSNormFunction(torch.autograd.Function):
+class RMSNormFunction(_common.Function):
     """RMSNorm in one of :data:`RMS_STYLES`; keeps x and the per-row rstd, nothing else."""
 
     @staticmethod
@@ -259,7 +259,7 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
 # LayerNorm / GroupNorm: stock kernels, stock output_mask, nothing input-sized when only the bias trains.
 
 
-class LayerNormFunction(torch.autograd.Function):
+class LayerNormFunction(_common.Function):
     """``native_layer_norm``; keeps x, mean and rstd only when dX or dW is requested.
 
     For a bias-only backward the kernel is handed dY itself in x's place: with only dB requested it never
@@ -327,7 +327,7 @@ def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-class GroupNormFunction(torch.autograd.Function):
+class GroupNormFunction(_common.Function):
     """``native_group_norm``; keeps x, mean and rstd only when dX or dW is requested (dY stands in for x
     when only dB is: the kernel folds x only into the per-channel ``Σ dy·x``, which dB does not read)."""
 
@@ -398,7 +398,7 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
 # FusedAddRMSNorm and PolyNorm: no stock counterpart; references are the formulas in plain PyTorch.
 
 
-class FusedAddRMSNormFunction(torch.autograd.Function):
+class FusedAddRMSNormFunction(_common.Function):
     """``s = x + r``; returns ``(rms_norm(s), s)``. Keeps s and rstd; ``dx = dr = dRMSNorm + ds_out``."""
 
     @staticmethod
@@ -450,7 +450,7 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
     return FusedAddRMSNormFunction.apply(input, residual, weight, float(eps), style)
 
 
-class PolyNormFunction(torch.autograd.Function):
+class PolyNormFunction(_common.Function):
     """``y = w0·norm(x³) + w1·norm(x²) + w2·norm(x) + b`` with ``norm(u) = u·rsqrt(mean(u²)+eps)`` over the
     last dim, computed in fp32 (fp64 for fp64) and cast to x's dtype. Keeps x and the three per-row rstds (fp32)."""
 

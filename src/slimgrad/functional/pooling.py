@@ -21,6 +21,7 @@ from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _list_with_default
 
+from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_off, check_tensor, standin
 
 __all__ = [
@@ -205,7 +206,7 @@ def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
     return idx.add_(base)
 
 
-class MaxPoolFunction(torch.autograd.Function):
+class MaxPoolFunction(_common.Function):
     """N-d max pooling (nd = 1, 2, 3) keeping only the argmax's position inside its window.
 
     Returns ``(output, indices)`` exactly as stock's ``max_poolNd_with_indices`` when ``return_indices``,
@@ -310,7 +311,7 @@ def max_pool3d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
 # ----------------------------------------------------------------------------------------------- avg
 
 
-class AvgPoolFunction(torch.autograd.Function):
+class AvgPoolFunction(_common.Function):
     """N-d average or adaptive average pooling keeping nothing: backward needs only the input's shape.
 
     ``options`` is ``(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)`` for

@@ -150,3 +150,4 @@ def register_loaded() -> list[type]:
 
 
 register_loaded()
+refresh = register_loaded  # called by slimgrad.integrations.load_available on every convert

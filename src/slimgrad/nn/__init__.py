@@ -5,6 +5,7 @@ from .activation import LeakyReLU, ReLU
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .dropout import Dropout, Dropout1d, Dropout2d, Dropout3d
+from .norms import FusedAddRMSNorm, GroupNorm, LayerNorm, PolyNorm, RMSNorm
 from .pooling import (
     AdaptiveAvgPool1d,
     AdaptiveAvgPool2d,
@@ -23,6 +24,7 @@ __all__ = [
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d",
+    "FusedAddRMSNorm", "GroupNorm", "LayerNorm", "PolyNorm", "RMSNorm",
     "LeakyReLU", "ReLU",
     "MaxPool1d", "MaxPool2d", "MaxPool3d",
 ]
