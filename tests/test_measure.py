@@ -57,3 +57,17 @@ def test_peak_bytes_sees_temporaries_inside_a_call():
 
 def test_package_exports():
     assert slimgrad.saved_bytes is saved_bytes and slimgrad.peak_bytes is peak_bytes
+
+
+def test_wrapper_subclasses_count_their_inner_storages():
+    pytest = __import__("pytest")
+    pytest.importorskip("torchao")
+    try:
+        from torchao.dtypes.nf4tensor import to_nf4
+    except ImportError:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    weight = to_nf4(torch.randn(512, 512, dtype=torch.bfloat16))
+    with SavedTensors() as counter:
+        counter._pack(weight)
+    # 4 bits per element plus the block scales: more than the packed bytes, far less than bf16
+    assert 512 * 512 // 2 <= counter.bytes < 512 * 512 * 2 // 3

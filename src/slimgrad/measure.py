@@ -26,11 +26,21 @@ class SavedRecord:
 
 
 def _storage_key(t: torch.Tensor):
+    """(device, storage address) and storage bytes; for wrapper subclasses without a real storage (torchao's
+    NF4Tensor, ...) the key of their first inner tensor and the sum of their inner tensors' storages."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        names, _ = flatten()
+        inner = [getattr(t, n) for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
+        parts = [_storage_key(i) for i in inner]
+        parts = [p for p in parts if p[0] is not None]
+        if parts:
+            return parts[0][0], sum(nbytes for _, nbytes in parts)
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
         return None, 0
-    return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
 
 
 def _excluded_keys(exclude: Iterable) -> set:

@@ -67,8 +67,9 @@ class LoraLinearFunction(_common.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters):
         n = len(scalings)
-        result = _base_forward(x, weight, bias, fan_in_fan_out)
-        base_dtype = result.dtype
+        # weight=None: adapters only (the caller adds its own base, e.g. a quantized one), cast to x's dtype.
+        result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
+        base_dtype = result.dtype if result is not None else x.dtype
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[1]
         need_a = [need[7 + 3 * i] for i in range(n)]
@@ -103,7 +104,7 @@ class LoraLinearFunction(_common.Function):
             t = F.linear(dropped, A)
             u = F.linear(t, B, b_bias)
             u_dtypes.append(u.dtype)
-            result = result + u * scalings[i]
+            result = u * scalings[i] if result is None else result + u * scalings[i]
             kept_t.append(t if need_b[i] else None)
             masks.append(mask if (need_x or need_a[i]) else None)
         sum_dtype = result.dtype
@@ -136,7 +137,8 @@ class LoraLinearFunction(_common.Function):
 
         g = grad.to(sum_dtype)
         g_base = _rows(g.to(base_dtype))
-        if need_x:
+        dx = None
+        if need_x and weight is not None:
             dx = g_base.mm(weight.t() if fan_in_fan_out else weight)
         if need_w:
             x2d = _rows(x)
@@ -188,7 +190,7 @@ class LoraLinearFunction(_common.Function):
                 dxa = dd if dxa is None else dxa + dd
         if need_x:
             if dxa is not None:
-                dx = dxa.to(x_dtype) + dx
+                dx = dxa.to(x_dtype) if dx is None else dxa.to(x_dtype) + dx
             grads[0] = dx.view(x_shape)
         return tuple(grads)
 
