@@ -45,6 +45,10 @@ def test_totals_equal_an_independent_saved_tensor_count(case):
     assert all(type(m).__module__.startswith("torch") for m in model.modules())
 
 
+def test_exported_at_package_level():
+    assert slimgrad.audit is audit and slimgrad.AuditReport is AuditReport
+
+
 def test_minimum_matches_hand_computed_rules():
     model = tiny()
     x = torch.randn(2, 3, 8, 8)
@@ -60,6 +64,23 @@ def test_minimum_matches_hand_computed_rules():
     rows = {r.path: r for r in report_all.rows}
     assert rows["0"].min_bytes == 2 * 3 * 8 * 8 * 4  # trainable conv keeps its input
     assert rows["7"].min_bytes == 2 * 4 * 4
+
+
+def test_minimum_total_counts_a_shared_input_once():
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.q(x) + self.k(x) * self.v(x)
+
+    x = torch.randn(5, 8)
+    report = audit(QKV(), x, case="all", measure_peak=False)
+    rows = {r.path: r for r in report.rows}
+    assert rows["q"].min_bytes == rows["k"].min_bytes == 5 * 8 * 4  # each layer alone needs x
+    # the model needs x once, plus what the container's own mul keeps (k(x) and v(x)), like stock
+    assert report.min_total == 5 * 8 * 4 + 2 * 5 * 8 * 4 == report.stock_total
 
 
 def test_hidden_ctx_attribute_tensors_are_counted():

@@ -5,6 +5,7 @@
 """
 
 from . import functional, nn
+from .audit import AuditReport, audit
 from .convert import ConversionReport, convert, revert
 from .functional.cross_entropy import fused_linear_cross_entropy
 from .measure import SavedTensors, peak_bytes, saved_bytes
@@ -12,6 +13,8 @@ from .mode import enabled
 
 __version__ = "0.1.0"
 __all__ = [
+    "AuditReport",
+    "audit",
     "ConversionReport",
     "SavedTensors",
     "convert",

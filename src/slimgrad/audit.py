@@ -20,7 +20,7 @@ from torch import nn
 from .cases import apply_case
 from .convert import convert, revert
 from .measure import _storage_key, peak_bytes
-from .minimum import minimum_bytes
+from .minimum import minimum_parts
 
 __all__ = ["AuditReport", "ModuleRow", "audit"]
 
@@ -141,6 +141,8 @@ class _Tracker:
         self.nodes_seen: set = set()
         self.largest: dict[str, int] = {}
         self.owner: dict = {}  # storage key -> (path, nbytes) of each packed storage
+        self.min_storages: dict = {}  # storages the layer minima need, once each (shared inputs)
+        self.min_extra: dict[str, int] = {}  # derived bytes (masks, stats, positions) per module
         self.unpacked: set = set()
 
     def _pre(self, module, args):
@@ -149,7 +151,18 @@ class _Tracker:
     def _post(self, module, args, output):
         path = self.stack.pop()
         if not any(True for _ in module.children()):
-            self.minimum[path] = minimum_bytes(module, args, output)
+            parts = minimum_parts(module, args, output)
+            if parts is None:
+                self.minimum[path] = None
+            else:
+                tensors, extra = parts
+                keys = []
+                for t in tensors:
+                    key, _ = _storage_key(t)
+                    keys.append(key)
+                    self.min_storages.setdefault(key, t.untyped_storage().nbytes())
+                self.minimum[path] = sum(t.numel() * t.element_size() for t in tensors) + extra
+                self.min_extra[path] = extra
         self._find_hidden(path, output)
 
     def _find_hidden(self, path, output):
@@ -214,17 +227,38 @@ class _Tracker:
                 result[path] = result.get(path, 0) + nbytes
         return result
 
+    def _wrap(self, module: nn.Module):
+        """Attribute by wrapping the instance's ``forward``, not with hooks: slimgrad's replacements (and
+        other libraries) fall back to stock code when they see hooks, which would change what is measured."""
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            self._pre(module, args)
+            try:
+                out = inner(*args, **kwargs)
+            except BaseException:
+                self.stack.pop()
+                raise
+            self._post(module, args, out)
+            return out
+
+        return forward
+
     def run(self, step: Callable[[], torch.Tensor]):
-        handles = []
+        wrapped = []
         for m in self.model.modules():
-            handles.append(m.register_forward_pre_hook(self._pre))
-            handles.append(m.register_forward_hook(self._post))
+            had_own = "forward" in m.__dict__
+            wrapped.append((m, had_own, m.__dict__.get("forward")))
+            m.forward = self._wrap(m)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 loss = step()
         finally:
-            for h in handles:
-                h.remove()
+            for m, had_own, own in wrapped:
+                if had_own:
+                    m.forward = own
+                else:
+                    del m.forward
         loss.backward()
 
 
@@ -282,7 +316,7 @@ def audit(model: nn.Module, *example_inputs, loss_fn: Callable | None = None, ca
 
     t_stock, t_slim = trackers["stock"], trackers["slim"]
     unread = t_stock.unread()
-    rows = []
+    rows: list[ModuleRow] = []
     slim_modules = dict(slim.named_modules())
     for path, module in stock.named_modules():
         rows.append(ModuleRow(
@@ -293,13 +327,20 @@ def audit(model: nn.Module, *example_inputs, loss_fn: Callable | None = None, ca
             stock_hidden_bytes=t_stock.hidden.get(path, 0), stock_unread_bytes=unread.get(path, 0),
             stock_kinds=t_stock.kinds.get(path, []), slim_kinds=t_slim.kinds.get(path, []),
         ))
-    known = [r for r in rows if r.min_bytes is not None]
-    unknown_stock = sum(r.stock_bytes for r in rows if r.min_bytes is None)
+    # Modules with no rule (containers' own saves, unknown layers): what stock keeps there (storages a rule
+    # already needs excluded) or what slimgrad keeps, whichever is smaller, since either is achievable.
+    no_rule = {r.path: r for r in rows if r.min_bytes is None}
+    stock_unknown: dict[str, int] = {}
+    for key, (path, nbytes) in t_stock.owner.items():
+        if path in no_rule and key not in t_stock.min_storages:
+            stock_unknown[path] = stock_unknown.get(path, 0) + nbytes
+    unknown_stock = sum(min(stock_unknown.get(p, 0), r.slim_bytes) for p, r in no_rule.items())
+    min_total = sum(t_stock.min_storages.values()) + sum(t_stock.min_extra.values()) + unknown_stock
     return AuditReport(
         rows=rows,
         stock_total=sum(t_stock.bytes.values()),
         slim_total=sum(t_slim.bytes.values()) + sum(t_slim.hidden.values()),
-        min_total=sum(r.min_bytes for r in known) + unknown_stock,
+        min_total=min_total,
         stock_hidden_total=sum(t_stock.hidden.values()),
         stock_peak=peaks["stock"], slim_peak=peaks["slim"], case=case,
     )

@@ -4,7 +4,10 @@ These are the rules slimgrad's layers are built to meet, written independently o
 of each backward, so the audit can show how far stock PyTorch (and slimgrad) is from the floor. Inputs:
 the module (its type, mode and parameters' ``requires_grad``), its input tensors and its output.
 
-A rule returns bytes, or None when the layer kind has no rule (then the audit shows no minimum).
+A rule returns what must be kept: the input/output tensors themselves (so that a tensor several layers
+need, like the x that q, k and v projections share, is counted once in a model total) and a number of
+extra bytes for what is derived (masks, statistics, positions, seeds); or None when the layer kind has no
+rule (then the audit shows no minimum).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["minimum_bytes"]
+__all__ = ["minimum_bytes", "minimum_parts"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -27,7 +30,7 @@ def _needs(p) -> bool:
 
 def _conv(m, x, y, x_grad):
     # dW needs X; dX needs W (a parameter: free); dB needs nothing.
-    return _nbytes(x) if _needs(m.weight) else 0
+    return ([x], 0) if _needs(m.weight) else ([], 0)
 
 
 def _batch_norm(m, x, y, x_grad):
@@ -36,25 +39,25 @@ def _batch_norm(m, x, y, x_grad):
     batch_stats = m.training or not m.track_running_stats
     w_grad = _needs(m.weight)
     if batch_stats:
-        return _nbytes(x) + stats if (x_grad or w_grad) else 0
-    return _nbytes(x) if w_grad else 0  # eval: dX = dy·w·invstd_running
+        return ([x], stats) if (x_grad or w_grad) else ([], 0)
+    return ([x], 0) if w_grad else ([], 0)  # eval: dX = dy·w·invstd_running
 
 
 def _relu_like(m, x, y, x_grad):
-    return math.ceil(x.numel() / 8) if x_grad else 0  # one bit per element
+    return [], (math.ceil(x.numel() / 8) if x_grad else 0)  # one bit per element
 
 
 def _dropout(m, x, y, x_grad):
-    return 8 if (x_grad and m.training and m.p > 0) else 0  # a seed
+    return [], (8 if (x_grad and m.training and m.p > 0) else 0)  # a seed
 
 
 def _max_pool(m, x, y, x_grad):
     if not x_grad:
-        return 0
+        return [], 0
     out = y[0] if isinstance(y, tuple) else y
     window = math.prod(_tuple(m.kernel_size, x.dim() - 2 if x.dim() > 2 else 1))
     itemsize = 1 if window <= 256 else 2 if window <= 2**15 else 4
-    return out.numel() * itemsize
+    return [], out.numel() * itemsize
 
 
 def _tuple(v, n):
@@ -62,11 +65,11 @@ def _tuple(v, n):
 
 
 def _nothing(m, x, y, x_grad):
-    return 0
+    return [], 0
 
 
 def _linear(m, x, y, x_grad):
-    return _nbytes(x) if _needs(m.weight) else 0
+    return ([x], 0) if _needs(m.weight) else ([], 0)
 
 
 _RULES = {
@@ -83,13 +86,21 @@ _RULES = {
 }
 
 
-def minimum_bytes(module: nn.Module, inputs: tuple, output) -> int | None:
-    """Bytes the gradients requested of ``module`` need kept, or None for an unknown layer kind.
-
-    Matching walks the class hierarchy so that slimgrad's replacements (subclasses) use the stock rule.
-    """
+def minimum_parts(module: nn.Module, inputs: tuple, output) -> tuple[list[torch.Tensor], int] | None:
+    """(tensors to keep, extra bytes) that the gradients requested of ``module`` need, or None for an
+    unknown layer kind. Matching walks the class hierarchy so that slimgrad's replacements (subclasses)
+    use the stock rule."""
     rule = next((_RULES[t] for t in type(module).__mro__ if t in _RULES), None)
     x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
     if rule is None or x is None:
         return None
     return rule(module, x, output, x.requires_grad)
+
+
+def minimum_bytes(module: nn.Module, inputs: tuple, output) -> int | None:
+    """Bytes the gradients requested of ``module`` need kept, in isolation, or None for an unknown kind."""
+    parts = minimum_parts(module, inputs, output)
+    if parts is None:
+        return None
+    tensors, extra = parts
+    return sum(_nbytes(t) for t in tensors) + extra
