@@ -36,7 +36,7 @@ ROUTES: dict[Callable, Callable] = {}
 #: signature. A new op family adds its names here (or calls :func:`route` for other pairs).
 SAME_NAME = (
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "batch_norm",
+    "batch_norm", "layer_norm", "group_norm", "rms_norm",
     "relu", "leaky_relu",
     "dropout", "dropout1d", "dropout2d", "dropout3d",
     "max_pool1d", "max_pool2d", "max_pool3d",
