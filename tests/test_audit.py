@@ -164,6 +164,25 @@ def test_cli_runs_end_to_end(tmp_path):
     assert "[3/3" in result.stderr  # progress
 
 
+@pytest.mark.slow
+def test_cli_lora_case_on_a_hugging_face_model():
+    pytest.importorskip("peft")
+    result = _cli("audit", "--hf", "llama", "--case", "lora", "--batch-size", "1", "--seq-len", "16", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "lora_A" in result.stdout or "LlamaMLP" in result.stdout or "total" in result.stdout
+
+
+def test_lora_case_freezes_the_base_and_trains_adapters():
+    pytest.importorskip("peft")
+    model = tiny()
+    report = audit(model, torch.randn(2, 3, 8, 8), case="lora", measure_peak=False)
+    params = {r.path: r.params for r in report.rows}
+    assert any("lora_A" in p and v == "trainable" for p, v in params.items())
+    assert any(p.endswith("base_layer") and v == "frozen" for p, v in params.items())
+    with pytest.raises(ValueError, match="unknown case 'nope'"):
+        audit(model, torch.randn(2, 3, 8, 8), case="nope")
+
+
 def test_cli_errors_are_one_line(tmp_path):
     _one_line_error(_cli("audit", "--factory", "no_such_module_xyz:build"), "no_such_module_xyz")
     _one_line_error(_cli("audit", "--factory", "json:loads"), "raised TypeError")

@@ -17,12 +17,29 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .cases import apply_case
+from .cases import CASES, apply_case
 from .convert import convert, revert
 from .measure import _storage_key, peak_bytes
 from .minimum import minimum_parts
 
-__all__ = ["AuditReport", "ModuleRow", "audit"]
+#: the training cases the audit knows: MemSave's, plus "lora" (peft LoRA adapters, rank 8, on every linear
+#: layer of a Hugging Face model, or on every Linear/Conv2d of another model; everything else frozen)
+AUDIT_CASES = (*CASES, "lora")
+
+
+def _with_lora(model: nn.Module) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ImportError("the 'lora' case needs peft: pip install 'slimgrad[hf]'") from None
+    if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
+        targets = "all-linear"  # a transformers model: every linear layer but the output head
+    else:
+        targets = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+
+
+__all__ = ["AUDIT_CASES", "AuditReport", "ModuleRow", "audit"]
 
 
 @dataclasses.dataclass
@@ -273,19 +290,24 @@ def audit(model: nn.Module, *example_inputs, loss_fn: Callable | None = None, ca
           measure_peak: bool = True) -> AuditReport:
     """Run one forward+backward of a stock and a converted copy of ``model`` and compare what is kept.
 
-    ``case`` (one of :data:`slimgrad.cases.CASES`) sets ``requires_grad`` flags and modes on the copies
-    (and whether the inputs need grad); without it, the model's flags and the inputs' ``requires_grad``
-    are used as they are. ``loss_fn(output) -> scalar`` defaults to summing the (first) output. The user's
-    model is not modified. The converted copy runs one warm-up step first, as in training, so its
-    activations know whether their consumers keep their outputs.
+    ``case`` (one of :data:`AUDIT_CASES`) sets ``requires_grad`` flags and modes on the copies (and whether
+    the inputs need grad; ``"lora"`` wraps the copy with peft LoRA adapters); without it, the model's flags
+    and the inputs' ``requires_grad`` are used as they are. ``loss_fn(output) -> scalar`` defaults to summing
+    the (first) output. The user's model is not modified. The converted copy runs one warm-up step first,
+    as in training, so its activations know whether their consumers keep their outputs.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"audit: 'model' must be a torch.nn.Module, got {type(model).__name__}")
     if not example_inputs:
         raise ValueError("audit: give at least one example input: audit(model, x)")
+    if case is not None and case not in AUDIT_CASES:
+        raise ValueError(f"audit: unknown case {case!r}; cases: {', '.join(AUDIT_CASES)}")
     stock = revert(copy.deepcopy(model))
     input_grads = [getattr(a, "requires_grad", False) for a in example_inputs]
-    if case is not None:
+    if case == "lora":
+        stock = _with_lora(stock)
+        input_grads = [False] * len(example_inputs)
+    elif case is not None:
         wants_input_grad = apply_case(stock, case)
         input_grads = [wants_input_grad and isinstance(a, torch.Tensor) and a.is_floating_point()
                        for a in example_inputs]

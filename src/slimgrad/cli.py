@@ -15,6 +15,7 @@ import time
 import torch
 
 from . import convert
+from .audit import AUDIT_CASES
 from .cases import CASES, apply_case, training_step
 from .measure import SavedTensors
 from .models import MODELS, build_model
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     src.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="an in-repo CNN")
     src.add_argument("--hf", choices=sorted(_HF_CONFIGS), help="a small Hugging Face model built from a config")
     src.add_argument("--factory", help="'module:function' returning (model, example_input)")
-    a.add_argument("--case", default="all", choices=CASES)
+    a.add_argument("--case", default="all", choices=AUDIT_CASES)
     a.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     a.add_argument("--batch-size", type=int, default=8)
     a.add_argument("--image-size", type=int, default=224)
