@@ -65,7 +65,10 @@ def kept(model, ids):
     return visible, hidden
 
 
-def build(path, quant, rank):
+def build(path, quant, rank, recipe="kbit"):
+    """``recipe="kbit"``: peft's ``prepare_model_for_kbit_training`` (upcasts every non-quantized parameter
+    to fp32, so hidden states are fp32); ``recipe="bf16"``: the quantized model kept in bf16 (hidden states
+    bf16, as in the plain bf16 LoRA model it is compared with)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -75,8 +78,12 @@ def build(path, quant, rank):
         q = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                 bnb_4bit_compute_dtype=torch.bfloat16) if quant == "nf4"
              else BitsAndBytesConfig(load_in_8bit=True))
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu")
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu",
+                                                     dtype=torch.bfloat16)
+        if recipe == "kbit":
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        else:
+            model.enable_input_require_grads()
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJ))
     model.train()
@@ -102,21 +109,23 @@ def main():
           f"batch {args.batch_size}x{args.seq_len}, LoRA r={args.rank} on {len(PROJ)} projections")
     lora_peft = None
     rows = []
-    for quant in ("nf4", "int8", "bf16"):
-        stock = build(path, quant, args.rank)
-        slim = slimgrad.convert(stock)
+    for quant, recipe in (("nf4", "kbit"), ("int8", "kbit"), ("nf4", "bf16"), ("int8", "bf16"), ("bf16", "bf16")):
+        stock = build(path, quant, args.rank, recipe)
         if quant != "bf16" and lora_peft is None:
             import slimgrad.integrations.bnb as ib
 
             lora_peft = hasattr(ib, "SlimLoraLinear4bit")
         res = {}
-        for name, m in (("stock", stock), ("slimgrad", slim)):
+        for name, m in (("stock", stock), ("slimgrad", slimgrad.convert(stock)),
+                        ("slimgrad+chunked", slimgrad.convert(stock, chunked_loss=True))):
+            kept(m, ids)  # warm-up, as in training
             visible, hidden = kept(m, ids)
             peak = peak_bytes(lambda m=m: m(input_ids=ids, labels=ids).loss.backward())
             m.zero_grad(set_to_none=True)
             res[name] = (visible, hidden, peak)
-        rows.append((quant, res))
-        if quant != "bf16":
+        label = "bf16 LoRA" if quant == "bf16" else f"{quant} ({'kbit-prep, fp32' if recipe == 'kbit' else 'bf16'})"
+        rows.append((label, res))
+        if quant != "bf16" and recipe == "kbit":
             import bitsandbytes as bnb
 
             layer_weights = sum(mod.out_features * mod.in_features for n, mod in stock.named_modules()
@@ -132,17 +141,15 @@ def main():
                 if ".layers.0." in r.path + "." and (r.stock_bytes or r.stock_hidden_bytes or r.slim_bytes):
                     print(f"  {r.path.split('layers.0.')[-1]:<44} "
                           f"{(r.stock_bytes + r.stock_hidden_bytes) / MiB:>12.3f} {r.slim_bytes / MiB:>9.3f}")
-        del stock, slim
+        del stock
     print(f"\npeft bnb LoRA wrappers converted: {lora_peft}")
-    print(f"{'model':<6} {'side':<9} {'kept (hooks)':>12} {'hidden ctx':>10} {'kept total':>10} {'peak':>8}  (MiB)")
-    for quant, res in rows:
+    print("\n| model | side | kept (hooks) | hidden in ctx | kept total | ratio | peak over the step |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for label, res in rows:
+        base = sum(res["stock"][:2])
         for name, (visible, hidden, peak) in res.items():
-            total = (visible + hidden) / MiB
-            print(f"{quant:<6} {name:<9} {visible / MiB:>12.2f} {hidden / MiB:>10.2f} {total:>10.2f} "
-                  f"{peak / MiB:>8.2f}")
-        s, g = res["stock"], res["slimgrad"]
-        print(f"{quant:<6} ratio     {'':>12} {'':>10} {(g[0] + g[1]) / (s[0] + s[1]):>10.3f} {g[2] / s[2]:>8.3f}")
-
+            print(f"| {label} | {name} | {visible / MiB:.2f} | {hidden / MiB:.2f} | {(visible + hidden) / MiB:.2f} | "
+                  f"{(visible + hidden) / base:.3f} | {peak / MiB:.2f} |")
 
 if __name__ == "__main__":
     main()
