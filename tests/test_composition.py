@@ -33,10 +33,25 @@ def small_cnn():
     )
 
 
+def llm_block():
+    """The LLM families on a float input: Hugging Face RMSNorm, a Llama gated MLP whose projections carry
+    peft LoRA adapters, torch LayerNorm and RMSNorm, transformers' NewGELU."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=24, num_attention_heads=2, hidden_act="silu")
+    body = nn.Sequential(LlamaRMSNorm(16), LlamaMLP(cfg), nn.LayerNorm(16), nn.RMSNorm(16),
+                         transformers.activations.NewGELUActivation(), nn.Linear(16, 3))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["1.gate_proj", "1.up_proj", "1.down_proj"])
+    return peft.get_peft_model(body, config).base_model.model  # the LoRA-injected module, peft's forward
+
+
 # name -> (builder, input shape). One line per model family.
 MODELS = {
     "cnn": (small_cnn, (2, 3, 8, 8)),
     "resnet18": (lambda: resnet18(base_width=8, num_classes=5), (2, 3, 32, 32)),
+    "llm": (llm_block, (2, 5, 16)),
 }
 TRAIN_CASES = ("all", "input", "input-bn-eval", "norm")
 
@@ -138,7 +153,8 @@ def test_reentrant_recomputation_keeps_what_slimgrad_keeps(name):
             out.sum().backward()
         assert recomputed.bytes == direct.bytes > 0
         kept[model is slim] = direct.bytes
-    assert kept[True] < kept[False] / 4
+    # CNNs with eval batch norm keep almost nothing input-sized; the LLM block keeps what its gradients need
+    assert kept[True] < kept[False] * {"llm": 0.75}.get(name, 0.25)
 
 
 def test_offloading_hooks_see_only_what_slimgrad_keeps():
