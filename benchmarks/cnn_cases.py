@@ -62,6 +62,9 @@ def kept(model, x, input_grad):
 
 
 def run_case(name, case, args, device):
+    # Each case builds new models: without a reset dynamo exceeds its recompile limit after a few cases
+    # and silently runs the compiled providers eagerly.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model(name, num_classes=10, width_scale=args.width_scale).to(device)
     input_grad = apply_case(model, case)
