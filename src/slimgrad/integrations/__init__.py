@@ -36,8 +36,10 @@ def load_available() -> list[str]:
                 if e.name != f"{__name__}.{name}":  # a real missing dependency, not a missing module
                     raise
                 continue
-            refresh = getattr(module, "refresh", None)
-            if refresh is not None:
-                refresh()
-            loaded.append(name)
-    return loaded
+            loaded.append(module)
+    # Refresh after every import: one integration may import model code that another registers from.
+    for module in loaded:
+        refresh = getattr(module, "refresh", None)
+        if refresh is not None:
+            refresh()
+    return [m.__name__.rsplit(".", 1)[-1] for m in loaded]

@@ -1,0 +1,31 @@
+"""Integrations load lazily, only for libraries the user imported, and register their classes whatever the
+order in which model code was imported."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_nothing_loads_without_the_library():
+    out = _run("import sys, slimgrad, torch; slimgrad.convert(torch.nn.Conv2d(1, 1, 1)); "
+               "print(sorted(m for m in ('transformers', 'peft', 'bitsandbytes') if m in sys.modules))")
+    assert out == "[]"
+
+
+@pytest.mark.slow
+def test_transformers_classes_register_even_before_model_code_is_imported():
+    pytest.importorskip("transformers")
+    out = _run("import transformers, slimgrad\n"
+               "from slimgrad.integrations import load_available\n"
+               "load_available()\n"
+               "from slimgrad._registry import REPLACEMENTS\n"
+               "from transformers.models.llama import modeling_llama as m\n"
+               "print(all(c in REPLACEMENTS for c in (m.LlamaRMSNorm, m.LlamaMLP, m.LlamaForCausalLM)))")
+    assert out == "True"
