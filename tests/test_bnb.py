@@ -378,3 +378,23 @@ def test_qlora_finetune_tracks_stock(llama_dir, quant):
             opt.step()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [linear_4bit, linear_8bit], ids=["4bit", "8bit"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_quantized_base_under_checkpointing_gives_the_same_gradients(make, reentrant):
+    """Checkpointing recomputes the forward in backward; the quantized Function keeps only state references,
+    so recomputation saves the same tensors and the gradients equal a plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    slim = converted(make())
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(7))
+    g = torch.randn(5, OUT, generator=torch.Generator().manual_seed(8))
+    plain_x = x.clone().requires_grad_()
+    slim(plain_x).backward(g)
+    plain_bias = slim.bias.grad.clone()
+    slim.bias.grad = None
+    ckpt_x = x.clone().requires_grad_()
+    checkpoint(slim, ckpt_x, use_reentrant=reentrant).backward(g)
+    assert_same(ckpt_x.grad, plain_x.grad, what="x.grad")
+    assert_same(slim.bias.grad, plain_bias, what="bias.grad")
