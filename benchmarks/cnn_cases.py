@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from _docs import write_section
 
 import slimgrad
 from slimgrad.cases import CASES, apply_case
@@ -124,15 +125,7 @@ def render(results, args, device) -> str:
 def write_docs(text: str, results, args) -> None:
     DOCS.mkdir(exist_ok=True)
     (DOCS / "img").mkdir(exist_ok=True)
-    path = DOCS / "benchmarks.md"
-    begin, end = "<!-- cnn_cases:begin -->", "<!-- cnn_cases:end -->"
-    section = f"{begin}\n## CNN cases (MemSave evaluation)\n\n{text}\n\n![kept bytes](img/cnn_cases.png)\n{end}"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in old:
-        old = old[: old.index(begin)] + section + old[old.index(end) + len(end):]
-    else:
-        old = old.rstrip() + "\n\n" + section + "\n"
-    path.write_text(old)
+    write_section("cnn_cases", f"## CNN cases (MemSave evaluation)\n\n{text}\n\n![kept bytes](img/cnn_cases.png)")
     try:
         import matplotlib
 

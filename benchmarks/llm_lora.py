@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from _docs import write_section
 
 import slimgrad
 from slimgrad.measure import SavedTensors, peak_bytes
@@ -119,17 +120,8 @@ def main():
     text = "\n".join(lines)
     print(text)
     if not args.no_docs:
-        path = ROOT / "docs" / "benchmarks.md"
-        key = f"llm_lora:{args.model}:{args.dtype}"
-        begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
-        section = f"{begin}\n## LoRA training step: {args.model}, {args.dtype}\n\n{text}\n{end}"
-        old = path.read_text() if path.exists() else "# Benchmarks\n"
-        if begin in old:
-            old = old[: old.index(begin)] + section + old[old.index(end) + len(end):]
-        else:
-            old = old.rstrip() + "\n\n" + section + "\n"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(old)
+        write_section(f"llm_lora:{args.model}:{args.dtype}",
+                      f"## LoRA training step: {args.model}, {args.dtype}\n\n{text}")
 
 
 if __name__ == "__main__":
