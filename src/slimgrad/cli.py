@@ -1,4 +1,4 @@
-"""``python -m slimgrad ...``: the demo and the audit.
+"""``python -m slimgrad ...``: the demo, the audit and the kernel table.
 
 Errors a user can cause (unknown model, bad shape, a factory that raises) end in one line on stderr and
 exit code 2, never a traceback.
@@ -136,6 +136,13 @@ def audit_command(args) -> int:
     return 0
 
 
+def kernels_command(args) -> int:
+    from . import kernels
+
+    print(kernels.format_table())
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slimgrad", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
     a.add_argument("--plot", metavar="PATH", help="also draw a PNG bar chart (needs matplotlib)")
     a.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     a.set_defaults(run=audit_command)
+
+    k = sub.add_parser("kernels", help="which kernel runs per op family, device and dtype (SLIMGRAD_KERNELS)")
+    k.set_defaults(run=kernels_command, batch_size=1)
 
     args = parser.parse_args(argv)
     if args.batch_size < 1 or getattr(args, "image_size", 32) < 32:

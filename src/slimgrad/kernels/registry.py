@@ -1,0 +1,258 @@
+"""One registry for every fast kernel slimgrad can run: op family x device x dtype -> implementations.
+
+Why one registry: the CPU speed work (JIT-compiled CPU kernels) and the GPU work (Triton kernels) serve
+the same autograd Functions. A Function asks ``choose(family, tensor)`` for an implementation and calls
+it; it never imports a backend itself. Each implementation declares what it supports (devices, dtypes),
+whether it can run here (its import succeeds, the JIT compiler is installed, ...) and a priority; the
+registry picks the first that fits, in the order the preference says, and the choice is inspectable
+(``table()`` and ``python -m slimgrad kernels``). This is xformers' attention dispatch, reduced.
+
+Preference (``SLIMGRAD_KERNELS`` at import, or :func:`set_preference` / :func:`preference`):
+
+* ``auto`` (default): the highest-priority available implementation for the family, device and dtype.
+  Triton implementations are used on CUDA tensors only (on CPU the Triton interpreter is for checking,
+  never for speed).
+* ``torch``: only the torch implementations (today's path; how the fallback is tested).
+* ``triton``: a Triton implementation wherever one exists for the family and dtype, on CUDA tensors and,
+  when ``TRITON_INTERPRET=1`` is set, on CPU tensors (how tests check Triton kernels without a GPU);
+  the torch implementation elsewhere.
+* ``numba``: the numba (CPU JIT) implementation wherever one exists, else torch.
+
+An unknown value, or ``triton`` when triton cannot be imported, is an error that says so.
+
+An implementation is any object; the family fixes its interface (documented where the family's
+Functions live). ``register`` takes a zero-argument ``load`` callable so that heavy imports (numba,
+triton) happen on first use, and a failed import makes the implementation unavailable, not an error.
+The lookup a Function does per call is one dict access once warm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = [
+    "Kernel",
+    "PREFERENCES",
+    "register",
+    "choose",
+    "get_preference",
+    "set_preference",
+    "preference",
+    "implementations",
+    "families",
+    "table",
+    "triton_interpreting",
+]
+
+PREFERENCES = ("auto", "torch", "triton", "numba")
+
+#: Backend names with a meaning to the preference logic.
+TORCH, TRITON, NUMBA = "torch", "triton", "numba"
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One implementation of one op family.
+
+    ``backend``: "torch", "numba" or "triton" (what the preference selects on). ``devices``: device types
+    it runs on ("cpu", "cuda"; a Triton kernel lists "cuda" and runs on "cpu" only under the
+    interpreter). ``dtypes``: the tensor dtypes it handles. ``priority``: higher wins under "auto".
+    ``load``: returns the implementation object; called once, on first use; an exception there makes the
+    kernel unavailable (the reason is kept for the table).
+    """
+
+    family: str
+    backend: str
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    load: Callable[[], object]
+    priority: int = 0
+    note: str = ""
+    _impl: object = dataclasses.field(default=None, repr=False)
+    _error: str | None = dataclasses.field(default=None, repr=False)
+    _loaded: bool = dataclasses.field(default=False, repr=False)
+
+    def implementation(self):
+        """The loaded implementation, or None when it cannot run here."""
+        if not self._loaded:
+            self._loaded = True
+            try:
+                self._impl = self.load()
+            except Exception as exc:  # noqa: BLE001 - any import/JIT failure means "not available"
+                self._error = f"{type(exc).__name__}: {exc}"
+                self._impl = None
+        return self._impl
+
+    @property
+    def available(self) -> bool:
+        return self.implementation() is not None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        self.implementation()
+        return self._error
+
+    def supports(self, device_type: str, dtype: torch.dtype) -> bool:
+        if dtype not in self.dtypes:
+            return False
+        if device_type in self.devices:
+            return True
+        # Triton kernels run on CPU tensors under the interpreter.
+        return self.backend == TRITON and device_type == "cpu" and triton_interpreting()
+
+
+_KERNELS: dict[str, list[Kernel]] = {}
+_CACHE: dict[tuple[str, str, torch.dtype], object] = {}
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``), which works on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _read_env() -> str:
+    value = os.environ.get("SLIMGRAD_KERNELS", "auto").strip().lower() or "auto"
+    _check_preference(value, source="the environment variable SLIMGRAD_KERNELS")
+    return value
+
+
+def _check_preference(value: str, *, source: str) -> None:
+    if value not in PREFERENCES:
+        raise ValueError(f"slimgrad: {source} must be one of {', '.join(PREFERENCES)}, got {value!r}")
+    if value == TRITON and importlib.util.find_spec("triton") is None:
+        raise RuntimeError(f"slimgrad: {source} is 'triton' but triton is not installed "
+                           f"(pip install triton, or the 'triton' extra: pip install 'slimgrad[triton]')")
+
+
+_PREFERENCE = _read_env()
+
+
+def get_preference() -> str:
+    return _PREFERENCE
+
+
+def set_preference(value: str) -> None:
+    """Set the kernel preference for this process (same values as ``SLIMGRAD_KERNELS``)."""
+    global _PREFERENCE
+    value = str(value).strip().lower()
+    _check_preference(value, source="set_preference's argument 'value'")
+    _PREFERENCE = value
+    _CACHE.clear()
+
+
+@contextlib.contextmanager
+def preference(value: str):
+    """Temporarily set the kernel preference (tests: ``with preference("torch"): ...``)."""
+    old = _PREFERENCE
+    set_preference(value)
+    try:
+        yield
+    finally:
+        set_preference(old)
+
+
+def register(family: str, backend: str, *, devices: Iterable[str], dtypes: Iterable[torch.dtype],
+             load: Callable[[], object], priority: int = 0, note: str = "") -> Kernel:
+    """Declare an implementation of ``family``. Registering is cheap: nothing is imported until used."""
+    if backend not in (TORCH, TRITON, NUMBA):
+        raise ValueError(f"slimgrad.kernels.register: 'backend' must be torch, triton or numba, got {backend!r}")
+    kernel = Kernel(family, backend, tuple(devices), tuple(dtypes), load, priority, note)
+    _KERNELS.setdefault(family, []).append(kernel)
+    _CACHE.clear()
+    return kernel
+
+
+def _candidates(family: str, device_type: str, dtype: torch.dtype) -> list[Kernel]:
+    kernels = [k for k in _KERNELS.get(family, ()) if k.supports(device_type, dtype)]
+    pref = _PREFERENCE
+    if pref == TORCH:
+        kernels = [k for k in kernels if k.backend == TORCH]
+    elif pref in (TRITON, NUMBA):
+        # The preferred backend first, then torch (never another fast backend).
+        kernels = [k for k in kernels if k.backend in (pref, TORCH)]
+        kernels.sort(key=lambda k: (k.backend != pref, -k.priority))
+        return kernels
+    else:
+        # auto: Triton on CUDA only; the interpreter is for checking, not speed.
+        kernels = [k for k in kernels if not (k.backend == TRITON and device_type != "cuda")]
+    kernels.sort(key=lambda k: -k.priority)
+    return kernels
+
+
+def choose_kernel(family: str, device_type: str, dtype: torch.dtype) -> Kernel | None:
+    """The :class:`Kernel` that would run for ``family`` on (device type, dtype), or None."""
+    for kernel in _candidates(family, device_type, dtype):
+        if kernel.available:
+            return kernel
+    return None
+
+
+def choose(family: str, tensor: torch.Tensor):
+    """The implementation object to use for ``family`` on ``tensor``'s device and dtype, or None when no
+    registered implementation fits (the caller then runs its own torch code)."""
+    key = (family, tensor.device.type, tensor.dtype)
+    try:
+        return _CACHE[key]
+    except KeyError:
+        pass
+    kernel = choose_kernel(family, key[1], key[2])
+    impl = kernel.implementation() if kernel is not None else None
+    _CACHE[key] = impl
+    return impl
+
+
+def implementations(family: str) -> list[Kernel]:
+    return list(_KERNELS.get(family, ()))
+
+
+def families() -> list[str]:
+    return sorted(_KERNELS)
+
+
+_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def table(devices: Iterable[str] = ("cpu", "cuda")) -> list[dict]:
+    """Rows (family, device, dtype, available backends, chosen backend) under the current preference."""
+    rows = []
+    for family in families():
+        for device in devices:
+            for dtype in _TABLE_DTYPES:
+                fitting = [k for k in _KERNELS[family] if k.supports(device, dtype)]
+                if not fitting:
+                    continue
+                avail = [k.backend for k in fitting if k.available]
+                missing = {k.backend: k.unavailable_reason for k in fitting if not k.available}
+                chosen = choose_kernel(family, device, dtype)
+                rows.append({
+                    "family": family,
+                    "device": device,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "available": avail,
+                    "unavailable": missing,
+                    "chosen": chosen.backend if chosen else None,
+                })
+    return rows
+
+
+def format_table(devices: Iterable[str] = ("cpu", "cuda")) -> str:
+    rows = table(devices)
+    lines = [f"slimgrad kernels (SLIMGRAD_KERNELS={_PREFERENCE}, TRITON_INTERPRET="
+             f"{os.environ.get('TRITON_INTERPRET', '0')}, cuda available: {torch.cuda.is_available()})",
+             f"{'family':<22}{'device':<8}{'dtype':<10}{'available':<24}{'chosen':<8}"]
+    for r in rows:
+        lines.append(f"{r['family']:<22}{r['device']:<8}{r['dtype']:<10}{','.join(r['available']) or '-':<24}"
+                     f"{r['chosen'] or '-':<8}")
+    reasons = {}
+    for r in rows:
+        for backend, why in r["unavailable"].items():
+            reasons.setdefault((r["family"], backend), why)
+    for (family, backend), why in sorted(reasons.items()):
+        lines.append(f"  {family}/{backend} unavailable: {why}")
+    return "\n".join(lines)
