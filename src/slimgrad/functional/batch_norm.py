@@ -151,6 +151,9 @@ class BatchNormFunction(_common.Function):
                     save_mean = save_invstd = bias.detach()
                 else:
                     save_mean = save_invstd = grad_out.new_zeros(ctx.x_shape[1], dtype=ctx.stat_dtype)
+            if not ctx.training and save_mean is None:
+                # CUDA's kernel asserts that the (unused in evaluation) batch statistics are defined.
+                save_mean = save_invstd = grad_out.new_empty(0, dtype=ctx.stat_dtype)
             kdx, dw, db = _aten.native_batch_norm_backward(
                 grad_out,
                 x,
