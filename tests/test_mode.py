@@ -70,6 +70,14 @@ CASES.update({
     F.leaky_relu: (lambda x: ((x, 0.1), {}), SHAPE[2], _bits(N[2]), True),
     F.leaky_relu_: (lambda x: ((x * 1, 0.1), {}), SHAPE[2], _bits(N[2]), True),
     F.dropout: (lambda x: ((x, 0.3), {}), SHAPE[2], 8, False),
+    # clamp-like activations: a 1-bit mask of the region where the gradient passes
+    F.hardtanh: (lambda x: ((x, -0.5, 0.5), {}), SHAPE[2], _bits(N[2]), True),
+    F.hardtanh_: (lambda x: ((x * 1, -0.5, 0.5), {}), SHAPE[2], _bits(N[2]), True),
+    F.relu6: (lambda x: ((x * 4,), {}), SHAPE[2], _bits(N[2]), True),
+    F.threshold: (lambda x: ((x, 0.1, 2.0), {}), SHAPE[2], _bits(N[2]), True),
+    torch.threshold: (lambda x: ((x, 0.1, 2.0), {}), SHAPE[2], _bits(N[2]), True),
+    torch.threshold_: (lambda x: ((x * 1, 0.1, 2.0), {}), SHAPE[2], _bits(N[2]), True),
+    F.hardsigmoid: (lambda x: ((x * 4,), {}), SHAPE[2], _bits(N[2]), True),
 })
 
 

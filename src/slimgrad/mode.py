@@ -37,7 +37,7 @@ ROUTES: dict[Callable, Callable] = {}
 SAME_NAME = (
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "batch_norm", "layer_norm", "group_norm", "rms_norm",
-    "relu", "leaky_relu",
+    "relu", "leaky_relu", "hardtanh", "relu6", "threshold", "hardsigmoid",
     "dropout", "dropout1d", "dropout2d", "dropout3d",
     "max_pool1d", "max_pool2d", "max_pool3d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d",
@@ -75,6 +75,9 @@ for _name in SAME_NAME:
 route(torch.relu, SF.relu)
 route(torch.relu_, _with_flag(SF.relu, "inplace", 1))  # also F.relu_
 route(torch._C._nn.leaky_relu_, _with_flag(SF.leaky_relu, "inplace", 2))  # F.leaky_relu_
+route(F.hardtanh_, SF.hardtanh_)
+route(torch.threshold, SF.threshold)
+route(torch.threshold_, SF.threshold_)  # also F.threshold_
 for _nd in (1, 2, 3):
     route(getattr(F, f"max_pool{_nd}d_with_indices"),
           _with_flag(getattr(SF, f"max_pool{_nd}d"), "return_indices", 6))

@@ -2,6 +2,7 @@
 
 from .activation import leaky_relu, relu
 from .batch_norm import batch_norm
+from .clamp import hardsigmoid, hardtanh, hardtanh_, relu6, threshold, threshold_
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .cross_entropy import fused_linear_cross_entropy
 from .dropout import dropout, dropout1d, dropout2d, dropout3d
@@ -29,7 +30,7 @@ __all__ = [
     "dropout", "dropout1d", "dropout2d", "dropout3d",
     "fused_linear_cross_entropy",
     "gated_activation", "gelu_new", "gelu_python", "quick_gelu",
-    "leaky_relu", "relu",
+    "leaky_relu", "relu", "hardsigmoid", "hardtanh", "hardtanh_", "relu6", "threshold", "threshold_",
     "LoraAdapter", "lora_linear",
     "fused_add_rms_norm", "group_norm", "layer_norm", "poly_norm", "rms_norm", "rms_norm_hf",
     "max_pool1d", "max_pool2d", "max_pool3d",

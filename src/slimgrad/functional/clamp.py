@@ -1,0 +1,238 @@
+"""Clamp-like activations (ReLU6, Hardtanh, Threshold, Hardsigmoid) that keep one bit per element.
+
+Stock keeps a float tensor for each of them although backward only reads which elements lie in the
+region where the gradient passes. The pass rules, read from aten's CPU kernels and checked bitwise by the
+tests (NaN, ±inf and -0 included):
+
+* ``hardtanh(x, lo, hi)`` (``relu6`` is ``hardtanh(x, 0, 6)``): ``hardtanh_backward`` passes the
+  gradient where ``lo < x < hi``; both boundaries block. Stock keeps x (out of place) or the result (in
+  place, where the same test on the result gives the same answer). For NaN inputs stock is not
+  consistent: its vectorised loop computes ``(x > lo) & (x < hi)`` (NaN blocks) while the scalar loop
+  that finishes each contiguous run computes ``!(x <= lo || x >= hi)`` (NaN passes), so which NaN
+  elements pass depends on their position and on how the tensor is split across threads. slimgrad
+  applies the vectorised rule to every element (NaN blocks); the tests check that, and that stock's
+  vectorised body agrees.
+* ``threshold(x, th, value)``: ``threshold_backward(grad, x, th)`` gives ``x <= th ? 0 : grad``; NaN and
+  +inf pass. In place, stock keeps a *clone* of the original input (its formula reads ``self``), so the
+  in-place form costs stock a full copy.
+* ``hardsigmoid(x)``: ``(x > -3 && x < 3) ? grad * (1/6) : 0``; NaN blocks. The factor is applied by
+  stock's own ``hardsigmoid_backward`` here (so the rounding is its own), then the mask zeroes the rest.
+  In place, stock keeps a clone of the input.
+* ``hardswish`` is *not* here: its gradient in ``(-3, 3)`` is ``grad * (x / 3 + 0.5)``, which reads x
+  itself, so no mask can replace the input stock keeps.
+
+Backward multiplies the gradient's bits by the 0/1 mask (as the ReLU does), which is ``where(mask, grad,
++0)`` bit for bit. The producer/consumer rule of ``_common`` applies to hardtanh/relu6 and to threshold
+with ``value <= threshold``: when the next layer keeps this output anyway, the output is kept instead of
+a mask, and stock's own backward kernel runs on it (the output lies strictly inside the pass region
+exactly where the input does). Hardsigmoid's output cannot stand in for its input (``x`` just below 3
+rounds to an output of 1 but still passes its gradient), so it always keeps the mask.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+from slimgrad.functional import _bitmask, _common
+from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
+
+__all__ = ["hardtanh", "hardtanh_", "relu6", "threshold", "threshold_", "hardsigmoid", "RangeMaskFunction"]
+
+_LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation."
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+HARDTANH, THRESHOLD, HARDSIGMOID = "hardtanh", "threshold", "hardsigmoid"
+_MASK, _OUTPUT = "mask", "output"
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation that makes ``t`` contiguous (channels_last, say), or None if it already is or none
+    does; packing in memory order keeps the mask's reads and writes sequential."""
+    if t.is_contiguous():
+        return None
+    perm = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _write_mask(x: torch.Tensor, kind: str, lo: float, hi: float, out: torch.Tensor) -> None:
+    """Write the pass mask of ``kind`` for ``x`` into the bool tensor ``out`` (same shape, contiguous)."""
+    if x.dtype in _NUMPY_DTYPES and _bitmask.use_numpy(x):
+        a, o = x.detach().numpy(), out.numpy()
+        if kind == THRESHOLD:  # not x <= th: NaN passes
+            np.less_equal(a, lo, out=o)
+            np.logical_not(o, out=o)
+        else:  # lo < x < hi: NaN blocks
+            np.greater(a, lo, out=o)
+            o &= np.less(a, hi)
+        return
+    out.copy_(_mask_torch(x, kind, lo, hi))
+
+
+def _mask_torch(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
+    if kind == THRESHOLD:
+        return ~(x <= lo)
+    return (x > lo) & (x < hi)
+
+
+def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor:
+    perm = _memory_order(x)
+    ctx.perm = perm
+    if perm is not None:
+        x = x.permute(perm)
+    ctx.packed_shape = tuple(x.shape)
+    if torch.compiler.is_compiling():
+        flat = _mask_torch(x, kind, lo, hi).reshape(-1)
+        pad = _bitmask.packed_numel(flat.numel()) * 8 - flat.numel()
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    else:
+        flat, view = _bitmask.new_padded_mask(x.shape, x.device)
+        _write_mask(x, kind, lo, hi, view)
+    return _bitmask.pack(flat)
+
+
+def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
+    mask = _bitmask.unpack(packed, ctx.packed_shape)
+    if ctx.perm is not None:
+        inverse = [0] * len(ctx.perm)
+        for i, d in enumerate(ctx.perm):
+            inverse[d] = i
+        mask = mask.permute(inverse)
+    return mask
+
+
+def _stock(input, kind, lo, hi, value, inplace):
+    if kind == HARDTANH:
+        return torch._C._nn.hardtanh_(input, lo, hi) if inplace else torch._C._nn.hardtanh(input, lo, hi)
+    if kind == THRESHOLD:
+        return torch.threshold_(input, lo, value) if inplace else torch.threshold(input, lo, value)
+    return torch._C._nn.hardsigmoid_(input) if inplace else torch._C._nn.hardsigmoid(input)
+
+
+class RangeMaskFunction(_common.Function):
+    """hardtanh / threshold / hardsigmoid, keeping a packed pass mask (or the output, see the module doc).
+
+    ``lo``/``hi``: the bounds of the pass region (``hi`` unused for threshold); ``value``: threshold's
+    replacement value. Double backward is supported (backward is linear in the gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, input, kind, lo, hi, value, inplace, keep_output, use):
+        ctx.use = use
+        ctx.kind, ctx.lo, ctx.hi = kind, lo, hi
+        need = ctx.needs_input_grad[0]
+        packed = None
+        if need and not keep_output:
+            packed = _pack(input, kind, lo, hi, ctx)  # before an in-place op overwrites the input
+        out = _stock(input, kind, lo, hi, value, inplace)
+        if inplace:
+            ctx.mark_dirty(input)
+            out = input  # torch.compile checks that a dirty tensor is returned as the same object
+        if not need:
+            return out
+        if keep_output:
+            ctx.mode = _OUTPUT
+            ctx.save_for_backward(out)
+        else:
+            ctx.mode = _MASK
+            ctx.save_for_backward(packed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        if ctx.use is not None:
+            learn_from_use(*ctx.use)
+        if ctx.mode == _OUTPUT and ctx.kind == THRESHOLD:
+            dx = torch.ops.aten.threshold_backward(grad, saved, ctx.lo)
+            return dx, None, None, None, None, None, None, None
+        if ctx.mode == _OUTPUT:
+            # Not stock's hardtanh_backward: its NaN rule depends on the element's position (module doc).
+            mask = _mask_torch(saved, ctx.kind, ctx.lo, ctx.hi)
+        else:
+            mask = _unpack(saved, ctx)
+        if ctx.kind == HARDSIGMOID:
+            # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
+            zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+            grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
+        if grad.requires_grad:  # double backward: stay differentiable in grad
+            return torch.where(mask, grad, 0), None, None, None, None, None, None, None
+        bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
+        return (bits * mask).view(grad.dtype), None, None, None, None, None, None, None
+
+
+def _real(v, name: str, fn: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{fn}: argument '{name}' must be a real number, got {type(v).__name__}")
+    return float(v)
+
+
+def output_can_stand_in(kind: str, lo: float, value: float | None) -> bool:
+    """Whether stock's backward run on the output gives the input's gradient (see the module doc)."""
+    return kind == HARDTANH or (kind == THRESHOLD and value <= lo)
+
+
+def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False, use=None, fn=None):
+    """Stock where no gradient will be asked of us; otherwise :class:`RangeMaskFunction`."""
+    check_tensor(input, "input", fn=fn or kind)
+    if not (torch.is_grad_enabled() and input.requires_grad):
+        return _stock(input, kind, lo, hi, value, inplace)
+    if inplace and input.is_leaf:
+        raise RuntimeError(_LEAF_INPLACE)
+    keep_output = bool(keep_output) and output_can_stand_in(kind, lo, value)
+    return RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use)
+
+
+def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> torch.Tensor:
+    """``F.hardtanh`` keeping a 1-bit mask of ``min_val < x < max_val`` for backward (NaN blocks)."""
+    lo, hi = _real(min_val, "min_val", "hardtanh"), _real(max_val, "max_val", "hardtanh")
+    if lo > hi:
+        raise ValueError("min_val cannot be greater than max_val")  # stock's message, word for word
+    return apply(input, HARDTANH, lo, hi, inplace=inplace, fn="hardtanh")
+
+
+def hardtanh_(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
+    """``F.hardtanh_``: :func:`hardtanh` in place."""
+    return hardtanh(input, min_val, max_val, inplace=True)
+
+
+def relu6(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.relu6`` (``hardtanh(x, 0, 6)``) keeping a 1-bit mask for backward."""
+    return apply(input, HARDTANH, 0.0, 6.0, inplace=inplace, fn="relu6")
+
+
+def _threshold(input, th, value, inplace):
+    th, value = _real(th, "threshold", "threshold"), _real(value, "value", "threshold")
+    return apply(input, THRESHOLD, th, None, value, inplace=inplace, fn="threshold")
+
+
+def threshold(input: torch.Tensor, threshold: float, value: float, inplace: bool = False) -> torch.Tensor:
+    """``F.threshold`` keeping a 1-bit mask of ``not x <= threshold`` for backward (stock keeps x, and in
+    place a clone of it)."""
+    return _threshold(input, threshold, value, inplace)
+
+
+def threshold_(input: torch.Tensor, threshold: float, value: float) -> torch.Tensor:
+    """``F.threshold_``: :func:`threshold` in place."""
+    return _threshold(input, threshold, value, True)
+
+
+def hardsigmoid(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.hardsigmoid`` keeping a 1-bit mask of ``-3 < x < 3`` for backward."""
+    return apply(input, HARDSIGMOID, -3.0, 3.0, inplace=inplace, fn="hardsigmoid")
+
+
+def module_forward(module, input, kind, lo, hi=None, value=None):
+    """Shared by the modules: keep the output instead of a mask when a consumer kept this module's output
+    during the previous step (the producer/consumer rule in ``_common``)."""
+    keep_output = getattr(module, "_slimgrad_output_kept", False)
+    cell = UseCell()
+    out = apply(input, kind, lo, hi, value, module.inplace, keep_output, use=(module, cell),
+                fn=type(module).__name__)
+    if out.requires_grad and output_can_stand_in(kind, lo, value):
+        mark_producer(out, cell)
+    return out
+
