@@ -223,6 +223,10 @@ def test_producer_keeps_output_when_consumer_keeps_it(module):
     output_kept = not (isinstance(module, nn.LeakyReLU) and module.negative_slope < 0)
     # the activation itself is shared with the consumer: nothing extra; otherwise the mask
     assert second[2] == activation_bytes + (0 if output_kept else 5)
+    if output_kept and not (isinstance(module, nn.LeakyReLU) and not module.inplace):
+        # stock keeps the output as well (relu; in-place leaky_relu): stock's own op runs
+        assert "Backward" in type(slim(base.clone().requires_grad_() * 1.0).grad_fn).__name__
+        assert "ReLUFunction" not in type(slim(base.clone().requires_grad_() * 1.0).grad_fn).__name__
     for y, g, _ in (first, second):
         assert_bitwise(y, ys, "output")
         assert_bitwise(g, gs, "grad")

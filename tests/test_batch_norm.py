@@ -295,11 +295,26 @@ def test_property(dims, batch, channels, spatial, train, affine, track, momentum
 
 
 def test_double_backward_is_refused_clearly():
-    _, slim = make_pair(nn.BatchNorm2d, 3, train=True, dtype=torch.float64)
+    _, slim = make_pair(nn.BatchNorm2d, 3, train=False, dtype=torch.float64)
+    slim.weight.requires_grad_(False)  # eval with a frozen weight: our Function runs (keeps no x)
     x = torch.randn(4, 3, 2, 2, dtype=torch.float64, requires_grad=True)
     (dx,) = torch.autograd.grad(slim(x).pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dx.sum().backward()
+
+
+def test_stock_runs_where_it_keeps_what_we_keep():
+    """Training with X needing grad (x is read either way): stock's own op runs, double backward included."""
+    stock, slim = make_pair(nn.BatchNorm2d, 3, train=True, dtype=torch.float64)
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    grads = []
+    for m in (stock, slim):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        assert type(out.grad_fn).__name__ == "NativeBatchNormBackward0"
+        (dx,) = torch.autograd.grad(out.pow(2).sum(), xi, create_graph=True)
+        grads.append(torch.autograd.grad(dx.pow(2).sum(), xi)[0])
+    assert_same(grads[1], grads[0], what="double backward")
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])

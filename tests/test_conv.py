@@ -394,8 +394,13 @@ def test_functional_matches_stock_and_keeps_minimum(case, flags):
         o2.backward(g.clone())
     for name, a, e in zip("xwb", ins2, ins1):
         assert_same(a.grad, e.grad, what=name, **({} if name != "b" or rw else BIAS_TOL))
-    # W is a plain tensor here, so it counts when X needs grad.
-    expected = (x.nbytes if rw else 0) + (w.nbytes if rx else 0)
+    # W is a plain tensor here, so it counts when X needs grad; and when W trains stock's own op runs
+    # (it keeps what we would: X, plus a reference to the caller's leaf W, free but counted here).
+    # (Not for an asymmetric padding='same', where stock pads X explicitly and keeps the padded copy.)
+    dil = kw.get("dilation", 1)
+    dil = (dil,) * (len(ws) - 2) if isinstance(dil, int) else dil
+    asymmetric = kw.get("padding") == "same" and any(d * (k - 1) % 2 for d, k in zip(dil, ws[2:]))
+    expected = (x.nbytes if rw else 0) + (w.nbytes if rx or (rw and not asymmetric) else 0)
     args = [t.clone().requires_grad_(r) for t, r in zip((x, w, b), flags)]
     assert saved_bytes(slim_fn, *args, **kw) == expected
 
@@ -612,3 +617,27 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(x2.grad, x1.grad)
     torch.testing.assert_close(slim.bias.grad, stock.bias.grad)
     assert slim.weight.grad is None
+
+
+@pytest.mark.parametrize("rx", [False, True])
+def test_trainable_weight_runs_stock_op(rx):
+    """Where stock keeps what we would keep (weight trains, zeros padding), stock's op runs: no Function,
+    and the producer of X is told that X is kept."""
+    from slimgrad.functional._common import UseCell, mark_producer
+
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    slim = slim_copy(conv)
+    x = torch.randn(2, 3, 5, 5, requires_grad=rx)
+    h = x * 1.0 if rx else x
+    cell = UseCell()
+    if rx:
+        mark_producer(h, cell)
+    out = slim(h)
+    assert type(out.grad_fn).__name__ == "ConvolutionBackward0"
+    assert cell.kept == rx
+    assert_same(out, conv(h), what="output")
+    slim.weight.requires_grad_(False)
+    if rx:
+        assert type(slim(h).grad_fn).__name__ != "ConvolutionBackward0"  # our Function: X not kept
+    reflect = slim_copy(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"))
+    assert type(reflect(h).grad_fn).__name__ != "ConvolutionBackward0"  # stock would keep the padded X too

@@ -411,11 +411,24 @@ def test_functional_bad_arguments():
 
 def test_functional_refuses_double_backward():
     x = torch.randn(3, IN, requires_grad=True)
-    a = LoraAdapter(torch.randn(R, IN, requires_grad=True), torch.randn(OUT, R, requires_grad=True), 2.0)
+    # with dropout our Function runs (without it stock's ops run, and double backward is stock's)
+    a = LoraAdapter(torch.randn(R, IN, requires_grad=True), torch.randn(OUT, R, requires_grad=True), 2.0, 0.1)
     out = lora_linear(x, torch.randn(OUT, IN), None, [a])
     (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         gx.sum().backward()
+
+
+def test_no_dropout_no_cast_runs_stock_ops():
+    """Without dropout or a cast stock keeps what we keep: PEFT's ops run directly (no Function)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, IN, requires_grad=True)
+    w = torch.randn(OUT, IN)
+    a = LoraAdapter(torch.randn(R, IN, requires_grad=True), torch.randn(OUT, R, requires_grad=True), 2.0)
+    out = lora_linear(x, w, None, [a])
+    assert "LoraLinear" not in type(out.grad_fn).__name__
+    assert "LoraLinear" in type(lora_linear(x, w, None, [a._replace(dropout=0.1)]).grad_fn).__name__
+    assert "LoraLinear" in type(lora_linear(x.double(), w.double(), None, [a]).grad_fn).__name__  # a cast
 
 
 # ----------------------------------------------------------------------------------------------------- slow

@@ -185,12 +185,43 @@ def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool 
     return _apply(input, _check_slope(negative_slope), inplace, False, "leaky_relu")
 
 
+class _LearnHook:
+    """Gradient hook on a stock-run output: folds the call's UseCell into the module, as backward would."""
+
+    __slots__ = ("module", "cell")
+
+    def __init__(self, module, cell):
+        self.module, self.cell = module, cell
+
+    def __call__(self, grad_outputs):
+        learn_from_use(self.module, self.cell)
+
+
 def _module_forward(module, input, negative_slope):
     """Shared by the ReLU/LeakyReLU modules: keep the output instead of a mask when a consumer kept this
     module's output during the previous step (then it is shared, not extra); see the producer/consumer
     rule in ``_common``."""
     keep_output = getattr(module, "_slimgrad_output_kept", False)
     cell = UseCell()
+    if (
+        keep_output
+        and (negative_slope is None or (module.inplace and negative_slope >= 0))
+        and isinstance(input, torch.Tensor)
+        and input.requires_grad
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    ):
+        # Stock keeps the output here too (relu, and in-place leaky_relu with a non-negative slope), so
+        # stock's op runs directly. A gradient hook stands in for our backward's learn_from_use, so that
+        # the decision is revisited when the consumer stops keeping the output (a node pre-hook: cheaper than
+        # a tensor hook).
+        if negative_slope is None:
+            out = F.relu(input, inplace=module.inplace)
+        else:
+            out = F.leaky_relu(input, negative_slope, inplace=True)
+        out.grad_fn.register_prehook(_LearnHook(module, cell))
+        mark_producer(out, cell)
+        return out
     out = _apply(input, negative_slope, module.inplace, keep_output, type(module).__name__, use=(module, cell))
     if out.requires_grad:
         mark_producer(out, cell)

@@ -191,7 +191,18 @@ def batch_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.batch_norm``: same outputs, gradients and in-place running-stat
-    updates, keeping for backward only what the requested gradients read (see the module docstring)."""
+    updates, keeping for backward only what the requested gradients read (see the module docstring).
+
+    Where stock keeps what we would keep (the weight trains, or batch statistics with X needing grad: x
+    is read either way), stock's functional runs directly, with no Function around it."""
+    if (
+        torch.is_grad_enabled()
+        and isinstance(input, torch.Tensor)
+        and ((weight is not None and weight.requires_grad) or (training and input.requires_grad))
+    ):
+        _common.note_input_kept(input)
+        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
+                                              momentum, eps)
     if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
         return handle_torch_function(
             batch_norm, (input, running_mean, running_var, weight, bias), input, running_mean,

@@ -188,6 +188,25 @@ def _pad_backward(dxp, pad, pad_mode, nd):
     return _PAD_BACKWARD[pad_mode][nd](dxp, _common.standin(shape, dxp), list(pad))
 
 
+def stock_keeps_weight_for_free(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Stock keeps the weight even when X needs no grad (we would not). That costs nothing when the
+    weight is a leaf the caller holds anyway; it costs a weight-sized tensor when it is a temporary (a
+    computed weight, or autocast's cast copy)."""
+    return x.requires_grad or (weight.is_leaf and not torch.is_autocast_enabled(x.device.type))
+
+
+def asymmetric_same(padding, weight, dilation) -> bool:
+    """Whether ``padding='same'`` needs more zeros on one side than the other (an even window extent):
+    then stock pads X explicitly and keeps the padded X, more than we keep."""
+    if padding != "same":
+        return False
+    nd = weight.dim() - 2
+    dil = (dilation,) * nd if isinstance(dilation, int) else tuple(dilation)
+    if len(dil) == 1:
+        dil = dil * nd
+    return any(dil[i] * (weight.shape[2 + i] - 1) % 2 for i in range(nd))
+
+
 def conv_nd(
     x,
     weight,
@@ -205,7 +224,23 @@ def conv_nd(
 ):
     """Shared entry point: normalises options, handles unbatched inputs and autocast, then applies the
     Function. ``padding_mode`` other than zeros pads X explicitly (as stock ``nn.ConvNd`` does) with
-    ``padding`` given in F.pad order (``_reversed_padding_repeated_twice``)."""
+    ``padding`` given in F.pad order (``_reversed_padding_repeated_twice``).
+
+    Where stock keeps what we would keep (the weight trains, no explicit padding), stock's functional
+    runs directly: no Function, no bookkeeping beyond noting that X is kept."""
+    if (
+        padding_mode == "zeros"
+        and isinstance(weight, torch.Tensor)
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+        and isinstance(x, torch.Tensor)
+        and stock_keeps_weight_for_free(x, weight)
+        and not asymmetric_same(padding, weight, dilation)
+    ):
+        _common.note_input_kept(x)
+        if transposed:
+            return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
+        return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
     _common.check_tensor(x, "input", fn=fn)
     _common.check_tensor(weight, "weight", fn=fn)
     if bias is not None:

@@ -220,6 +220,16 @@ def _check(x, weight, bias, adapters):
             raise ValueError(f"{fn}: 'adapters[{k}].dropout' must be between 0 and 1, got {a.dropout}")
 
 
+def _stock_keeps_what_we_keep(x, adapters, training, cast_input) -> bool:
+    """No adapter drops (p == 0 or eval), none needs x cast to its dtype, autocast off: then stock keeps
+    exactly what we keep."""
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    if training and any(float(a.dropout) > 0 for a in adapters):
+        return False
+    return not (cast_input and adapters and x.dtype != adapters[0].A.dtype)
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 adapters: Sequence[LoraAdapter] = (), *, fan_in_fan_out: bool = False, training: bool = True,
                 cast_input: bool = True) -> torch.Tensor:
@@ -232,6 +242,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the base result's dtype. Under autocast the tensors are cast as autocast casts ``F.linear``'s.
     """
     _check(x, weight, bias, adapters)
+    if _stock_keeps_what_we_keep(x, adapters, training, cast_input):
+        # No dropout, no cast: PEFT's autograd graph keeps x (once, shared) and each A(x), as we would.
+        # Run PEFT's ops directly: no Function, PEFT's peak and bits by construction.
+        if torch.is_grad_enabled() and (weight.requires_grad or any(a.A.requires_grad for a in adapters)):
+            _common.note_input_kept(x)
+        result = _base_forward(x, weight, bias, fan_in_fan_out)
+        for a in adapters:
+            result = result + F.linear(F.linear(x, a.A), a.B, a.bias) * a.scaling
+        return result
     tensors = [x, weight, bias]
     for a in adapters:
         tensors += [a.A, a.B, a.bias]

@@ -3,16 +3,32 @@ gradients need (see :mod:`slimgrad.functional.conv`). Constructor, parameters an
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from slimgrad._registry import register
-from slimgrad.functional.conv import conv_nd
+from slimgrad.functional import _common
+from slimgrad.functional.conv import asymmetric_same, conv_nd, stock_keeps_weight_for_free
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
 
+def _stock_keeps_what_we_keep(self, input) -> bool:
+    """Whether this call would keep exactly what stock keeps: the weight trains (both keep X; stock also
+    keeps the weight, free unless autocast made a copy of it that we would not keep) and no explicit
+    padding is applied (stock would keep the padded X as
+    well). Then stock's own forward runs, with no autograd Function around it."""
+    weight = self.weight
+    return (weight.requires_grad and self.padding_mode == "zeros" and torch.is_grad_enabled()
+            and isinstance(input, torch.Tensor) and stock_keeps_weight_for_free(input, weight)
+            and (self.padding != "same" or not asymmetric_same(self.padding, weight, self.dilation)))
+
+
 def _conv_forward(self, input, nd: int):
     name = type(self).__name__
+    if _stock_keeps_what_we_keep(self, input):
+        _common.note_input_kept(input)
+        return self._conv_forward(input, self.weight, self.bias)
     if self.padding_mode != "zeros":
         # As stock _conv_forward: F.pad with the module's reversed padding, then a conv with padding 0.
         return conv_nd(
@@ -33,6 +49,9 @@ def _conv_forward(self, input, nd: int):
 
 
 def _conv_transpose_forward(self, input, output_size, nd: int):
+    if _stock_keeps_what_we_keep(self, input):
+        _common.note_input_kept(input)
+        return _STOCK_TRANSPOSE[nd].forward(self, input, output_size)
     if self.padding_mode != "zeros":
         raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
     output_padding = self._output_padding(
@@ -51,6 +70,9 @@ def _conv_transpose_forward(self, input, output_size, nd: int):
         output_padding=output_padding,
         fn=type(self).__name__,
     )
+
+
+_STOCK_TRANSPOSE = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 
 
 @register(nn.Conv1d)
