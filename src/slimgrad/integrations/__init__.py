@@ -1,4 +1,4 @@
-"""Integrations with other libraries' module classes (transformers, peft, bitsandbytes).
+"""Integrations with other libraries' module classes (transformers, peft, bitsandbytes, diffusers).
 
 Each integration module registers replacements for that library's classes when imported. They are
 imported lazily by :func:`load_available`, and only for libraries the user's process has already
@@ -16,6 +16,7 @@ INTEGRATIONS: dict[str, tuple[str, ...]] = {
     "transformers": ("hf_norms", "hf_mlp", "hf_loss"),
     "peft": ("peft_lora",),
     "bitsandbytes": ("bnb",),
+    "diffusers": ("diffusers",),
 }
 
 
