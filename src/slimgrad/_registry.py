@@ -3,11 +3,17 @@
 Each replacement subclasses the stock class and overrides ``forward`` only, so converting a module is a
 class swap (``module.__class__ = Replacement``): parameters, buffers, hooks and attributes stay where they
 are, ``isinstance`` still holds, and reverting swaps the class back.
+
+A replacement's ``forward`` also keeps the stock forward's signature (:func:`_keep_signature`): code that
+reads it, such as ``transformers.Trainer`` dropping the dataset columns ``model.forward`` does not name,
+must see the same parameters after conversion as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+import types
 from collections.abc import Callable
 
 from torch import nn
@@ -34,6 +40,7 @@ def register(stock: type[nn.Module], *, option: str | None = None):
             raise TypeError(f"{cls.__name__} must subclass {stock.__name__} to replace it")
         if stock in REPLACEMENTS:
             raise ValueError(f"{stock.__name__} already has a replacement: {REPLACEMENTS[stock].__name__}")
+        _keep_signature(cls, stock)
         REPLACEMENTS[stock] = cls
         ORIGINALS[cls] = stock
         if option is not None:
@@ -41,6 +48,68 @@ def register(stock: type[nn.Module], *, option: str | None = None):
         return cls
 
     return decorate
+
+
+def _plain(signature: inspect.Signature) -> list[tuple]:
+    """A signature's parameters without annotations: what calls can bind to."""
+    return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
+
+
+def _renames(cls, stock, have: inspect.Signature, want: inspect.Signature) -> dict[str, str]:
+    """{stock parameter name: replacement parameter name} for keyword calls written against the stock
+    forward; raises when the replacement could not accept every call the stock forward accepts."""
+    plain_have, plain_want = _plain(have), _plain(want)
+    variadic = [k for _, k, _ in plain_have[1:]] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+    if plain_have == plain_want or variadic:  # same parameters, or one that takes anything and binds itself
+        return {}
+    same_shape = len(plain_have) == len(plain_want) and all(
+        (h[1], h[2]) == (w[1], w[2]) for h, w in zip(plain_have, plain_want))
+    if not same_shape:
+        raise TypeError(f"slimgrad: {cls.__name__}.forward{have} cannot replace {stock.__module__}."
+                        f"{stock.__name__}.forward{want}: a replacement's forward must take the stock "
+                        f"forward's parameters (same kinds and defaults, in the same order)")
+    return {w[0]: h[0] for h, w in zip(plain_have, plain_want) if h[0] != w[0]}
+
+
+def _keep_signature(cls, stock) -> None:
+    """Give ``cls.forward`` exactly the stock forward's signature (``inspect.signature`` equal).
+
+    The replacement's function is copied (it may be shared by many classes) and gets the stock signature
+    as ``__signature__``; where only parameter names differ (a shared forward written as ``hidden_states``
+    replacing a stock ``forward(self, x)``), keyword arguments are renamed on the way in, so ``norm(x=t)``
+    works as it did on the stock module. Positional calls pass straight through.
+    """
+    forward = cls.__dict__.get("forward")
+    if not inspect.isfunction(forward):
+        return  # inherits the stock forward (or something exotic we leave alone)
+    try:
+        want = inspect.signature(stock.forward)
+        have = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return
+    if have == want:
+        return
+    renames = _renames(cls, stock, have, want)
+    if renames:
+        own_names = set(renames.values()) - set(want.parameters)  # names only the replacement would take
+
+        def adopted(self, *args, **kwargs):
+            if kwargs:
+                wrong = own_names.intersection(kwargs)
+                if wrong:
+                    raise TypeError(f"{stock.__name__}.forward() got an unexpected keyword argument "
+                                    f"{sorted(wrong)[0]!r} (slimgrad's replacement takes the stock parameters)")
+                kwargs = {renames.get(k, k): v for k, v in kwargs.items()}
+            return forward(self, *args, **kwargs)
+    else:
+        adopted = types.FunctionType(forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__,
+                                     forward.__closure__)
+        adopted.__kwdefaults__ = forward.__kwdefaults__
+        adopted.__dict__.update(forward.__dict__)
+    adopted.__name__, adopted.__qualname__ = "forward", f"{cls.__qualname__}.forward"
+    adopted.__module__, adopted.__doc__ = forward.__module__, forward.__doc__
+    adopted.__signature__ = want
+    type.__setattr__(cls, "forward", adopted)
 
 
 def register_forward(stock: type[nn.Module], forward: Callable, *, module: str,

@@ -1,0 +1,194 @@
+"""Where users train: transformers' Trainer and TRL's SFTTrainer with peft LoRA, stock vs slimgrad.
+
+Each test trains two independent copies of one tiny Llama (same seed, same data, dropout 0 so both sides
+compute the same function) and compares the loss of every step. The first step's loss is bitwise equal
+(same forward kernels); later steps agree within fp32 rounding, because some gradients (the LoRA adapters',
+the RMSNorm input's) are summed in another order than stock's, so AdamW's first update already differs in
+the last bits. With ``chunked_loss`` the loss itself is summed in row chunks, so step 0 is within rounding
+too.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+datasets = pytest.importorskip("datasets")
+
+import slimgrad  # noqa: E402
+from slimgrad._registry import ORIGINALS  # noqa: E402
+from slimgrad.integrations.transformers import SlimgradCallback  # noqa: E402
+
+V, SEQ, N = 64, 12, 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOL = dict(rel=1e-5)  # fp32, a few ulps of summation order carried through a few AdamW steps
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+
+
+def dataset():
+    """Token ids with a prompt part that is not trained on, plus a text column the model does not take
+    (Trainer must drop it by reading ``model.forward``'s signature)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (N, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * SEQ] * N,
+                                       "labels": labels.tolist(), "text": [f"example {i}" for i in range(N)]})
+
+
+def training_args(tmp_path, name, **overrides):
+    options = dict(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                   logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+                   disable_tqdm=True, dataloader_num_workers=0)
+    options.update(overrides)
+    return options
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, built offline (TRL wants a processing class)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
+
+
+class RecordingTrainer(transformers.Trainer):
+    """Trainer that keeps the full-precision loss of every step (the log rounds it)."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        loss = result[0] if isinstance(result, tuple) else result
+        self.__dict__.setdefault("losses", []).append(loss.item())
+        return result
+
+
+def train_trainer(tmp_path, name, model, callbacks=None, **overrides):
+    args = transformers.TrainingArguments(**training_args(tmp_path, name, **overrides))
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+def assert_same_losses(actual, expected, exact_first=True):
+    assert len(actual) == len(expected) == 3
+    if exact_first:
+        assert actual[0] == expected[0]
+    assert actual == pytest.approx(expected, **TOL)
+    assert expected[-1] < expected[0]  # it trains
+
+
+def lora_names(model):
+    return sorted(n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("chunked_loss", [False, True], ids=["loss", "chunked_loss"])
+def test_trainer_peft_lora_same_losses_and_adapter_reloads(tmp_path, chunked_loss, checkpointing):
+    stock = peft.get_peft_model(tiny_llama(), lora_config())
+    slim = slimgrad.convert(copy.deepcopy(stock), inplace=True, chunked_loss=chunked_loss)
+    assert sum(type(m) in ORIGINALS for m in slim.modules()) > len(TARGETS)
+    overrides = dict(gradient_checkpointing=checkpointing)
+    expected = train_trainer(tmp_path, "stock", stock, **overrides)
+    actual = train_trainer(tmp_path, "slim", slim, **overrides)
+    assert len(actual.losses) == 3
+    assert_same_losses(actual.losses, expected.losses, exact_first=not chunked_loss)
+
+    # The adapter the converted model saves loads into a stock model and gives the trained model's outputs.
+    actual.model.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
+    assert not any(type(m) in ORIGINALS for m in reloaded.modules())
+    for name, tensor in reloaded.state_dict().items():
+        if "lora_" in name:
+            assert torch.equal(tensor, actual.model.state_dict()[name]), name
+    ids = torch.tensor(dataset()["input_ids"][:2])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, actual.model.eval()(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_trainer_with_callback_converts_lora_at_train_begin(tmp_path, caplog):
+    stock = peft.get_peft_model(tiny_llama(), lora_config())
+    slim = copy.deepcopy(stock)
+    callback = SlimgradCallback()
+    expected = train_trainer(tmp_path, "stock", stock)
+    with caplog.at_level(logging.INFO, logger="slimgrad"):
+        actual = train_trainer(tmp_path, "slim", slim, callbacks=[callback])
+    assert_same_losses(actual.losses, expected.losses)
+    converted_lora = [p for p, t in callback.report.converted if t == "Linear" and p.endswith(tuple(TARGETS))]
+    assert len(converted_lora) == len(lora_names(slim)) > 0
+    assert any("converted" in r.getMessage() and "train begin" in r.getMessage() for r in caplog.records)
+    # the optimizer the trainer built before conversion holds the converted model's parameters
+    trainable = {id(p) for p in slim.parameters() if p.requires_grad}
+    in_optimizer = {id(p) for group in actual.optimizer.param_groups for p in group["params"]}
+    assert trainable == in_optimizer
+
+    # idempotent: training again converts nothing new and still runs
+    actual.train()
+    assert callback.report.converted == []
+
+
+def test_callback_unwraps_and_refuses_fixed_options():
+    model = peft.get_peft_model(tiny_llama(), lora_config())
+    wrapped = torch.nn.DataParallel(model)
+    callback = SlimgradCallback(exclude=["*lm_head"])
+    callback.on_train_begin(None, None, None, model=wrapped)
+    assert callback.report.converted and not any(p.startswith("module.") for p, _ in callback.report.converted)
+    assert sum(type(m) in ORIGINALS for m in model.modules()) == len(callback.report.converted)
+    with pytest.raises(TypeError, match="SlimgradCallback: 'inplace'"):
+        SlimgradCallback(inplace=False)
+    with pytest.raises(ValueError, match="no 'model'"):
+        SlimgradCallback().on_train_begin(None, None, None)
+
+
+def test_callback_warns_when_nothing_converts(caplog):
+    with caplog.at_level(logging.WARNING, logger="slimgrad"):
+        SlimgradCallback().on_train_begin(None, None, None, model=torch.nn.Sequential(torch.nn.Identity()))
+    assert any("nothing in this model" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path):
+    trl = pytest.importorskip("trl")
+
+    class RecordingSFT(trl.SFTTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            result = super().compute_loss(model, inputs, *args, **kwargs)
+            loss = result[0] if isinstance(result, tuple) else result
+            self.__dict__.setdefault("losses", []).append(loss.item())
+            return result
+
+    data = dataset().remove_columns(["labels", "attention_mask", "text"])
+
+    def run(name, callbacks):
+        config = trl.SFTConfig(**training_args(tmp_path, name), gradient_checkpointing=True)
+        trainer = RecordingSFT(model=tiny_llama(), args=config, train_dataset=data, peft_config=lora_config(),
+                               processing_class=tiny_tokenizer(), callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    callback = SlimgradCallback()
+    expected = run("stock", None)
+    actual = run("slim", [callback])
+    converted_lora = [p for p, t in callback.report.converted if t == "Linear"]
+    assert len(converted_lora) == len(lora_names(actual.model)) == 2 * len(TARGETS)
+    assert not any(type(m) in ORIGINALS for m in expected.model.modules())
+    assert_same_losses(actual.losses, expected.losses)
