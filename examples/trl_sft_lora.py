@@ -104,7 +104,7 @@ def _measured_trainer_class():
     return MeasuredSFTTrainer
 
 
-def run(tiny: bool = False, steps: int = 3, batch_size: int = 4, max_length: int = 64, rank: int = 8,
+def run(tiny: bool = False, steps: int = 3, batch_size: int = 4, max_length: int = 128, rank: int = 8,
         bf16: bool = False, checkpointing: bool = False, **callback_options) -> dict:
     """Train stock and slimgrad SFT runs; returns per-run losses, kept bytes, peaks and what was converted."""
     import datasets
@@ -112,12 +112,13 @@ def run(tiny: bool = False, steps: int = 3, batch_size: int = 4, max_length: int
     from peft import LoraConfig
 
     make_model, tokenizer = tiny_model_and_tokenizer() if tiny else smollm2_model_and_tokenizer()
-    data = datasets.Dataset.from_dict({"text": TEXTS * 2})
+    # each example: all sentences, starting at a different one, so that sequences fill max_length
+    data = datasets.Dataset.from_dict({"text": [" ".join(TEXTS[i:] + TEXTS[:i]) for i in range(len(TEXTS))]})
     trainer_class = _measured_trainer_class()
     result = {}
     with tempfile.TemporaryDirectory() as out:
         for label in ("stock", "slimgrad"):
-            model = make_model()
+            model = make_model().to(torch.bfloat16 if bf16 else torch.float32)
             for module in model.modules():  # both sides compute the same function
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
@@ -143,8 +144,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny random Llama, no weights needed (CI)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast)")
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights and bf16=True (autocast)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient_checkpointing=True")
     args = parser.parse_args()
     result = run(args.tiny, args.steps, args.batch_size, args.max_length, bf16=args.bf16,

