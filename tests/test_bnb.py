@@ -279,8 +279,8 @@ def test_peft_bnb_lora_layer_keeps_x_once(bits, dropout):
     rows = ROWS[0] * ROWS[1]
     state = (quantized._quant_state_tensors(slim.base_model.model.proj.base_layer.weight.quant_state) if bits == 4
              else (slim.base_model.model.proj.base_layer.state.SCB,))
-    seed = 8 if dropout else 0
-    # x once (fp32, shared with nothing else), A(dropout(x)) [rows, r] fp32, a dropout seed, the base's state
+    seed = (rows * IN + 7) // 8 if dropout else 0  # dropout policy "bits" (CPU default): 1 bit per element
+    # x once (fp32, shared with nothing else), A(dropout(x)) [rows, r] fp32, the dropout mask, the base's state
     assert kept2.bytes == rows * IN * 4 + rows * 4 * 4 + seed + storage_bytes(state)
     # stock holds the same state through ctx attributes hooks cannot see; beyond it, never more than stock
     assert kept2.bytes - storage_bytes(state) <= kept1.bytes

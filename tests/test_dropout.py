@@ -65,7 +65,10 @@ def test_valid_dropout_with_stock_scaling(p, dtype, kind, inplace):
     noise = torch.where(keep, scale, torch.zeros((), dtype=dtype))
     assert_same(out, x.detach() * noise, what="output")  # bitwise stock's input * noise
     assert_same(x.grad, g * noise, what="grad")  # bitwise stock's grad * noise
-    assert counter.bytes <= 16  # the seed (nothing at p == 1)
+    if noise_shape != shape:  # feature dropout is stock's own
+        assert counter.bytes == (math.prod(noise_shape) * x.element_size() if p < 1 else x.element_size())
+    else:  # the packed mask under the default policy on CPU (nothing at p == 1)
+        assert counter.bytes == (0 if p == 1 else math.ceil(math.prod(shape) / 8))
     with SavedTensors() as stock_counter:
         stock(x.detach().clone().requires_grad_(), p, True, False)
     assert stock_counter.bytes == (math.prod(noise_shape) * x.element_size() if p < 1 else x.element_size())
@@ -100,9 +103,10 @@ def test_seed_reproducible_and_calls_differ():
 
 def test_saved_bytes_large():
     x = torch.randn(8, 64, 28, 28, requires_grad=True)
-    assert saved_bytes(dropout, x, 0.5) == 8  # one int64 seed
+    assert saved_bytes(dropout, x, 0.5) == x.numel() // 8  # one bit per element (policy "auto" on CPU)
+    assert saved_bytes(dropout, x, 0.5, policy="seed") == 8  # one int64 seed
     assert saved_bytes(F.dropout, x, 0.5) == x.numel() * 4
-    assert saved_bytes(dropout2d, x, 0.5) == 8
+    assert saved_bytes(dropout2d, x, 0.5) == 8 * 64 * 4  # stock's own
     assert saved_bytes(F.dropout2d, x, 0.5) == 8 * 64 * 4
 
 
@@ -126,7 +130,8 @@ def test_modules_train_and_eval():
         shape = {nn.Dropout: (4, 6), nn.Dropout1d: (4, 6, 5), nn.Dropout2d: (4, 6, 3, 3),
                  nn.Dropout3d: (4, 6, 2, 2, 2)}[type(stock)]
         x = nonzero_input(shape, torch.float32).requires_grad_()
-        assert saved_bytes(slim, x) == 8
+        feature = type(stock) is not nn.Dropout
+        assert saved_bytes(slim, x) == (4 * 6 * 4 if feature else math.ceil(x.numel() / 8))
         out = slim(x)
         keep = out != 0
         assert_same(out, x * torch.where(keep, scale_of(0.3, torch.float32), 0.0), what=type(stock).__name__)
@@ -214,3 +219,60 @@ def test_compile_fullgraph(stock):
     assert_same(out, x.detach() * noise, what="output")
     assert_same(x.grad, g * noise, what="grad")
     assert 0 < keep.float().mean() < 1
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_bits_policy_is_stock_bitwise(dtype, layout, inplace):
+    """Policy "bits" draws stock's mask from the default generator: output and gradient are stock's."""
+    base = torch.randn(2, 3, 4, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
+    base[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    if layout == "channels_last":
+        base = base.contiguous(memory_format=torch.channels_last)
+    g = torch.randn(2, 3, 4, 6 if layout != "sliced" else 3, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for fn in (F.dropout, lambda t, p, training, inplace: dropout(t, p, training, inplace, policy="bits")):
+        leaf = base.clone().requires_grad_()
+        x = leaf[..., ::2] if layout == "sliced" else leaf
+        torch.manual_seed(3)
+        with SavedTensors() as counter:
+            out = fn(x * 1.0 if inplace else x, 0.3, True, inplace)
+        out.backward(g)
+        results.append((out, leaf.grad, counter.bytes))
+    (so, sg, sb), (mo, mg, mb) = results
+    assert_same(mo, so, what="output")
+    assert_same(mg, sg, what="grad")
+    assert mb == math.ceil(so.numel() / 8) and sb >= so.numel() * so.element_size()
+
+
+def test_policy_option_and_errors():
+    from slimgrad import convert
+    from slimgrad.functional.dropout import dropout_policy, get_dropout_policy
+
+    x = torch.randn(64, requires_grad=True)
+    model = convert(nn.Sequential(nn.Dropout(0.5)), dropout="seed")
+    assert saved_bytes(model, x) == 8
+    assert saved_bytes(convert(nn.Sequential(nn.Dropout(0.5)), dropout="bits"), x) == 8  # 64 bits
+    with dropout_policy("seed"):
+        assert get_dropout_policy() == "seed"
+        assert saved_bytes(dropout, x, 0.5) == 8
+        assert saved_bytes(dropout, x, 0.5, policy="bits") == 8
+    assert get_dropout_policy() == "auto"
+    with pytest.raises(ValueError, match="convert's argument 'dropout'"):
+        convert(nn.Dropout(), dropout="mask")
+    with pytest.raises(ValueError, match="'policy'"):
+        dropout(x, 0.5, policy="never")
+
+
+@pytest.mark.parametrize("policy", ["bits", "seed"])
+def test_checkpoint_same_mask_under_each_policy(policy):
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for use_ckpt in (False, True):
+        torch.manual_seed(5)
+        f = lambda t: dropout(lin(t), 0.4, policy=policy)  # noqa: E731
+        out = checkpoint(f, x, use_reentrant=False) if use_ckpt else f(x)
+        grads.append(torch.autograd.grad(out.sum(), x)[0])
+    assert_same(grads[1], grads[0], what="grad")

@@ -21,7 +21,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 import slimgrad  # noqa: E402
-from slimgrad.functional.dropout import _fill_noise  # noqa: E402
+from slimgrad.functional.dropout import _fill_noise, dropout_policy  # noqa: E402
 from slimgrad.functional.lora import LoraAdapter, lora_linear  # noqa: E402
 from slimgrad.integrations.peft_lora import SlimLinear  # noqa: E402
 from slimgrad.measure import SavedTensors  # noqa: E402
@@ -87,12 +87,13 @@ def x_for(dtype, requires_grad=True, seed=2):
     return x.requires_grad_(requires_grad)
 
 
-def minimum_bytes(x, adapter_dtype, *, keep_x, kept_xa, seeds=0):
+def minimum_bytes(x, adapter_dtype, *, keep_x, kept_xa, seeds=0, masks=0):
     """x once in its own dtype, r columns of the adapter dtype per row for each adapter whose B trains, 8
-    bytes per seed."""
+    bytes per seed (dropout policy "seed"), one bit per element of x per mask (policy "bits")."""
     rows = x.numel() // x.shape[-1]
     elt = torch.empty((), dtype=adapter_dtype).element_size()
-    return (x.numel() * x.element_size() if keep_x else 0) + sum(rows * r * elt for r in kept_xa) + 8 * seeds
+    return ((x.numel() * x.element_size() if keep_x else 0) + sum(rows * r * elt for r in kept_xa) + 8 * seeds
+            + masks * ((x.numel() + 7) // 8))
 
 
 # ---------------------------------------------------------------- one layer, every requires_grad combination
@@ -171,7 +172,10 @@ def _noises_of_next_call(x_shape, ps, adapter_dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rg", [(True, True, True), (False, True, True), (True, False, False),
                                 (False, False, True), (False, True, False)], ids=["xAB", "AB", "x", "B", "A"])
-def test_dropout_matches_peft_with_same_mask(dtype, rg):
+@pytest.mark.parametrize("policy", ["bits", "seed"])
+def test_dropout_matches_peft_with_same_mask(dtype, rg, policy):
+    """Policy "bits" draws PEFT's own mask (same default-generator draw); "seed" draws its own, given to
+    the reference here."""
     rg_x, rg_a, rg_b = rg
     p = 0.1
     stock = peft_layer(dtype, dropout=p)
@@ -180,19 +184,24 @@ def test_dropout_matches_peft_with_same_mask(dtype, rg):
     layer.lora_B["default"].weight.requires_grad_(rg_b)
     slim = slim_of(stock)
     xs, xk = x_for(dtype, rg_x), x_for(dtype, rg_x)
-    (noise,) = _noises_of_next_call(xs.shape, [p], torch.float32, seed=7)
-    assert 0 < (noise == 0).sum() < noise.numel()
-    layer.lora_dropout["default"] = _FixedNoise(noise)
+    if policy == "seed":
+        (noise,) = _noises_of_next_call(xs.shape, [p], torch.float32, seed=7)
+        assert 0 < (noise == 0).sum() < noise.numel()
+        layer.lora_dropout["default"] = _FixedNoise(noise)
 
+    with dropout_policy(policy):
+        torch.manual_seed(7)
+        with SavedTensors(exclude=[slim]) as kept:
+            out_k, gx_k = step(slim, xk)
     torch.manual_seed(7)
-    with SavedTensors(exclude=[slim]) as kept:
-        out_k, gx_k = step(slim, xk)
     out_s, gx_s = step(stock, xs)
     assert_same(out_k, out_s, what="output")
     assert_same(gx_k, gx_s, what="x.grad")
     compare_grads(stock, slim)
-    seeds = 1 if (rg_x or rg_a) else 0
-    assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=rg_a, kept_xa=[R] if rg_b else [], seeds=seeds)
+    masks = 1 if (rg_x or rg_a) else 0
+    assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=rg_a, kept_xa=[R] if rg_b else [],
+                                       seeds=masks if policy == "seed" else 0,
+                                       masks=masks if policy == "bits" else 0)
 
 
 def test_dropout_eval_mode_is_identity():
@@ -243,13 +252,13 @@ def test_several_active_adapters(dtype, dropout):
     stock = _two_adapters(dtype, dropout)
     slim = slim_of(stock)
     xs, xk = x_for(dtype), x_for(dtype)
-    if dropout:
+    if dropout:  # policy "seed": its masks are handed to the reference
         noises = _noises_of_next_call(xs.shape, [dropout, dropout], torch.float32, seed=5)
         layer = lora_modules(stock)[0]
         for name, noise in zip(("default", "second"), noises):
             layer.lora_dropout[name] = _FixedNoise(noise)
     torch.manual_seed(5)
-    with SavedTensors(exclude=[slim]) as kept:
+    with dropout_policy("seed"), SavedTensors(exclude=[slim]) as kept:
         out_k, gx_k = step(slim, xk)
     out_s, gx_s = step(stock, xs)
     assert_same(out_k, out_s, what="output")
@@ -258,6 +267,23 @@ def test_several_active_adapters(dtype, dropout):
     compare_grads(stock, slim)
     assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=True, kept_xa=[R, 2 * R],
                                        seeds=2 if dropout else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_several_adapters_bits_policy_is_peft_bitwise(dtype):
+    """Policy "bits" (CPU default) draws each adapter's mask as PEFT's nn.Dropout does, in PEFT's order."""
+    stock = _two_adapters(dtype, 0.1)
+    slim = slim_of(stock)
+    xs, xk = x_for(dtype), x_for(dtype)
+    torch.manual_seed(5)
+    with dropout_policy("bits"), SavedTensors(exclude=[slim]) as kept:
+        out_k, gx_k = step(slim, xk)
+    torch.manual_seed(5)
+    out_s, gx_s = step(stock, xs)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="x.grad")
+    compare_grads(stock, slim)
+    assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=True, kept_xa=[R, 2 * R], masks=2)
 
 
 # ------------------------------------------------------------------------------ whole Hugging Face models

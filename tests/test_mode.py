@@ -55,8 +55,9 @@ for nd in (1, 2, 3):
         lambda x: ((x, 2), {}), SHAPE[nd], _pool_out(nd, 2), True)
     CASES[getattr(F, f"avg_pool{nd}d")] = (lambda x: ((x, 2), {}), SHAPE[nd], 0, True)
     CASES[getattr(F, f"adaptive_avg_pool{nd}d")] = (lambda x: ((x, 1), {}), SHAPE[nd], 0, True)
-    # Feature dropout: an 8-byte seed; slimgrad draws its own mask (compared with slimgrad, not stock).
-    CASES[getattr(F, f"dropout{nd}d")] = (lambda x: ((x, 0.5), {"training": True}), SHAPE[nd], 8, False)
+    # Feature dropout is stock's own (it keeps one value per (sample, channel), nothing to save).
+    CASES[getattr(F, f"dropout{nd}d")] = (lambda x: ((x, 0.5), {"training": True}), SHAPE[nd],
+                                          4 * SHAPE[nd][0] * SHAPE[nd][1], True)
 CASES.update({
     # eval with frozen affine: dX = dY * w * invstd reads no activation
     F.batch_norm: (lambda x: ((x, BN["rm"], BN["rv"], BN["w"], BN["b"]), {}), SHAPE[2], 0, True),
@@ -69,7 +70,8 @@ CASES.update({
     torch.relu_: (lambda x: ((x * 1,), {}), SHAPE[2], _bits(N[2]), True),
     F.leaky_relu: (lambda x: ((x, 0.1), {}), SHAPE[2], _bits(N[2]), True),
     F.leaky_relu_: (lambda x: ((x * 1, 0.1), {}), SHAPE[2], _bits(N[2]), True),
-    F.dropout: (lambda x: ((x, 0.3), {}), SHAPE[2], 8, False),
+    # dropout policy "auto" on CPU: stock's mask (bitwise), kept as bits
+    F.dropout: (lambda x: ((x, 0.3), {}), SHAPE[2], _bits(N[2]), True),
     # clamp-like activations: a 1-bit mask of the region where the gradient passes
     F.hardtanh: (lambda x: ((x, -0.5, 0.5), {}), SHAPE[2], _bits(N[2]), True),
     F.hardtanh_: (lambda x: ((x * 1, -0.5, 0.5), {}), SHAPE[2], _bits(N[2]), True),

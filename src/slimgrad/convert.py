@@ -25,7 +25,7 @@ __all__ = ["ConversionReport", "convert", "revert"]
 log = logging.getLogger("slimgrad")
 
 #: Attributes a replacement may set on a module at run time; revert removes them.
-_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept")
+_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept", "_slimgrad_dropout_policy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _why_not_exact(module: nn.Module) -> str | None:
 
 
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
-            chunked_loss: bool = False):
+            chunked_loss: bool = False, dropout: str | None = None):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
 
     ``inplace=False`` (default) converts a deep copy: parameters and buffers are copied (with their
@@ -129,12 +129,21 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     Modules of a known family that are left alone (subclasses, parametrized modules, unsupported options)
     are logged on the ``slimgrad`` logger; ``report=True`` also returns a :class:`ConversionReport`:
     ``model, rep = convert(model, report=True)``. Converting an already converted model changes nothing.
+
+    ``dropout``: the dropout policy of the converted modules ("auto", "bits", "seed"; None: the
+    process-wide one, see :func:`slimgrad.functional.dropout.set_dropout_policy`): "bits" keeps 1 bit per
+    element and draws stock's mask (bitwise stock on CPU), "seed" keeps 8 bytes and redraws in backward,
+    "auto" is bits on CPU and seed elsewhere.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
     for name, flag in (("inplace", inplace), ("report", report), ("chunked_loss", chunked_loss)):
         if not isinstance(flag, bool):
             raise TypeError(f"convert: '{name}' must be True or False, got {flag!r}")
+    if dropout is not None:
+        from .functional.dropout import check_policy
+
+        check_policy(dropout, source="convert's argument 'dropout'")
     load_available()
     options = {"chunked_loss": chunked_loss}
     paths = [name for name, _ in model.named_modules()]
@@ -163,6 +172,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             result.skipped.append(Skipped(path, kind.__name__, reason))
             continue
         module.__class__ = replacement
+        if dropout is not None:
+            module._slimgrad_dropout_policy = dropout  # read by the dropout and LoRA forwards
         result.converted.append((path, kind.__name__))
 
     if result.skipped:

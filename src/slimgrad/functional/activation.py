@@ -14,26 +14,22 @@ Gradients are bitwise those of stock, NaN and infinities included:
   The mask is ``input > 0``. When the output is kept instead, stock's own kernel runs on it with
   ``self_is_result=True``, valid for ``negative_slope >= 0`` (then ``result > 0`` iff ``input > 0``).
 
-Cost, measured on the development CPU (8x64x56x56 fp32, 2 threads, forward + backward, median of 22,
-interleaved): stock relu 0.87 ms; mask packed with numpy (``not_equal``/``greater`` into the padded
-buffer, ``packbits``, ``unpackbits``) 1.81 ms; torch-only with the int64 shift-or trick 3.16 ms; naive
-torch multiply-and-sum packing 4.15 ms; output kept instead of a mask 0.93 ms. Torch's bool-producing
-comparisons and ``torch.where`` are the slow parts on CPU (0.7 ms and 3.3 ms here), hence numpy for the
-comparison and, in backward, the gradient's bits multiplied by the 0/1 mask instead of ``torch.where``.
-So CPU tensors in eager mode use numpy, everything else the torch path. Backward's mixed-dtype product
-allocates one input-sized temporary, about what stock holds there (its saved output).
+The mask is made and read by the ``relu_mask`` kernel family (:mod:`slimgrad.kernels.relu_mask`, where
+the contract and the torch reference live; numba on CPU and Triton on CUDA where available): one pass
+over the input for output and mask, one over the gradient and mask in backward. Channels-last and other
+dense layouts go to the kernels as their contiguous permuted view, so the mask is in memory order.
 """
 
 from __future__ import annotations
 
 import numbers
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from slimgrad.functional import _bitmask, _common
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
+from slimgrad.kernels import relu_mask
 
 __all__ = ["relu", "leaky_relu"]
 
@@ -44,9 +40,6 @@ _NEGATIVE_INPLACE = (
     "version instead. File an issue at https://github.com/pytorch/pytorch if you do require supporting "
     "in-place leakRelu backward calculation with negative slope"
 )
-
-_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # What backward was left: a packed mask, the output itself, or nothing (stock refuses the case).
 _MASK, _OUTPUT, _REFUSE = "mask", "output", "refuse"
@@ -61,39 +54,31 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return perm if t.permute(perm).is_contiguous() else None
 
 
-def _pack_mask(out: torch.Tensor, source: torch.Tensor, relu: bool, ctx) -> torch.Tensor:
-    """Pack the sign mask backward needs: ``out != 0`` for relu, ``source > 0`` for leaky_relu."""
-    ref = out if relu else source
-    perm = _memory_order(ref)
-    ctx.perm = perm
-    if perm is not None:
-        ref = ref.permute(perm)
-    ctx.packed_shape = tuple(ref.shape)
-    if torch.compiler.is_compiling():
-        mask = (ref != 0) if relu else (ref > 0)
-        flat = mask.reshape(-1)
-        pad = _bitmask.packed_numel(flat.numel()) * 8 - flat.numel()
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    else:
-        flat, view = _bitmask.new_padded_mask(ref.shape, ref.device)
-        if ref.dtype in _NUMPY_DTYPES and _bitmask.use_numpy(ref):
-            # numpy's comparisons run several times faster than torch's bool-producing ones on CPU.
-            (np.not_equal if relu else np.greater)(ref.detach().numpy(), 0, out=view.numpy())
-        elif relu:
-            torch.ne(ref, 0, out=view)
-        else:
-            torch.gt(ref, 0, out=view)
-    return _bitmask.pack(flat)
+def _inverse(perm):
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inverse[d] = i
+    return inverse
 
 
-def _unpack_mask(packed: torch.Tensor, ctx) -> torch.Tensor:
-    mask = _bitmask.unpack(packed, ctx.packed_shape)
-    if ctx.perm is not None:
-        inverse = [0] * len(ctx.perm)
-        for i, d in enumerate(ctx.perm):
-            inverse[d] = i
-        mask = mask.permute(inverse)
-    return mask
+def _masked_forward(ctx, input, slope, inplace):
+    """Run the ``relu_mask`` kernel on ``input`` in its memory order; returns (out, packed mask)."""
+    perm = _memory_order(input)
+    dense = perm is not None or input.is_contiguous()
+    ctx.perm, ctx.dense = perm, dense
+    if dense:
+        xc = input if perm is None else input.permute(perm)
+        out, packed = relu_mask.choose(xc).forward(xc, slope, inplace)
+        if inplace:
+            return input, packed
+        return (out if perm is None else out.permute(_inverse(perm))), packed
+    # Not dense (a slice): the kernels take contiguous tensors, so work on a contiguous copy.
+    xc = input.contiguous()
+    out, packed = relu_mask.choose(xc).forward(xc, slope, inplace)
+    if inplace:
+        input.copy_(out)
+        return input, packed
+    return out, packed
 
 
 class _ReLUFunction(_common.Function):
@@ -104,31 +89,33 @@ class _ReLUFunction(_common.Function):
         ctx.use = use  # (module, UseCell) when called by a module: see _common.learn_from_use
         relu = negative_slope is None
         ctx.negative_slope = negative_slope
-        if inplace:
-            # Return ``input`` itself: torch.compile checks that a dirty tensor is returned as the same object.
-            if relu:
-                torch.relu_(input)
-            else:
-                torch._C._nn.leaky_relu_(input, negative_slope)
-            out = input
-            ctx.mark_dirty(input)
-        elif relu:
-            out = torch.relu(input)
-        else:
-            out = torch._C._nn.leaky_relu(input, negative_slope)
+        ctx.mode = _MASK
         if not ctx.needs_input_grad[0]:
             ctx.mode = _REFUSE
-            return out
-        if not relu and inplace and negative_slope < 0:
+        elif not relu and inplace and negative_slope < 0:
             # Stock refuses this in backward (the sign of the input is lost); so do we, keeping nothing.
             ctx.mode = _REFUSE
         elif keep_output and (relu or negative_slope >= 0):
             ctx.mode = _OUTPUT
-            ctx.save_for_backward(out)
+        if ctx.mode == _MASK:
+            out, packed = _masked_forward(ctx, input, negative_slope, inplace)
+            ctx.save_for_backward(packed)
         else:
-            ctx.mode = _MASK
-            # After an in-place leaky_relu with slope >= 0 the output has the input's sign.
-            ctx.save_for_backward(_pack_mask(out, out if inplace else input, relu, ctx))
+            if inplace:
+                if relu:
+                    torch.relu_(input)
+                else:
+                    torch._C._nn.leaky_relu_(input, negative_slope)
+                out = input
+            elif relu:
+                out = torch.relu(input)
+            else:
+                out = torch._C._nn.leaky_relu(input, negative_slope)
+            if ctx.mode == _OUTPUT:
+                ctx.save_for_backward(out)
+        if inplace:
+            # ``input`` itself is returned: torch.compile checks that a dirty tensor is the same object.
+            ctx.mark_dirty(input)
         return out
 
     @staticmethod
@@ -143,17 +130,20 @@ class _ReLUFunction(_common.Function):
             if slope is None:
                 return torch.ops.aten.threshold_backward(grad, saved, 0), None, None, None, None
             return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True), None, None, None, None
-        mask = _unpack_mask(saved, ctx)
-        if slope is None:
-            if grad.requires_grad:  # double backward: stay differentiable in grad
-                return torch.where(mask, grad, 0), None, None, None, None
-            # Multiplying the gradient's bits by 0/1 is where(mask, grad, +0) bit for bit, and much
-            # faster on CPU than torch.where with a bool condition.
-            bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-            return (bits * mask).view(grad.dtype), None, None, None, None
-        # Stock's own kernel, reading the 0/1 mask where it would read the input's sign.
-        grad_input = torch.ops.aten.leaky_relu_backward(grad, mask.view(torch.uint8), slope, False)
-        return grad_input, None, None, None, None
+        perm = ctx.perm
+        g = grad if perm is None else grad.permute(perm)
+        if grad.requires_grad:  # double backward: stay differentiable in grad
+            mask = _bitmask.unpack(saved, g.shape)
+            if slope is None:
+                gi = torch.where(mask, g, 0)
+            else:
+                gi = torch.where(mask, g, g * slope)
+        else:
+            g = g.contiguous()
+            gi = relu_mask.choose(g).backward(g, saved, slope)
+        if perm is not None:
+            gi = gi.permute(_inverse(perm))
+        return gi, None, None, None, None
 
 
 def _check_slope(negative_slope) -> float:

@@ -1,58 +1,90 @@
-"""Dropout that keeps an 8-byte seed for backward instead of the mask.
+"""Dropout that keeps, for backward, one bit per element (``bits``) or an 8-byte seed (``seed``) instead of
+stock's float mask.
 
-Stock dropout on CPU computes ``noise = bernoulli(1 - p) / (1 - p)`` in the input's dtype and returns
-``input * noise``; autograd then keeps ``noise``, a tensor as large as the input. Here the noise comes from
-a private generator seeded with a value drawn from the input device's default generator, and backward
-regenerates it from that seed. Because the seed is drawn from the default generator, ``torch.manual_seed``
-makes runs reproducible, successive calls differ, and activation checkpointing (which restores the
-default generators' state before recomputing) regenerates the very same mask.
+Stock dropout on CPU computes ``noise = empty_like(x).bernoulli_(1 - p).div_(1 - p)`` from the default
+generator and returns ``x * noise``; autograd keeps ``noise``, as large as the input. The *policy* says
+what slimgrad keeps instead:
 
-The noise is made, scaled and applied with stock's own ops in stock's order (``bernoulli_``, ``div_``,
-``mul``), so wherever our mask and stock's agree the outputs are bitwise equal, and the gradient
-``grad * noise`` is bitwise the one stock computes for that noise. On CUDA stock dropout runs a fused
-kernel (``x * mask * scale``); ours keeps the CPU formula there, equal up to the rounding of the scale in
-reduced precision.
+* ``"bits"``: the mask is drawn exactly as stock draws it (``bernoulli_(1 - p)`` from the default
+  generator into ``empty_like(x, dtype=uint8)``, which consumes the generator as stock's float draw does),
+  so on CPU the mask, the output and the gradient are **bitwise stock's** for the same seed; it is kept
+  packed, 1/32 of stock's fp32 noise, and backward draws nothing. Made and read by the ``dropout_bits``
+  kernel family (:mod:`slimgrad.kernels.dropout`).
+* ``"seed"``: an 8-byte seed from the default generator; the mask is regenerated in backward
+  (``dropout_seed`` family: a private generator today, a counter-based kernel on CUDA where registered).
+  Keeps nothing input-sized, pays a second draw; the mask is not stock's.
+* ``"auto"`` (default): ``bits`` on CPU (a second ``bernoulli_`` is the slow part of CPU dropout: measured
+  in ``docs/benchmarks.md``), ``seed`` elsewhere.
 
-The mask must be the same whether or not a gradient is requested: reentrant checkpointing runs the
-forward without grad and recomputes it with grad. So training-mode dropout always goes through the
-seeded generator, never through stock's.
+Set it per model (``convert(model, dropout="bits")``), per call (``dropout(x, p, policy="seed")``), or for
+the process (:func:`set_dropout_policy`, ``with dropout_policy("seed"):``; what ``enabled()`` and LoRA use).
 
-Under ``torch.compile`` a ``torch.Generator`` cannot be traced, so the compiled path draws the mask from
-the default generator (Inductor's RNG) and keeps it as a bool tensor (1 byte per element; stock keeps the
-noise in the input's dtype).
+Either way ``torch.manual_seed`` makes runs reproducible, successive calls differ, and activation
+checkpointing (which restores the default generators' state before recomputing) rebuilds the same mask.
+The mask is the same whether or not a gradient is requested (reentrant checkpointing runs the forward
+without grad and recomputes it with grad). Feature dropout (``dropout1d/2d/3d``) is stock's own: it keeps
+one value per (sample, channel), nothing worth saving.
+
+Under ``torch.compile`` the mask is drawn from the default generator (Inductor's RNG) and kept as a bool
+tensor (1 byte per element).
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from slimgrad.functional import _common
 from slimgrad.functional._common import check_tensor
+from slimgrad.kernels import dropout as kernels
 
-__all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d"]
+__all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d", "POLICIES", "set_dropout_policy",
+           "get_dropout_policy", "dropout_policy", "resolve_policy"]
 
 _LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation."
 
-# What backward was left: the seed, a bool mask (under torch.compile), or nothing (p == 1).
-_SEED, _MASK, _ZERO = "seed", "mask", "zero"
+POLICIES = ("auto", "bits", "seed")
+_POLICY = "auto"
+
+# What backward was left: packed bits, the seed, a bool mask (under torch.compile), or nothing (p == 1).
+_BITS, _SEED, _MASK, _ZERO = "bits", "seed", "mask", "zero"
 
 
-def _noise_shape(input: torch.Tensor, feature: bool) -> tuple[int, ...]:
-    """Stock's ``make_feature_noise``: one draw per (sample, channel) for feature dropout."""
-    if not feature:
-        return tuple(input.shape)
-    if input.dim() < 2:
-        raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
-    return tuple(input.shape[:2]) + (1,) * (input.dim() - 2)
+def check_policy(value, *, source: str) -> str:
+    if value not in POLICIES:
+        raise ValueError(f"slimgrad: {source} must be one of {', '.join(map(repr, POLICIES))}, got {value!r}")
+    return value
 
 
-def _empty_noise(input: torch.Tensor, feature: bool) -> torch.Tensor:
-    # stock: empty_like(input) (its layout) for elementwise noise, a contiguous tensor for feature noise
-    if feature:
-        return torch.empty(_noise_shape(input, True), dtype=input.dtype, device=input.device)
-    return torch.empty_like(input)
+def set_dropout_policy(value: str) -> None:
+    """The process-wide dropout policy ("auto", "bits", "seed"), used where no module or call sets one."""
+    global _POLICY
+    _POLICY = check_policy(value, source="set_dropout_policy's argument 'value'")
+
+
+def get_dropout_policy() -> str:
+    return _POLICY
+
+
+@contextlib.contextmanager
+def dropout_policy(value: str):
+    """Temporarily set the process-wide dropout policy."""
+    old = _POLICY
+    set_dropout_policy(value)
+    try:
+        yield
+    finally:
+        set_dropout_policy(old)
+
+
+def resolve_policy(policy, device: torch.device) -> str:
+    """"bits" or "seed" for a call on ``device`` (``policy`` None: the process-wide one)."""
+    policy = _POLICY if policy is None else policy
+    if policy == "auto":
+        return "bits" if device.type == "cpu" else "seed"
+    return policy
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:
@@ -61,6 +93,7 @@ def _draw_seed(device: torch.device) -> torch.Tensor:
 
 
 def _fill_noise(noise: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """Seeded noise with stock's ops (kept for callers of the earlier API)."""
     generator = torch.Generator(device=noise.device)
     generator.manual_seed(int(seed.item()))
     noise.bernoulli_(1 - p, generator=generator)
@@ -71,11 +104,58 @@ def _apply_noise(input, noise, inplace):
     return input.mul_(noise) if inplace else input * noise
 
 
+def _memory_order(t: torch.Tensor):
+    """The permutation that makes the dense tensor ``t`` contiguous (channels_last and the like)."""
+    if t.is_contiguous():
+        return None
+    return tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+
+
+def _inverse(perm):
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inverse[d] = i
+    return inverse
+
+
+def _canonical(t: torch.Tensor, perm):
+    """``t`` in the kernels' contiguous layout: permuted (a view when ``t`` is laid out like the mask)."""
+    v = t if perm is None else t.permute(perm)
+    return v if v.is_contiguous() else v.contiguous()
+
+
+def _finish(input, out, perm, inplace):
+    """Map the kernel's contiguous result back to ``input``'s shape (and into ``input`` when in place)."""
+    if inplace:
+        view = input if perm is None else input.permute(perm)
+        if out.data_ptr() != view.data_ptr() or out.stride() != view.stride():
+            view.copy_(out)  # the kernel worked on a contiguous copy of a non-dense input
+        return input
+    return out if perm is None else out.permute(_inverse(perm))
+
+
+def bits_forward(input: torch.Tensor, p: float, inplace: bool):
+    """Draw stock's mask, apply it through the ``dropout_bits`` family; returns (out, packed, perm, scale)."""
+    keep = torch.empty_like(input, dtype=torch.uint8).bernoulli_(1 - p)
+    perm = _memory_order(keep)
+    keep = _canonical(keep, perm)
+    scale = kernels.noise_scale(p, input.dtype)
+    xc = _canonical(input, perm)
+    out, packed = kernels.choose_bits(xc).forward(xc, keep, scale, inplace)
+    return _finish(input, out, perm, inplace), packed, perm, scale
+
+
+def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float) -> torch.Tensor:
+    g = _canonical(grad, perm)
+    gi = kernels.choose_bits(g).backward(g, packed, scale)
+    return gi if perm is None else gi.permute(_inverse(perm))
+
+
 class _DropoutFunction(_common.Function):
-    """Dropout (``feature=False``) and feature dropout for 0 < p <= 1 in training mode."""
+    """Element-wise dropout for 0 < p <= 1 in training mode."""
 
     @staticmethod
-    def forward(ctx, input, p, feature, inplace):
+    def forward(ctx, input, p, inplace, policy):
         ctx.p = p
         if p == 1:
             # stock multiplies by a zero scalar, drawing nothing
@@ -83,16 +163,20 @@ class _DropoutFunction(_common.Function):
             out = _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
         elif torch.compiler.is_compiling():
             ctx.mode = _MASK
-            noise = _empty_noise(input, feature).bernoulli_(1 - p)
+            noise = torch.empty_like(input).bernoulli_(1 - p)
             ctx.save_for_backward(noise.to(torch.bool))
             out = _apply_noise(input, noise.div_(1 - p), inplace)
+        elif policy == "bits":
+            ctx.mode = _BITS
+            out, packed, ctx.perm, ctx.scale = bits_forward(input, p, inplace)
+            ctx.save_for_backward(packed)
         else:
             ctx.mode = _SEED
             seed = _draw_seed(input.device)
-            noise = _fill_noise(_empty_noise(input, feature), p, seed)
-            ctx.noise_shape, ctx.noise_stride = tuple(noise.shape), noise.stride()
+            ctx.perm = perm = _memory_order(input) if _dense(input) else None
+            xc = _canonical(input, perm)
+            out = _finish(input, kernels.choose_seed(xc).forward(xc, p, seed, inplace), perm, inplace)
             ctx.save_for_backward(seed)
-            out = _apply_noise(input, noise, inplace)
         if inplace:
             ctx.mark_dirty(input)
         return out
@@ -103,32 +187,51 @@ class _DropoutFunction(_common.Function):
             return grad * torch.zeros((), dtype=grad.dtype, device=grad.device), None, None, None
         (saved,) = ctx.saved_tensors
         if ctx.mode == _MASK:
-            noise = saved.to(grad.dtype).div_(1 - ctx.p)
-        else:
-            noise = torch.empty_strided(
-                ctx.noise_shape, ctx.noise_stride, dtype=grad.dtype, device=grad.device
-            )
-            noise = _fill_noise(noise, ctx.p, saved)
-        return grad * noise, None, None, None
+            return grad * saved.to(grad.dtype).div_(1 - ctx.p), None, None, None
+        if ctx.mode == _BITS:
+            if grad.requires_grad:  # double backward: stay differentiable in grad
+                from slimgrad.functional import _bitmask
+
+                g = _canonical(grad, ctx.perm)
+                noise = _bitmask.unpack(saved, g.shape).to(grad.dtype).mul_(ctx.scale)
+                gi = g * noise
+                return (gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))), None, None, None
+            return bits_backward(grad, saved, ctx.perm, ctx.scale), None, None, None
+        g = _canonical(grad, ctx.perm)
+        gi = kernels.choose_seed(g).backward(g, ctx.p, saved)
+        return (gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))), None, None, None
 
 
-def _dropout_impl(input, p, training, inplace, feature):
-    """Stock's ``_dropout_impl`` with the seeded noise: identity for p == 0, eval mode or empty input."""
+def _dense(t: torch.Tensor) -> bool:
+    if t.is_contiguous():
+        return True
+    perm = _memory_order(t)
+    return t.permute(perm).is_contiguous()
+
+
+def _dropout_impl(input, p, training, inplace, policy=None):
+    """Stock's ``_dropout_impl`` with slimgrad's mask keeping: identity for p == 0, eval mode or empty
+    input."""
     if p == 0 or not training or input.numel() == 0:
-        return input  # stock returns the input itself here, before checking a feature input's rank
-    if feature:
-        _noise_shape(input, True)  # the rank check, before anything is drawn or modified
+        return input  # stock returns the input itself here
+    if policy is not None:
+        check_policy(policy, source="dropout's argument 'policy'")
+    policy = resolve_policy(policy, input.device)
     if torch.is_grad_enabled() and input.requires_grad:
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)
-        return _DropoutFunction.apply(input, float(p), bool(feature), bool(inplace))
-    # No gradient: the same noise all the same (checkpoint recomputes this call with grad).
+        return _DropoutFunction.apply(input, float(p), bool(inplace), policy)
+    # No gradient: the same mask all the same (checkpoint recomputes this call with grad).
     if p == 1:
         return _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
     if torch.compiler.is_compiling():
-        return _apply_noise(input, _empty_noise(input, feature).bernoulli_(1 - p).div_(1 - p), inplace)
-    noise = _fill_noise(_empty_noise(input, feature), p, _draw_seed(input.device))
-    return _apply_noise(input, noise, inplace)
+        return _apply_noise(input, torch.empty_like(input).bernoulli_(1 - p).div_(1 - p), inplace)
+    if policy == "bits":
+        return bits_forward(input, p, inplace)[0]
+    seed = _draw_seed(input.device)
+    perm = _memory_order(input) if _dense(input) else None
+    xc = _canonical(input, perm)
+    return _finish(input, kernels.choose_seed(xc).forward(xc, p, seed, inplace), perm, inplace)
 
 
 def _check(input, p, fn):
@@ -138,82 +241,25 @@ def _check(input, p, fn):
 
 
 def dropout(
-    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, policy: str | None = None
 ) -> torch.Tensor:
-    """``F.dropout`` keeping an 8-byte seed for backward instead of an input-sized mask."""
+    """``F.dropout`` keeping 1 bit per element (policy "bits", bitwise stock's mask on CPU) or an 8-byte
+    seed ("seed") for backward instead of an input-sized float mask; ``policy=None``: the process-wide
+    one (default "auto": bits on CPU, seed elsewhere)."""
     _check(input, p, "dropout")
-    return _dropout_impl(input, p, training, inplace, feature=False)
+    return _dropout_impl(input, p, training, inplace, policy=policy)
 
 
-def dropout1d(
-    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> torch.Tensor:
-    """``F.dropout1d`` keeping a seed instead of the mask; 2-D input is one unbatched sample."""
-    _check(input, p, "dropout1d")
-    inp_dim = input.dim()
-    if inp_dim not in (2, 3):
-        raise RuntimeError(
-            f"dropout1d: Expected 2D or 3D input, but received a {inp_dim}D input. "
-            "Note that dropout1d exists to provide channel-wise dropout on inputs with 1 "
-            "spatial dimension, a channel dimension, and an optional batch dimension "
-            "(i.e. 2D or 3D inputs)."
-        )
-    return _unbatched(input, p, training, inplace, batched=inp_dim == 3)
+def dropout1d(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout1d`` itself: stock keeps one noise value per (sample, channel), nothing to save."""
+    return F.dropout1d(input, p, training, inplace)
 
 
-def dropout2d(
-    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> torch.Tensor:
-    """``F.dropout2d`` keeping a seed instead of the mask. Like stock, a 3-D input is read as (N, C, L),
-    with the same deprecation warnings."""
-    _check(input, p, "dropout2d")
-    inp_dim = input.dim()
-    if inp_dim not in (3, 4):
-        warnings.warn(
-            f"dropout2d: Received a {inp_dim}-D input to dropout2d, which is deprecated "
-            "and will result in an error in a future release. To retain the behavior "
-            "and silence this warning, please use dropout instead. Note that dropout2d "
-            "exists to provide channel-wise dropout on inputs with 2 spatial dimensions, "
-            "a channel dimension, and an optional batch dimension (i.e. 3D or 4D inputs).",
-            stacklevel=2,
-        )
-    if inp_dim == 3:
-        warnings.warn(
-            "dropout2d: Received a 3D input to dropout2d and assuming that channel-wise "
-            "1D dropout behavior is desired - input is interpreted as shape (N, C, L), where C "
-            "is the channel dim. This behavior will change in a future release to interpret the "
-            "input as one without a batch dimension, i.e. shape (C, H, W). To maintain the 1D "
-            "channel-wise dropout behavior, please switch to using dropout1d instead.",
-            stacklevel=2,
-        )
-    return _dropout_impl(input, p, training, inplace, feature=True)
+def dropout2d(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout2d`` itself: stock keeps one noise value per (sample, channel), nothing to save."""
+    return F.dropout2d(input, p, training, inplace)
 
 
-def dropout3d(
-    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> torch.Tensor:
-    """``F.dropout3d`` keeping a seed instead of the mask; like stock, a non-5-D input is one unbatched
-    sample (with a deprecation warning unless it is 4-D)."""
-    _check(input, p, "dropout3d")
-    inp_dim = input.dim()
-    if inp_dim not in (4, 5):
-        warnings.warn(
-            f"dropout3d: Received a {inp_dim}-D input to dropout3d, which is deprecated "
-            "and will result in an error in a future release. To retain the behavior "
-            "and silence this warning, please use dropout instead. Note that dropout3d "
-            "exists to provide channel-wise dropout on inputs with 3 spatial dimensions, "
-            "a channel dimension, and an optional batch dimension (i.e. 4D or 5D inputs).",
-            stacklevel=2,
-        )
-    return _unbatched(input, p, training, inplace, batched=inp_dim == 5)
-
-
-def _unbatched(input, p, training, inplace, batched):
-    """Stock's handling of inputs without a batch dimension: add one, drop it again."""
-    if not batched:
-        input = input.unsqueeze_(0) if inplace else input.unsqueeze(0)
-    result = _dropout_impl(input, p, training, inplace, feature=True)
-    if not batched:
-        result = result.squeeze_(0) if inplace else result.squeeze(0)
-    return result
-
+def dropout3d(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout3d`` itself: stock keeps one noise value per (sample, channel), nothing to save."""
+    return F.dropout3d(input, p, training, inplace)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.functional import _common
-from slimgrad.functional.dropout import _fill_noise
+from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, resolve_policy
 
 __all__ = ["LoraAdapter", "LoraLinearFunction", "lora_linear"]
 
@@ -74,13 +74,16 @@ class LoraLinearFunction(_common.Function):
         need_x, need_w = need[0], need[1]
         need_a = [need[7 + 3 * i] for i in range(n)]
         need_b = [need[8 + 3 * i] for i in range(n)]
+        # The process-wide dropout policy (slimgrad.functional.dropout.set_dropout_policy), as dropout's.
+        policy = resolve_policy(None, x.device)
         compiling = torch.compiler.is_compiling()
         xa = x
         if n and cast and x.dtype != adapters[0].dtype:
             xa = x.to(adapters[0].dtype)
         dropout_p = [p for p in ps if 0 < p < 1]
         seeds = None
-        if dropout_p and not compiling:
+        bits = {}  # adapter -> (perm, scale) of its packed mask (dropout policy "bits")
+        if dropout_p and not compiling and policy == "seed":
             # One seed per dropping adapter from the default generator: reproducible under manual_seed, and
             # checkpointing (which restores the generator) regenerates the same masks.
             seeds = torch.empty(len(dropout_p), dtype=torch.int64, device=x.device).random_()
@@ -97,10 +100,16 @@ class LoraLinearFunction(_common.Function):
                     noise = torch.empty_like(xa).bernoulli_(1 - p)
                     mask = noise.to(torch.bool)
                     noise = noise.div_(1 - p)
+                elif policy == "bits":
+                    # stock's draw (PEFT's nn.Dropout), kept as bits: the adapter sees PEFT's very mask
+                    dropped, mask, perm, scale = bits_forward(xa, p, False)
+                    bits[i] = (perm, scale)
+                    noise = None
                 else:
                     noise = _fill_noise(torch.empty_like(xa), p, seeds[j])
                 j += 1
-                dropped = xa * noise
+                if noise is not None:
+                    dropped = xa * noise
             t = F.linear(dropped, A)
             u = F.linear(t, B, b_bias)
             u_dtypes.append(u.dtype)
@@ -116,7 +125,7 @@ class LoraLinearFunction(_common.Function):
             _common.note_input_kept(x)
         keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
         ctx.meta = (fan_in_fan_out, cast, tuple(scalings), tuple(ps), base_dtype, sum_dtype, tuple(u_dtypes),
-                    tuple(x.shape), x.dtype, n)
+                    tuple(x.shape), x.dtype, n, bits)
         # weight is a parameter (not counted); it is only read when dX is requested.
         ctx.save_for_backward(x if keep_x else None, weight if need_x else None,
                               seeds if keep_seeds else None, *kept_t, *masks, *adapters)
@@ -125,7 +134,7 @@ class LoraLinearFunction(_common.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n = ctx.meta
+        fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n, bits = ctx.meta
         saved = ctx.saved_tensors
         x, weight, seeds = saved[:3]
         kept_t = saved[3: 3 + n]
@@ -171,6 +180,8 @@ class LoraLinearFunction(_common.Function):
             noise = None
             if p == 1:
                 noise = torch.zeros((), dtype=A.dtype, device=A.device)
+            elif p > 0 and i in bits:
+                noise = bits[i]  # (perm, scale): applied through the dropout_bits kernels below
             elif p > 0:
                 if masks[i] is not None:
                     noise = masks[i].to(A.dtype).div_(1 - p)
@@ -181,11 +192,19 @@ class LoraLinearFunction(_common.Function):
             if need_a:
                 if xa is None:
                     xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
-                dropped = xa if noise is None else xa * noise
+                if noise is None:
+                    dropped = xa
+                elif i in bits:
+                    dropped = bits_backward(xa, masks[i], *noise)  # xa * noise, as in forward
+                else:
+                    dropped = xa * noise
                 grads[7 + 3 * i] = dt.t().mm(_rows(dropped))
             if need_x:
                 dd = dt.mm(A)
-                if noise is not None:
+                if i in bits:
+                    dd = bits_backward(dd.view(x_shape[:-1] + (dd.shape[-1],)), masks[i], *noise)
+                    dd = _rows(dd)
+                elif noise is not None:
                     dd = dd * _rows(noise) if noise.dim() else dd * noise
                 dxa = dd if dxa is None else dxa + dd
         if need_x:

@@ -23,6 +23,7 @@ from torch.nn.modules.utils import _list_with_default
 
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_off, check_tensor, standin
+from slimgrad.kernels import max_pool
 
 __all__ = [
     "MaxPoolFunction",
@@ -216,7 +217,6 @@ class MaxPoolFunction(_common.Function):
     @staticmethod
     def forward(ctx, x, nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
         fn = f"max_pool{nd}d"
-        out, indices = _MAX_FORWARD[nd](x, kernel_size, stride, padding, dilation, ceil_mode)
         kernel = _tuple(kernel_size, nd, "kernel_size", fn)
         stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
         padding_t = _tuple(padding, nd, "padding", fn)
@@ -225,6 +225,16 @@ class MaxPoolFunction(_common.Function):
         ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
         ctx.grad_format = _grad_format(x, nd)
         ctx.return_indices = bool(return_indices)
+        # The common case goes through the max_pool_positions kernel family (one pass for output and
+        # positions where a fast backend exists): contiguous input, indices not returned, eager.
+        ctx.family = (not return_indices and ctx.needs_input_grad[0] and x.is_contiguous()
+                      and not torch.compiler.is_compiling() and x.dim() > nd)
+        if ctx.family:
+            out, pos = max_pool.choose(x).forward(x, kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
+            ctx.kept_indices = False
+            ctx.save_for_backward(pos)
+            return out
+        out, indices = _MAX_FORWARD[nd](x, kernel_size, stride, padding, dilation, ceil_mode)
         # Under torch.compile, inductor fuses the index rebuild into its own scatter backward and then
         # trips its bounds check on the unused lanes of a vector tail ("index out of bounds"); there the
         # int64 indices are kept as stock keeps them (still never the input).
@@ -246,6 +256,11 @@ class MaxPoolFunction(_common.Function):
     def backward(ctx, grad_out, *_grad_indices):
         (pos,) = ctx.saved_tensors
         nd, shape, kernel, stride, padding, dilation, ceil_mode = ctx.geometry
+        if ctx.family:
+            grad_out = grad_out.contiguous()
+            grad = max_pool.choose(grad_out).backward(grad_out, pos, shape, kernel, stride, padding, dilation,
+                                                      ceil_mode)
+            return (grad,) + (None,) * 8
         if ctx.kept_indices:
             indices = pos
         else:

@@ -1,4 +1,5 @@
-"""Drop-in Dropout modules keeping an 8-byte seed for backward instead of the mask."""
+"""Drop-in Dropout modules keeping 1 bit per element or an 8-byte seed for backward instead of the float
+mask (the dropout policy: see :mod:`slimgrad.functional.dropout`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ __all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d"]
 @register(nn.Dropout)
 class Dropout(nn.Dropout):
     def forward(self, input):
-        return dropout(input, self.p, self.training, self.inplace)
+        # convert(model, dropout=...) sets the policy per module; otherwise the process-wide one.
+        return dropout(input, self.p, self.training, self.inplace,
+                       policy=self.__dict__.get("_slimgrad_dropout_policy"))
 
 
 @register(nn.Dropout1d)

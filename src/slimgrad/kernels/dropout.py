@@ -1,0 +1,120 @@
+"""Kernel families ``dropout_bits`` and ``dropout_seed``: the two ways slimgrad's dropout keeps its mask.
+
+Which one runs is the dropout *policy* (:mod:`slimgrad.functional.dropout`): ``bits`` keeps the mask as
+one bit per element and never draws twice; ``seed`` keeps an 8-byte seed and regenerates the mask in
+backward; ``auto`` picks per device by measurement (bits on CPU, where a second ``bernoulli_`` draw is
+slow; seed on CUDA, where a counter-based generator is nearly free).
+
+``dropout_bits`` contract::
+
+    impl.forward(x, keep, scale, inplace) -> (out, packed)
+    impl.backward(grad, packed, scale) -> grad_input
+
+* ``x``: contiguous floating tensor. ``keep``: a contiguous ``uint8`` tensor of ``x``'s shape, 1 where the
+  element is kept. The Function draws it with torch's own ``bernoulli_(1 - p)`` into
+  ``empty_like(x, dtype=uint8)``, which on CPU consumes the default generator exactly as stock's
+  ``empty_like(x).bernoulli_(1 - p)`` does, so the mask is stock's, bit for bit, for the same seed.
+* ``scale``: a Python float, the value stock's noise holds at kept elements (``1 / (1 - p)`` as stock's
+  ``noise.div_(1 - p)`` rounds it in ``x``'s dtype), exactly representable in that dtype.
+* ``out = x * (keep ? scale : 0)``, the product rounded once in ``x``'s dtype (bf16/fp16: computed in
+  fp32), bitwise stock's ``x * noise`` (so ``-x * 0 = -0.0``, ``inf * 0 = NaN``, as stock). ``inplace``:
+  written into ``x``, which is returned.
+* ``packed``: ``keep`` packed in the :mod:`slimgrad.functional._bitmask` format (uint8, ``ceil(numel/8)``
+  bytes, element ``i`` of ``keep.reshape(-1)`` in bit ``i % 8`` of byte ``i // 8``, LSB first).
+* ``grad``: contiguous, ``x``'s shape; ``grad_input = grad * (bit ? scale : 0)`` rounded as above (stock's
+  ``grad * noise``), a new contiguous tensor.
+
+``dropout_seed`` contract::
+
+    impl.forward(x, p, seed, inplace) -> out
+    impl.backward(grad, p, seed) -> grad_input
+
+* ``seed``: an int64 scalar tensor on ``x``'s device (drawn by the Function from the device's default
+  generator, so ``manual_seed`` and checkpointing reproduce it). The mask is a pure function of
+  ``(seed, element index, p)``: backward regenerates it. ``x``/``grad`` contiguous; ``out = x * noise``,
+  ``grad_input = grad * noise`` with ``noise = keep ? scale : 0`` as above. The mask differs from stock's
+  (another generator), identically in forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import registry
+
+__all__ = ["BITS", "SEED", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits", "choose_seed", "noise_scale"]
+
+BITS, SEED = "dropout_bits", "dropout_seed"
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def noise_scale(p: float, dtype: torch.dtype) -> float:
+    """The value of stock's noise at kept elements: ``1 / (1 - p)`` rounded by ``div_`` in ``dtype``."""
+    return torch.ones((), dtype=dtype).div_(1 - p).item()
+
+
+class TorchDropoutBits:
+    """Reference: the float noise rebuilt from the mask with torch ops, numpy ``packbits`` on CPU."""
+
+    name = "torch"
+
+    @staticmethod
+    def forward(x, keep, scale, inplace):
+        from slimgrad.functional import _bitmask
+
+        noise = keep.to(x.dtype).mul_(scale)
+        out = x.mul_(noise) if inplace else x * noise
+        del noise
+        flat, view = _bitmask.new_padded_mask(keep.shape, keep.device)
+        view.copy_(keep.view(torch.bool))
+        return out, _bitmask.pack(flat)
+
+    @staticmethod
+    def backward(grad, packed, scale):
+        from slimgrad.functional import _bitmask
+
+        noise = _bitmask.unpack(packed, grad.shape).to(grad.dtype).mul_(scale)
+        return grad * noise
+
+
+class TorchDropoutSeed:
+    """Reference: a private ``torch.Generator`` seeded from ``seed``, stock's ops in stock's order."""
+
+    name = "torch"
+
+    @staticmethod
+    def noise(like, p, seed):
+        generator = torch.Generator(device=like.device)
+        generator.manual_seed(int(seed.item()))
+        noise = torch.empty_like(like).bernoulli_(1 - p, generator=generator)
+        return noise.div_(1 - p)
+
+    @classmethod
+    def forward(cls, x, p, seed, inplace):
+        noise = cls.noise(x, p, seed)
+        return x.mul_(noise) if inplace else x * noise
+
+    @classmethod
+    def backward(cls, grad, p, seed):
+        return grad * cls.noise(grad, p, seed)
+
+
+BITS_TORCH = TorchDropoutBits()
+SEED_TORCH = TorchDropoutSeed()
+
+registry.register(BITS, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: BITS_TORCH,
+                  note="torch ops + numpy packbits (reference)")
+registry.register(SEED, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: SEED_TORCH,
+                  note="private torch.Generator per call (reference)")
+
+
+def choose_bits(x: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return BITS_TORCH
+    return registry.choose(BITS, x) or BITS_TORCH
+
+
+def choose_seed(x: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return SEED_TORCH
+    return registry.choose(SEED, x) or SEED_TORCH

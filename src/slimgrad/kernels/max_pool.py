@@ -1,0 +1,90 @@
+"""Kernel family ``max_pool_positions``: max pooling that returns, with its output, the winner's position
+inside each window (one small integer per output element) instead of stock's int64 flat indices, and the
+backward that scatters the gradient from those positions.
+
+Contract::
+
+    impl.forward(x, kernel, stride, padding, dilation, ceil_mode) -> (out, positions)
+    impl.backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode) -> grad_input
+
+* ``x``: a **contiguous** floating tensor ``(*batch, *spatial)`` with ``nd = len(kernel)`` spatial dims
+  (1, 2 or 3) and at least one leading dim (channels; batch optional, the leading dims are flattened).
+  ``kernel``, ``stride``, ``padding``, ``dilation``: tuples of ``nd`` ints (stride already defaulted to
+  kernel); ``ceil_mode``: bool. The Function has validated them the way stock does.
+* ``out``: bitwise stock's ``max_poolNd`` output, contiguous. Stock's rule per window, scanned in
+  row-major order over the window positions that fall inside the input: start from ``-inf`` with the
+  first in-bounds position as the winner, and take an element when ``value > max or isnan(value)`` (so
+  the first maximum wins ties, the *last* NaN wins, and an all ``-inf`` window reports its first
+  in-bounds position); comparisons in fp32 for bf16/fp16.
+* ``positions``: contiguous, ``out``'s shape, dtype
+  :func:`slimgrad.functional.pooling.position_dtype` ``(prod(kernel))`` (uint8 up to 256 window
+  elements): the winner's index in row-major order over the *full* window (padding positions counted),
+  ``sum_i k_i * prod(kernel[i+1:])`` for window offsets ``k_i``.
+* ``grad_out``: contiguous, ``out``'s shape. ``grad_input``: a new contiguous tensor of ``x_shape``, zero
+  except ``grad_input[winner] += grad_out[o]`` for every output ``o`` in row-major order per channel,
+  accumulated in the dtype (so overlapping windows add up in stock's order: bitwise stock's
+  ``max_poolNd_with_indices_backward``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import registry
+
+__all__ = ["FAMILY", "TorchMaxPoolPositions", "choose"]
+
+FAMILY = "max_pool_positions"
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class TorchMaxPoolPositions:
+    """Reference: stock's ``max_poolNd_with_indices`` forward, positions derived from its indices; backward
+    rebuilds stock's int64 indices and runs stock's backward kernel."""
+
+    name = "torch"
+
+    @staticmethod
+    def forward(x, kernel, stride, padding, dilation, ceil_mode):
+        from slimgrad.functional import pooling as P
+
+        nd = len(kernel)
+        out, indices = P._MAX_FORWARD[nd](x, kernel, stride, padding, dilation, ceil_mode)
+        dtype = P.position_dtype(_prod(kernel))
+        pos = P._positions_from_indices(indices, tuple(x.shape[-nd:]), kernel, stride, padding, dilation, dtype,
+                                        in_place=True)
+        return out, pos
+
+    @staticmethod
+    def backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode):
+        from slimgrad.functional import pooling as P
+
+        nd = len(kernel)
+        shape = tuple(x_shape)
+        indices = P._indices_from_positions(positions, shape[-nd:], kernel, stride, padding, dilation)
+        if nd == 1:
+            shape = shape[:-1] + (1, shape[-1])
+            grad_out, indices = grad_out.unsqueeze(-2), indices.unsqueeze(-2)
+            kernel, stride, padding, dilation = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
+        op = P._MAX_BACKWARD[max(nd, 2)]
+        grad = op(grad_out, P.standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
+        return grad.squeeze(-2) if nd == 1 else grad
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+TORCH_IMPL = TorchMaxPoolPositions()
+
+registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: TORCH_IMPL,
+                  note="stock kernels, positions derived from indices (reference)")
+
+
+def choose(x: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return TORCH_IMPL
+    return registry.choose(FAMILY, x) or TORCH_IMPL
