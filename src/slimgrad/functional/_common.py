@@ -22,6 +22,8 @@ __all__ = [
     "learn_from_use",
     "mark_producer",
     "note_input_kept",
+    "fast_kernel",
+    "register_torch_kernel",
 ]
 
 
@@ -150,3 +152,43 @@ def learn_from_use(producer, cell: UseCell) -> None:
 
         torch.autograd.Variable._execution_engine.queue_callback(publish)
     producer._slimgrad_uses_kept = producer._slimgrad_uses_kept or cell.kept
+
+
+def fast_kernel(family: str, tensor: torch.Tensor):
+    """The non-torch implementation :mod:`slimgrad.kernels` chose for ``family`` on ``tensor`` (a Triton or
+    numba kernel module/object), or None when the Function's own torch code should run: the torch backend
+    was chosen, nothing fits, or we are being traced by torch.compile (which generates its own fused
+    kernels from the torch code and cannot trace a deferred Triton launch)."""
+    if torch.compiler.is_compiling():
+        return None
+    from slimgrad import kernels
+
+    impl = kernels.choose(family, tensor)
+    return None if impl is None or getattr(impl, "backend", "torch") == "torch" else impl
+
+
+class TorchKernel:
+    """The registry entry standing for a Function's own torch code (``backend == "torch"``)."""
+
+    backend = "torch"
+
+    def __init__(self, family: str):
+        self.family = family
+
+    def __repr__(self):
+        return f"TorchKernel({self.family!r})"
+
+
+_ALL_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def register_torch_kernel(family: str, *, priority: int = 0, devices=("cpu", "cuda", "xpu", "mps"),
+                          dtypes=_ALL_FLOATS) -> None:
+    """Register a Function's torch code as the ``torch`` implementation of ``family`` (the fallback the
+    registry lists and ``SLIMGRAD_KERNELS=torch`` selects)."""
+    from slimgrad.kernels import registry
+
+    if any(k.backend == registry.TORCH for k in registry.implementations(family)):
+        return
+    impl = TorchKernel(family)
+    registry.register(family, registry.TORCH, devices=devices, dtypes=dtypes, load=lambda: impl, priority=priority)

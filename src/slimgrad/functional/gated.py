@@ -16,6 +16,10 @@ on the recomputed values for the fused kernels, and for the Python formulas (``g
 ``gelu_python``, ``quick_gelu``) the chain of per-op derivatives autograd uses, with the partial
 gradients of the input summed in the order autograd's engine delivers them. Gradients are therefore
 bitwise equal to stock as well (the tests check every dtype bitwise).
+
+Kernels: on CUDA the registry's ``gated_activation`` family runs :mod:`slimgrad.kernels.triton.gated` (one
+kernel forward, one backward recomputing the activation; same tensors kept; within the dtype's rounding of
+stock). This torch code is the family's ``torch`` implementation and the fallback.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_python", "
 _TANH_C = math.sqrt(2.0 / math.pi)
 _SQRT2 = math.sqrt(2.0)
 _ERF_C = 2.0 / math.sqrt(math.pi)  # derivatives.yaml's erf: 2.0 / sqrt(M_PI) * exp(-(self.pow(2))) * grad
+
+_common.register_torch_kernel("gated_activation")
 
 
 def activation_forward(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +115,9 @@ class GatedFunction(_common.Function):
 
     @staticmethod
     def forward(ctx, gate, up, kind):
-        out = activation_forward(kind, gate) * up
+        impl = _common.fast_kernel("gated_activation", gate)
+        ctx.impl = impl if impl is not None and impl.supports(gate, kind) else None
+        out = ctx.impl.forward(gate, up, kind) if ctx.impl is not None else activation_forward(kind, gate) * up
         need_gate, need_up = ctx.needs_input_grad[:2]
         ctx.kind = kind
         ctx.mask = (need_gate, need_up)
@@ -125,6 +133,9 @@ class GatedFunction(_common.Function):
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
         need_gate, need_up = ctx.mask
+        if ctx.impl is not None:
+            d_gate, d_up = ctx.impl.backward(grad_out, gate, up, ctx.kind, need_gate, need_up)
+            return d_gate, d_up, None
         d_gate = d_up = None
         if need_gate:
             # Stock: d(act) = dY * up (mul's backward), then the activation's backward on it.

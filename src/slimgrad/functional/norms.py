@@ -14,6 +14,12 @@ Why each reference wastes, and what is kept instead:
 RMSNorm backward replays, op for op, what autograd runs on the reference's forward graph (same ops, same
 dtypes, same reduction shapes), so outputs and gradients are bitwise equal to each reference. LayerNorm and
 GroupNorm call stock's own forward and backward kernels with stock's ``output_mask``.
+
+Kernels (:mod:`slimgrad.kernels`): on CUDA the Triton kernels of :mod:`slimgrad.kernels.triton.rms_norm` and
+``layer_norm`` run where the registry chooses them (families ``rms_norm`` for the torch style, ``rms_norm_hf``,
+``fused_add_rms_norm``, ``layer_norm``); they keep the same tensors (x in its own dtype, fp32 per-row stats),
+compute only the requested gradients, and agree with the torch code within the dtype's rounding. The torch code
+here is the ``torch`` implementation of each family and the fallback wherever no kernel fits.
 """
 
 from __future__ import annotations
@@ -50,6 +56,16 @@ _aten = torch.ops.aten
 RMS_STYLES = ("torch", "llama", "olmo2", "gemma", "t5")
 _FUSED_RMS_DEVICES = ("cuda", "xpu", "mps")
 
+for _family in ("rms_norm", "rms_norm_hf", "fused_add_rms_norm", "layer_norm"):
+    _common.register_torch_kernel(_family)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:  # a plain loop: dynamo cannot trace math.prod over a generator
+        n *= s
+    return n
+
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -68,6 +84,18 @@ class RMSNormFunction(_common.Function):
 
     @staticmethod
     def forward(ctx, input, weight, eps, ndim, style):
+        need_x, need_w = ctx.needs_input_grad[:2]
+        need_w = need_w and weight is not None
+        n = _numel(input.shape[input.dim() - ndim:])
+        impl = _common.fast_kernel("rms_norm" if style == "torch" else "rms_norm_hf", input)
+        ctx.impl = impl if impl is not None and impl.supports(input, weight, n) else None
+        if ctx.impl is not None:
+            out, rstd = ctx.impl.forward(input, weight, eps, style, n)
+            ctx.mask, ctx.style, ctx.n = (need_x, need_w), style, n
+            if need_x or need_w:
+                _common.note_input_kept(input)
+                ctx.save_for_backward(input, rstd, weight, None)
+            return out
         dims = tuple(range(input.dim() - ndim, input.dim()))
         fused = (style == "torch" and input.device.type in _FUSED_RMS_DEVICES
                  and (weight is None or weight.dtype == input.dtype))
@@ -76,8 +104,6 @@ class RMSNormFunction(_common.Function):
             out, rstd = _aten._fused_rms_norm(input, list(input.shape[-ndim:]), weight, eps)
         else:
             out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
-        need_x, need_w = ctx.needs_input_grad[:2]
-        need_w = need_w and weight is not None
         ctx.mask = (need_x, need_w)
         ctx.dims, ctx.style, ctx.fused, ctx.x_dtype = dims, style, fused, input.dtype
         if not (need_x or need_w):
@@ -105,6 +131,9 @@ class RMSNormFunction(_common.Function):
         if not (need_x or need_w):
             return None, None, None, None, None
         x, rstd, weight, normed = ctx.saved_tensors
+        if ctx.impl is not None:
+            dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w)
+            return dx, dw, None, None, None
         if normed is not None:
             return None, _weight_grad(_upstream_of_product(grad_out, ctx.style, weight, normed), normed, weight), \
                 None, None, None
@@ -267,11 +296,23 @@ class LayerNormFunction(_common.Function):
 
     @staticmethod
     def forward(ctx, input, normalized_shape, weight, bias, eps):
-        out, mean, rstd = _aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
         ctx.mask = (need_x, need_w, need_b)
+        n = _numel(normalized_shape)
+        impl = _common.fast_kernel("layer_norm", input)
+        ctx.impl = impl if impl is not None and impl.supports(input, weight, bias, n) else None
+        if ctx.impl is not None:
+            out, mean, rstd = ctx.impl.forward(input, weight, bias, eps, n)
+            ctx.n = n
+            ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+            keep = need_x or need_w
+            if keep:
+                _common.note_input_kept(input)
+                ctx.save_for_backward(input, mean, rstd, weight)
+            return out
+        out, mean, rstd = _aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
         ctx.normalized_shape = normalized_shape
         ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
         keep = need_x or need_w
@@ -288,6 +329,12 @@ class LayerNormFunction(_common.Function):
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
             return (None,) * 5
+        if ctx.impl is not None:
+            x, mean, rstd, weight = ctx.saved_tensors if (need_x or need_w) else (None,) * 4
+            dx, dw, db = ctx.impl.backward(grad_out, x, mean, rstd, weight, ctx.n, need_x, need_w, need_b,
+                                           bias_dtype=ctx.bias_meta[1] if need_b else None)
+            db = db.view(ctx.bias_meta[0]) if need_b else None
+            return dx, None, dw, db, None
         x, mean, rstd, weight, bias = ctx.saved_tensors
         if x is None:
             grad_out = grad_out.contiguous()
@@ -404,8 +451,15 @@ class FusedAddRMSNormFunction(_common.Function):
     @staticmethod
     def forward(ctx, input, residual, weight, eps, style):
         ctx.set_materialize_grads(False)  # an unused output's gradient must stay None (no dW from zeros)
-        s = input + residual
-        out, rstd = _rms_forward(s, weight, eps, (s.dim() - 1,), style)
+        n = input.shape[-1]
+        impl = _common.fast_kernel("fused_add_rms_norm", input)
+        ctx.impl = impl if (impl is not None and residual.dtype == input.dtype
+                            and impl.supports(input, weight, n)) else None
+        if ctx.impl is not None:
+            out, rstd, s = ctx.impl.forward(input, weight, eps, style, n, residual=residual)
+        else:
+            s = input + residual
+            out, rstd = _rms_forward(s, weight, eps, (s.dim() - 1,), style)
         need_x, need_r, need_w = ctx.needs_input_grad[:3]
         ctx.mask = (need_x, need_r, need_w)
         ctx.style = style
@@ -423,9 +477,16 @@ class FusedAddRMSNormFunction(_common.Function):
         s, rstd, weight = ctx.saved_tensors
         need_s = need_x or need_r
         ds = dw = None
-        if grad_out is not None:
+        if ctx.impl is not None:
+            if grad_out is not None:
+                # grad_s joins dX inside the kernel, and only when s's gradient exists (an unused s gives None).
+                ds, dw = ctx.impl.backward(grad_out, s, rstd, weight, ctx.style, s.shape[-1], need_s, need_w,
+                                           ds=grad_s if need_s else None)
+            elif need_s:
+                ds = grad_s
+        elif grad_out is not None:
             ds, dw = _rms_backward(grad_out, s, rstd, weight, (s.dim() - 1,), ctx.style, need_s, need_w, s.dtype)
-        if need_s and grad_s is not None:
+        if ctx.impl is None and need_s and grad_s is not None:
             ds = grad_s if ds is None else ds + grad_s
         if need_s and ds is None:
             ds = torch.zeros_like(s)

@@ -1,0 +1,212 @@
+"""RMSNorm and FusedAddRMSNorm in Triton, in every casting style of :data:`slimgrad.functional.norms.RMS_STYLES`.
+
+Forward: one program per row; reads x (and, fused, the residual r, writing ``s = x + r``), writes y and
+one fp32 rstd per row. That rstd and x in its own dtype are all backward reads.
+
+Backward: one program per SM loops over its rows. dX and dW are compiled in or out by ``tl.constexpr``
+flags taken from ``ctx.needs_input_grad``: with a frozen weight no dW work is done and no fp32 partial
+buffer is allocated (Liger-Kernel's RMSNorm allocates and fills it whatever the weight; its PRs #1068/#1440
+adding such flags are unmerged). ``HAS_DS`` adds the gradient reaching FusedAddRMSNorm's second output
+``s``, only when there is one (Liger's ``dS_out is None`` bug was testing the wrong thing here).
+
+Casting follows each reference: the statistics in fp32; Llama rounds ``x·rstd`` to x's dtype before the
+weight multiplies it, T5 rounds it to a half-precision weight's dtype, Olmo2 multiplies in fp32, Gemma
+scales by ``1 + w`` in fp32, torch style multiplies in fp32. Products that the reference rounds to a half
+dtype are rounded the same way here (a half-by-half product is an fp32 product rounded once), so only the
+reduction order differs from the reference: results agree within the dtype's rounding.
+
+Interface (family ``rms_norm`` / ``rms_norm_hf``, used by :class:`slimgrad.functional.norms.RMSNormFunction`):
+``supports(x, weight, n)``, ``forward(x, weight, eps, style, n, residual=None) -> (y, rstd[, s])`` and
+``backward(dy, x, rstd, weight, style, n, need_x, need_w, ds=None, out_dtype=None) -> (dx, dw)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from slimgrad.kernels.triton._jit import jit, num_programs, num_warps, row_block
+
+__all__ = ["backend", "supports", "forward", "backward", "STYLES", "MAX_N"]
+
+backend = "triton"
+#: Style codes passed to the kernels (constexpr).
+STYLES = {"torch": 0, "llama": 1, "olmo2": 2, "gemma": 3, "t5": 4}
+#: Widest row one program holds in registers; wider rows use the torch path.
+MAX_N = 65536
+_HALF = (torch.float16, torch.bfloat16)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@jit
+def _forward_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps,
+                    BLOCK: tl.constexpr, STYLE: tl.constexpr, HAS_W: tl.constexpr, T5_CAST: tl.constexpr,
+                    HAS_R: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        # s = x + r in s's dtype (an fp32 sum rounded once, as torch's add), then normalised.
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(S.dtype.element_ty)
+        tl.store(S + row * stride_s + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    h = x * rstd
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if STYLE == 1:  # llama: w * (x·rstd).to(x.dtype)
+            y = w * h.to(X.dtype.element_ty).to(tl.float32)
+        elif STYLE == 3:  # gemma: x̂ · (1 + w) in fp32
+            y = h * (1.0 + w)
+        elif STYLE == 4:  # t5: x̂ cast to a half weight's dtype first
+            if T5_CAST:
+                h = h.to(W.dtype.element_ty).to(tl.float32)
+            y = w * h
+        else:  # torch, olmo2: product in fp32
+            y = h * w
+    else:
+        y = h
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@jit
+def _backward_kernel(DY, X, W, RSTD, DX, DS, DWP, stride_dy, stride_x, stride_dx, stride_ds, M, N, rows_per_program,
+                     BLOCK: tl.constexpr, STYLE: tl.constexpr, HAS_W: tl.constexpr, T5_CAST: tl.constexpr,
+                     COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr, HAS_DS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    start = pid * rows_per_program
+    end = tl.minimum(start + rows_per_program, M)
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    # Row pointers advance by their strides (64-bit pointer arithmetic: no int32 overflow on large tensors).
+    start64 = start.to(tl.int64)
+    dy_row = DY + start64 * stride_dy
+    x_row = X + start64 * stride_x
+    dx_row = DX + start64 * stride_dx
+    ds_row = DS + start64 * stride_ds
+    for row in range(start, end):
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if COMPUTE_DW:
+            h = x * rstd
+            if STYLE == 1:  # the weight multiplied x̂ rounded to x's dtype
+                h = h.to(X.dtype.element_ty).to(tl.float32)
+            if STYLE == 4:
+                if T5_CAST:
+                    h = h.to(W.dtype.element_ty).to(tl.float32)
+            dw += dy * h
+        if COMPUTE_DX:
+            # m: the gradient reaching x̂, rounded where the reference rounds it.
+            if HAS_W:
+                if STYLE == 1:
+                    m = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+                elif STYLE == 3:
+                    m = dy * (1.0 + w)
+                elif STYLE == 4:
+                    m = dy * w
+                    if T5_CAST:
+                        m = m.to(W.dtype.element_ty).to(tl.float32)
+                else:
+                    m = dy * w
+            else:
+                m = dy
+            dot = tl.sum(m * x, axis=0)
+            dx = rstd * m - (rstd * rstd * rstd) * (dot / N) * x
+            if HAS_DS:
+                dx += tl.load(ds_row + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dy_row += stride_dy
+        x_row += stride_x
+        dx_row += stride_dx
+        ds_row += stride_ds
+    if COMPUTE_DW:
+        tl.store(DWP + pid * N + cols, dw, mask=mask)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as (rows, n) with unit stride along the row (a copy only when t's layout needs one)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 or n == 1 else t2.contiguous()
+
+
+def _stride0(t2: torch.Tensor) -> int:
+    return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor | None, n: int) -> bool:
+    """Whether these kernels handle this call (else the caller runs its torch code)."""
+    return (x.dtype in _DTYPES and 0 < n <= MAX_N and x.numel() > 0
+            and (weight is None or weight.dtype in _DTYPES))
+
+
+def output_dtype(x_dtype: torch.dtype, weight: torch.Tensor | None, style: str) -> torch.dtype:
+    """The reference's output dtype: Llama's ``w * x̂`` promotes, T5's follows a half weight or promotes to
+    fp32, the other styles return x's dtype."""
+    if weight is None or style in ("torch", "olmo2", "gemma"):
+        return x_dtype
+    if style == "llama":
+        return torch.promote_types(weight.dtype, x_dtype)
+    if weight.dtype in _HALF:
+        return weight.dtype
+    return torch.promote_types(weight.dtype, torch.promote_types(x_dtype, torch.float32))
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str, n: int,
+            residual: torch.Tensor | None = None):
+    """(y, rstd) — or (y, rstd, s) with ``residual`` — for rows of the last ``n`` elements; rstd is fp32,
+    one per row."""
+    x2 = _rows(x, n)
+    rows = x2.shape[0]
+    block = row_block(n)
+    w = weight.contiguous() if weight is not None else None
+    y2 = torch.empty((rows, n), dtype=output_dtype(x.dtype, weight, style), device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        r2 = _rows(residual, n)
+        s2 = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    else:
+        r2 = s2 = x2
+    _forward_kernel[(rows,)](
+        x2, r2, s2, w if w is not None else x2, y2, rstd, _stride0(x2), _stride0(r2), _stride0(s2), _stride0(y2),
+        n, eps, BLOCK=block, STYLE=STYLES[style], HAS_W=w is not None,
+        T5_CAST=w is not None and w.dtype in _HALF, HAS_R=residual is not None, num_warps=num_warps(block))
+    y = y2.view(x.shape)
+    if residual is not None:
+        return y, rstd, s2.view(x.shape)
+    return y, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, style: str, n: int,
+             need_x: bool, need_w: bool, ds: torch.Tensor | None = None):
+    """(dx, dw): each None unless requested. ``ds`` (same shape as x) is added to dx (FusedAddRMSNorm's
+    second output). No dW partial buffer exists unless ``need_w``; dx is allocated only when ``need_x``."""
+    need_w = need_w and weight is not None
+    if not (need_x or need_w):
+        return None, None
+    x2 = _rows(x, n)
+    dy2 = _rows(dy, n)
+    rows = x2.shape[0]
+    block = row_block(n)
+    programs = num_programs(x.device, rows)
+    per_program = -(-rows // programs)
+    programs = -(-rows // per_program)
+    w = weight.contiguous() if weight is not None else None
+    dx2 = torch.empty((rows, n), dtype=x.dtype, device=x.device) if need_x else None
+    dwp = torch.empty((programs, n), dtype=torch.float32, device=x.device) if need_w else None
+    ds2 = _rows(ds, n) if (need_x and ds is not None) else None
+    _backward_kernel[(programs,)](
+        dy2, x2, w if w is not None else x2, rstd, dx2 if dx2 is not None else x2, ds2 if ds2 is not None else x2,
+        dwp if dwp is not None else rstd, _stride0(dy2), _stride0(x2), _stride0(dx2) if dx2 is not None else n,
+        _stride0(ds2) if ds2 is not None else n, rows, n, per_program,
+        BLOCK=block, STYLE=STYLES[style], HAS_W=w is not None, T5_CAST=w is not None and w.dtype in _HALF,
+        COMPUTE_DX=need_x, COMPUTE_DW=need_w, HAS_DS=ds2 is not None, num_warps=num_warps(block))
+    dx = dx2.view(x.shape) if need_x else None
+    dw = dwp.sum(0).to(weight.dtype).view(weight.shape) if need_w else None
+    return dx, dw
