@@ -14,7 +14,7 @@ import sys
 #: library -> slimgrad integration modules to import when that library is loaded
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
     "transformers": ("hf_norms", "hf_mlp", "hf_loss", "hf_layer_norm_2d"),
-    "peft": ("peft_lora",),
+    "peft": ("peft_lora", "peft_lora_conv"),
     "bitsandbytes": ("bnb",),
     "diffusers": ("diffusers",),
 }

@@ -1,0 +1,220 @@
+"""LoRA adapters on a convolution (peft's ``lora.Conv1d/2d/3d``), keeping what their own gradients read.
+
+peft computes ``base(x) + B(A(dropout(x'))) * scaling`` (x' = x cast to the adapters' dtype, A a conv with
+the base's kernel, stride and padding, B a 1x1 conv with the base's groups). Autograd then keeps, per
+adapter, the cast copy x' (an fp32 copy of a bf16 x in mixed-precision training) or, with dropout, the
+dropout noise *and* the dropped input, on top of x if the base keeps it. What the gradients read:
+
+* dA: dropout(x') — rebuilt in backward from x (kept once, in its own dtype) and the dropout noise,
+  regenerated from an 8-byte seed;
+* dB: ``t = A(dropout(x'))`` (r channels, small), kept when B trains;
+* dx through the adapters: A, B and the noise. No activation.
+
+The base convolution is not part of this Function: the caller runs it (as a slimgrad convolution, which
+keeps nothing when its weight is frozen) and passes its output in, so the sum runs in peft's order.
+Without dropout and without a cast peft's own ops already keep only x and t, and the caller runs them.
+
+Exactness: the forward runs peft's ops in peft's order. Backward calls ``aten.convolution_backward`` with
+the operands and output mask autograd gives it for peft's graph (bitwise the same gradients) where the
+weight's gradient is requested, and the transposed convolution slimgrad's conv uses for an input-only
+gradient (bitwise equal too, see :mod:`slimgrad.functional.conv`). Several adapters' input gradients are
+summed in autograd's order (last adapter first). Dropout draws its mask from a seed, as every slimgrad
+dropout does: the same distribution as peft's, not the same mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
+
+from slimgrad.functional import _common
+from slimgrad.functional.dropout import _fill_noise
+
+__all__ = ["ConvOptions", "LoraConvAdapter", "LoraConvFunction", "lora_conv"]
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+class ConvOptions(NamedTuple):
+    """A convolution's non-tensor options (zeros padding, numeric)."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int = 1
+
+
+class LoraConvAdapter(NamedTuple):
+    """One adapter: ``conv(conv(dropout(x'), A, a), B, b, bias) * scaling``."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    a: ConvOptions
+    b: ConvOptions
+    scaling: float = 1.0
+    dropout: float = 0.0
+    bias: torch.Tensor | None = None
+
+
+def _conv(x, w, bias, o: ConvOptions):
+    return _CONV[w.dim() - 2](x, w, bias, o.stride, o.padding, o.dilation, o.groups)
+
+
+def _input_grad(grad, w, o: ConvOptions, in_shape, in_format):
+    """dX of a convolution without its input: the transposed convolution slimgrad's conv uses."""
+    nd = w.dim() - 2
+    if in_format != torch.contiguous_format:
+        w = w.contiguous(memory_format=in_format)  # stock's backend sees X in this layout
+    k, out = w.shape[2:], grad.shape[2:]
+    extra = tuple(in_shape[2 + i] - ((out[i] - 1) * o.stride[i] - 2 * o.padding[i] + o.dilation[i] * (k[i] - 1) + 1)
+                  for i in range(nd))
+    return _CONV_T[nd](grad, w, None, o.stride, o.padding, extra, o.groups, o.dilation)
+
+
+def _backward(grad, x, w, o: ConvOptions, need_x, need_w, need_b, in_shape, in_format):
+    """(dX, dW, dB) of ``conv(x, w, b, o)`` as autograd computes them; ``x`` may be None when dW is not
+    requested."""
+    if need_w:
+        return torch.ops.aten.convolution_backward(
+            grad, x, w, [w.shape[0]] if need_b else None, list(o.stride), list(o.padding), list(o.dilation),
+            False, [0] * (w.dim() - 2), o.groups, [need_x, True, need_b])
+    dx = _input_grad(grad, w, o, in_shape, in_format) if need_x else None
+    db = grad.sum([0] + list(range(2, grad.dim()))) if need_b else None
+    return dx, None, db
+
+
+class LoraConvFunction(_common.Function):
+    """``base_out + sum_i conv(conv(drop_i(x'), A_i), B_i, bias_i) * s_i`` cast to base_out's dtype.
+
+    ``adapters`` is the flat tuple ``(A_0, B_0, bias_0, A_1, ...)``; ``meta`` holds per adapter
+    ``(a options, b options, scaling, effective dropout p)``. Double backward is refused.
+    """
+
+    @staticmethod
+    def forward(ctx, x, base_out, cast, meta, *adapters):
+        n = len(meta)
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        need_a = [need[4 + 3 * i] for i in range(n)]
+        need_b = [need[5 + 3 * i] for i in range(n)]
+        xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
+        n_drop = sum(1 for m in meta if 0 < m[3] < 1)
+        seeds = torch.empty(n_drop, dtype=torch.int64, device=x.device).random_() if n_drop else None
+        result, kept_t, shapes, j = base_out, [], [], 0
+        for i in range(n):
+            A, B, bias = adapters[3 * i: 3 * i + 3]
+            a, b, s, p = meta[i]
+            dropped = xa
+            if p == 1:
+                dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
+            elif p > 0:
+                dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
+                j += 1
+            t = _conv(dropped, A, None, a)
+            u = _conv(t, B, bias, b)
+            result = result + u * s
+            kept_t.append(t if need_b[i] else None)
+            shapes.append((u.dtype, tuple(t.shape), suggest_memory_format(t)))
+        sum_dtype = result.dtype
+        result = result.to(base_out.dtype)
+        keep_x = any(need_a)
+        if keep_x:
+            _common.note_input_kept(x)
+        keep_seeds = seeds is not None and (need_x or any(need_a))
+        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(xa.shape), suggest_memory_format(xa),
+                    x.dtype)
+        ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None, *kept_t, *adapters)
+        return result
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype = ctx.meta
+        n = len(meta)
+        saved = ctx.saved_tensors
+        x, seeds = saved[:2]
+        kept_t = saved[2: 2 + n]
+        adapters = saved[2 + n:]
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        grads = [None] * (4 + 3 * n)
+        g = grad.to(sum_dtype)
+        if need[1]:
+            grads[1] = g.to(base_dtype)
+        seed_index, j = [0] * n, 0
+        for i in range(n):
+            if 0 < meta[i][3] < 1:
+                seed_index[i], j = j, j + 1
+        xa, dxa = None, None
+        for i in reversed(range(n)):  # autograd runs the last-created adapter's nodes first
+            A, B, bias = adapters[3 * i: 3 * i + 3]
+            a, b, s, p = meta[i]
+            u_dtype, t_shape, t_format = shapes[i]
+            need_a, need_b, need_bb = need[4 + 3 * i], need[5 + 3 * i], need[6 + 3 * i]
+            if not (need_x or need_a or need_b or need_bb):
+                continue
+            g_u = g.to(u_dtype) * s
+            need_t = need_x or need_a
+            dt, grads[5 + 3 * i], grads[6 + 3 * i] = _backward(g_u, kept_t[i], B, b, need_t, need_b,
+                                                               need_bb and bias is not None, t_shape, t_format)
+            if not need_t:
+                continue
+            noise = None
+            if p == 1:
+                noise = torch.zeros((), dtype=A.dtype, device=A.device)
+            elif p > 0:
+                noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p, seeds[seed_index[i]])
+            dropped = None
+            if need_a:
+                if xa is None:
+                    xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
+                dropped = xa if noise is None else xa * noise
+            d_dropped, grads[4 + 3 * i], _ = _backward(dt, dropped, A, a, need_x, need_a, False, x_shape, x_format)
+            del dropped
+            if need_x:
+                dd = d_dropped if noise is None else d_dropped * noise
+                dxa = dd if dxa is None else dxa + dd
+        if need_x and dxa is not None:
+            grads[0] = dxa.to(x_dtype)
+        return tuple(grads)
+
+
+def _check(x, base_out, adapters):
+    fn = "lora_conv"
+    _common.check_tensor(x, "x", fn=fn)
+    _common.check_tensor(base_out, "base_out", fn=fn)
+    if not isinstance(adapters, Sequence) or not adapters:
+        raise TypeError(f"{fn}: 'adapters' must be a non-empty sequence of LoraConvAdapter, got {adapters!r}")
+    for k, ad in enumerate(adapters):
+        if not isinstance(ad, LoraConvAdapter):
+            raise TypeError(f"{fn}: 'adapters[{k}]' must be a LoraConvAdapter, got {type(ad).__name__}")
+        if ad.A.dim() != x.dim() or ad.B.dim() != x.dim():
+            raise ValueError(f"{fn}: 'adapters[{k}]' A and B must be {x.dim()}-D conv weights like x's layout, got "
+                             f"{tuple(ad.A.shape)} and {tuple(ad.B.shape)}")
+        if ad.A.dtype != adapters[0].A.dtype or ad.B.dtype != ad.A.dtype:
+            raise ValueError(f"{fn}: every adapter's A and B must share one dtype, got {ad.A.dtype}/{ad.B.dtype} for "
+                             f"'adapters[{k}]' and {adapters[0].A.dtype} for adapters[0]")
+        if not 0.0 <= float(ad.dropout) <= 1.0:
+            raise ValueError(f"{fn}: 'adapters[{k}].dropout' must be between 0 and 1, got {ad.dropout}")
+
+
+def lora_conv(x: torch.Tensor, base_out: torch.Tensor, adapters: Sequence[LoraConvAdapter], *,
+              training: bool = True, cast_input: bool = True) -> torch.Tensor:
+    """peft's LoRA-on-convolution sum ``base_out + Σ B(A(dropout(x'))) * scaling``, cast to base_out's dtype,
+    keeping x once in its own dtype (only when some A trains), each ``A(dropout(x'))`` only when its B
+    trains, and dropout seeds instead of masks. ``x`` is batched (N, C, *spatial); ``base_out`` is the base
+    convolution's output, computed by the caller. Not for autocast regions (peft's forward handles those).
+    """
+    _check(x, base_out, adapters)
+    if x.dim() < 3:
+        raise ValueError(f"lora_conv: argument 'x' must be batched (N, C, ...), got shape {tuple(x.shape)}")
+    meta = tuple((ad.a, ad.b, float(ad.scaling), float(ad.dropout) if training else 0.0) for ad in adapters)
+    flat = []
+    for ad in adapters:
+        flat += [ad.A, ad.B, ad.bias]
+    return LoraConvFunction.apply(x, base_out, bool(cast_input), meta, *flat)

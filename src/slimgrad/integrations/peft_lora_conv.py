@@ -1,0 +1,93 @@
+"""peft's ``lora.Conv1d/2d/3d`` through :func:`slimgrad.functional.lora_conv.lora_conv`, and what
+``lora.Embedding`` needs (nothing).
+
+The base convolution runs as its own (converted) module: with its weight frozen a slimgrad convolution
+keeps nothing (stock keeps x). With dropout or a dtype cast (fp32 adapters on a bf16/fp16 model, as
+diffusers' mixed-precision LoRA scripts set up) the adapters run in one Function that keeps x once in its
+own dtype, a seed and ``A(x)``, instead of the cast copy, the noise and the dropped copy. Without dropout
+and cast peft's own forward already keeps only what the adapters' gradients read (x for dA, ``A(x)`` for
+dB), so it runs unchanged; so do merged or disabled adapters, ``adapter_names=``, LoRA variants (DoRA),
+hooks, string paddings, autocast regions and adapters of mixed dtypes.
+
+``lora.Embedding`` is not replaced: measured, peft's forward keeps only the int64 indices (for dA) and
+``A[ids]`` (for dB), the frozen base embedding nothing, which is already the minimum (tests check it).
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.lora.layer import Conv1d as LoraConv1d
+from peft.tuners.lora.layer import Conv2d as LoraConv2d
+from peft.tuners.lora.layer import Conv3d as LoraConv3d
+from torch import nn
+
+from slimgrad._registry import register_forward
+from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
+from slimgrad.integrations.peft_lora import _dropout_p, _has_hooks, _stock_type
+
+__all__ = ["SlimConv1d", "SlimConv2d", "SlimConv3d"]
+
+_STOCK = {LoraConv1d: nn.Conv1d, LoraConv2d: nn.Conv2d, LoraConv3d: nn.Conv3d}
+
+
+def _lora_class(module: nn.Module) -> type:
+    return next(c for c in _STOCK if isinstance(module, c))
+
+
+def _unsupported(module) -> str | None:
+    base, conv = module.base_layer, _STOCK[_lora_class(module)]
+    if _stock_type(base) is not conv:
+        return f"base layer is {type(base).__name__}, not {conv.__name__}"
+    if module.lora_variant:
+        names = ", ".join(f"{k}: {type(v).__name__}" for k, v in module.lora_variant.items())
+        return f"LoRA variant adapters ({names}) run PEFT's own forward"
+    return None
+
+
+def _options(conv: nn.Module) -> ConvOptions | None:
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        return None
+    return ConvOptions(tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
+
+
+def _adapters(self, x: torch.Tensor):
+    """The active adapters, or None where peft's forward must run (or already keeps the minimum)."""
+    adapters, worth_it = [], False
+    for name in self.active_adapters:
+        if name not in self.lora_A.keys():
+            continue
+        if name in self.lora_variant:
+            return None
+        lora_a, lora_b, drop = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
+        conv = _STOCK[_lora_class(self)]
+        if _stock_type(lora_a) is not conv or _stock_type(lora_b) is not conv or lora_a.bias is not None:
+            return None
+        if _has_hooks(lora_a) or _has_hooks(lora_b) or _has_hooks(drop):
+            return None
+        p, a, b = _dropout_p(drop), _options(lora_a), _options(lora_b)
+        if p is None or a is None or b is None:
+            return None
+        worth_it = worth_it or p > 0 or (getattr(self, "cast_input_dtype_enabled", True)
+                                         and x.dtype != lora_a.weight.dtype)
+        adapters.append(LoraConvAdapter(lora_a.weight, lora_b.weight, a, b, self.scaling[name], p, lora_b.bias))
+    if not adapters or not worth_it or len({t.dtype for ad in adapters for t in (ad.A, ad.B)}) > 1:
+        return None
+    return adapters
+
+
+def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less."""
+    stock = _lora_class(self).forward
+    if (args or kwargs or self.disable_adapters or self.merged or not isinstance(x, torch.Tensor)
+            or x.dim() != self.base_layer.weight.dim() or torch.is_autocast_enabled(x.device.type)
+            or _has_hooks(self.base_layer) or _unsupported(self) is not None):
+        return stock(self, x, *args, **kwargs)
+    adapters = _adapters(self, x)
+    if adapters is None:
+        return stock(self, x, *args, **kwargs)
+    return lora_conv(x, self.base_layer(x), adapters, cast_input=getattr(self, "cast_input_dtype_enabled", True))
+
+
+SlimConv1d = register_forward(LoraConv1d, _forward, module=__name__, unsupported_reason=_unsupported)
+SlimConv2d = register_forward(LoraConv2d, _forward, module=__name__, unsupported_reason=_unsupported)
+SlimConv3d = register_forward(LoraConv3d, _forward, module=__name__, unsupported_reason=_unsupported)

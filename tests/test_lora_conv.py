@@ -1,0 +1,203 @@
+"""peft LoRA on convolutions (lora.Conv1d/2d) and embeddings against peft itself: bitwise outputs and
+gradients, and bytes kept counted from shapes (x once in its own dtype when some A trains, ``A(x)`` when
+its B trains, an 8-byte seed per dropping adapter; the frozen base nothing)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft.tuners.lora.layer import Conv2d as LoraConv2d  # noqa: E402
+
+import slimgrad  # noqa: E402
+from _util import assert_same, grad_combos  # noqa: E402
+from slimgrad.functional.dropout import _fill_noise  # noqa: E402
+from slimgrad.measure import SavedTensors  # noqa: E402
+
+R = 4
+
+
+class Net(nn.Module):
+    def __init__(self, nd=2, groups=1):
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d}[nd]
+        self.conv = conv(4, 6, 3, stride=2, padding=1, groups=groups)
+        self.emb = nn.Embedding(20, 5)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def peft_net(dtype=torch.float32, adapter_dtype=None, *, nd=2, groups=1, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    net = Net(nd, groups).to(dtype)
+    model = get_peft_model(net, LoraConfig(r=R, lora_alpha=8, target_modules=["conv", "emb"], lora_dropout=dropout,
+                                           init_lora_weights=False))
+    if adapter_dtype is not None:  # diffusers' mixed precision: fp32 adapters on a half-precision model
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(adapter_dtype)
+    return model
+
+
+def layer_of(model):
+    return model.base_model.model.conv
+
+
+class FixedNoise(nn.Module):
+    """Stands in for peft's nn.Dropout in the reference: multiplies by a given noise, as F.dropout does."""
+
+    def __init__(self, noise):
+        super().__init__()
+        self.noise = noise
+
+    def forward(self, x):
+        return x * self.noise
+
+
+def run(model, x, grad_seed=1):
+    with SavedTensors(exclude=[model]) as kept:
+        out = model(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    out.backward(g)
+    return out, kept.bytes
+
+
+def compare_grads(stock, slim):
+    for (n, ps), pm in zip(stock.named_parameters(), slim.parameters()):
+        assert_same(pm.grad, ps.grad, what=n)
+
+
+def _x(dtype, nd=2, rg=True, seed=3):
+    shape = (2, 4, 9, 7) if nd == 2 else (2, 4, 11)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).requires_grad_(rg)
+
+
+def _bytes(numel, dtype):
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+# peft upcasts adapters on a half-precision model to fp32 by default; "bf16" keeps them in bf16
+CASTS = [(torch.float32, None), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+         (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype,adapter_dtype", CASTS, ids=["fp32", "bf16+fp32", "fp16+fp32", "bf16"])
+@pytest.mark.parametrize("rg_x,rg_a,rg_b", grad_combos(3))
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_matches_peft_and_keeps_the_minimum(dtype, adapter_dtype, rg_x, rg_a, rg_b, dropout):
+    if not (rg_x or rg_a or rg_b):
+        pytest.skip("nothing to differentiate")
+    stock = peft_net(dtype, adapter_dtype, dropout=dropout)
+    layer = layer_of(stock)
+    layer.lora_A["default"].weight.requires_grad_(rg_a)
+    layer.lora_B["default"].weight.requires_grad_(rg_b)
+    slim = slimgrad.convert(stock)
+    assert type(layer_of(slim)).__module__ == "slimgrad.integrations.peft_lora_conv"
+    xs, xm = _x(dtype, rg=rg_x), _x(dtype, rg=rg_x)
+    a_dtype = layer.lora_A["default"].weight.dtype
+    if dropout:
+        # the noise slimgrad's Function draws after manual_seed(7): a seed from the default generator
+        torch.manual_seed(7)
+        seed = torch.empty(1, dtype=torch.int64).random_()
+        layer.lora_dropout["default"] = FixedNoise(_fill_noise(torch.empty(xs.shape, dtype=a_dtype), dropout, seed[0]))
+    ys, kept_stock = run(stock, xs)
+    torch.manual_seed(7)
+    ym, kept_slim = run(slim, xm)
+    assert_same(ym, ys, what="output")
+    assert_same(xm.grad, xs.grad, what="x.grad")
+    compare_grads(stock, slim)
+    t_numel = 2 * R * 5 * 4  # A(x): stride 2, padding 1 on 9 x 7
+    expected = ((_bytes(xs.numel(), dtype) if rg_a else 0) + (_bytes(t_numel, a_dtype) if rg_b else 0)
+                + (8 if dropout and (rg_x or rg_a) else 0))
+    assert kept_slim == expected
+    if dropout:  # the reference's fixed noise keeps less than peft's nn.Dropout: measure peft itself
+        real = peft_net(dtype, adapter_dtype, dropout=dropout)
+        layer_of(real).lora_A["default"].weight.requires_grad_(rg_a)
+        layer_of(real).lora_B["default"].weight.requires_grad_(rg_b)
+        _, kept_stock = run(real, _x(dtype, rg=rg_x))
+        if not rg_x and dtype == layer.lora_A["default"].weight.dtype:
+            # peft then keeps the dropped copy (no noise: x needs no grad); we keep x and an 8-byte seed, as
+            # the LoRA-linear Function does (x is often kept by another consumer anyway, the copy never is)
+            kept_stock += 8
+    assert kept_slim <= kept_stock
+
+
+@pytest.mark.parametrize("nd,groups", [(1, 1), (2, 2)])
+def test_conv1d_and_grouped(nd, groups):
+    stock = peft_net(torch.bfloat16, torch.float32, nd=nd, groups=groups)
+    slim = slimgrad.convert(stock)
+    xs, xm = _x(torch.bfloat16, nd), _x(torch.bfloat16, nd)
+    ys, kept_stock = run(stock, xs)
+    ym, kept_slim = run(slim, xm)
+    assert_same(ym, ys, what="output")
+    assert_same(xm.grad, xs.grad, what="x.grad")
+    compare_grads(stock, slim)
+    assert kept_slim < kept_stock  # no fp32 copy of x
+
+
+def test_channels_last():
+    stock = peft_net(torch.bfloat16, torch.float32).to(memory_format=torch.channels_last)
+    slim = slimgrad.convert(stock)
+    xs = _x(torch.bfloat16).detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    xm = xs.detach().clone().requires_grad_()
+    ys, _ = run(stock, xs)
+    ym, _ = run(slim, xm)
+    assert_same(ym, ys, what="output")
+    assert_same(xm.grad, xs.grad, what="x.grad")
+    compare_grads(stock, slim)
+
+
+def test_two_adapters():
+    stock = peft_net(torch.bfloat16, torch.float32)
+    stock.add_adapter("second", LoraConfig(r=R, target_modules=["conv"], init_lora_weights=False))
+    stock.base_model.set_adapter(["default", "second"])
+    for n, p in stock.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    slim = slimgrad.convert(stock)
+    xs, xm = _x(torch.bfloat16), _x(torch.bfloat16)
+    ys, _ = run(stock, xs)
+    ym, _ = run(slim, xm)
+    assert_same(ym, ys, what="output")
+    # two adapters' input gradients are summed in autograd's order; x's gradient is bf16 after that sum
+    assert_same(xm.grad, xs.grad, exact=False, rtol=1e-2, atol=1e-2, what="x.grad")
+    compare_grads(stock, slim)
+
+
+def test_disabled_adapters_run_peft_forward():
+    stock = peft_net()
+    slim = slimgrad.convert(stock)
+    x = _x(torch.float32)
+    with slim.disable_adapter():
+        assert_same(slim(x), layer_of(stock).base_layer(x), what="disabled adapters: the base alone")
+
+
+def test_embedding_lora_is_already_minimal():
+    """peft's lora.Embedding keeps the indices (for dA) and A[ids] (for dB); its frozen base nothing."""
+    stock = peft_net()
+    slim = slimgrad.convert(stock)
+    ids = torch.randint(0, 20, (3, 7))
+    for model in (stock, slim):
+        emb = model.base_model.model.emb
+        with SavedTensors(exclude=[model]) as kept:
+            out = emb(ids)
+        out.sum().backward()
+        assert kept.bytes == ids.numel() * 8 + ids.numel() * R * 4
+    assert_same(slim.base_model.model.emb.lora_embedding_A["default"].grad,
+                stock.base_model.model.emb.lora_embedding_A["default"].grad, what="A grad")
+
+
+def test_lora_conv2d_is_registered():
+    slimgrad.integrations.load_available()
+    from slimgrad._registry import REPLACEMENTS
+
+    assert LoraConv2d in REPLACEMENTS
+    m = copy.deepcopy(peft_net())
+    assert type(layer_of(slimgrad.convert(m))) is REPLACEMENTS[LoraConv2d]
