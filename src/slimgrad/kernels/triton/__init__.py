@@ -30,3 +30,5 @@ register("fused_add_rms_norm", "triton", devices=("cuda",), dtypes=_DTYPES, load
 register("layer_norm", "triton", devices=("cuda",), dtypes=_DTYPES, load=_loader("layer_norm"), priority=-10,
          note="aten's native_layer_norm (bitwise stock, honours output_mask) is preferred under auto")
 register("gated_activation", "triton", devices=("cuda",), dtypes=_DTYPES, load=_loader("gated"), priority=10)
+register("max_pool_positions", "triton", devices=("cuda",), dtypes=_DTYPES + (torch.float64,),
+         load=_loader("max_pool"), priority=10, note="1-d/2-d: output and window positions in one pass; 3-d: torch")
