@@ -19,7 +19,8 @@ the operands and output mask autograd gives it for peft's graph (bitwise the sam
 weight's gradient is requested, and the transposed convolution slimgrad's conv uses for an input-only
 gradient (bitwise equal too, see :mod:`slimgrad.functional.conv`). Several adapters' input gradients are
 summed in autograd's order (last adapter first). Dropout draws its mask from a seed, as every slimgrad
-dropout does: the same distribution as peft's, not the same mask.
+dropout does: the same distribution as peft's, not the same mask; under ``torch.compile`` it keeps a
+bool mask instead (a private generator would break the graph).
 """
 
 from __future__ import annotations
@@ -104,14 +105,22 @@ class LoraConvFunction(_common.Function):
         need_b = [need[5 + 3 * i] for i in range(n)]
         xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
         n_drop = sum(1 for m in meta if 0 < m[3] < 1)
-        seeds = torch.empty(n_drop, dtype=torch.int64, device=x.device).random_() if n_drop else None
-        result, kept_t, shapes, j = base_out, [], [], 0
+        compiling = torch.compiler.is_compiling()
+        seeds = None
+        if n_drop and not compiling:
+            seeds = torch.empty(n_drop, dtype=torch.int64, device=x.device).random_()
+        result, kept_t, masks, shapes, j = base_out, [], [], [], 0
         for i in range(n):
             A, B, bias = adapters[3 * i: 3 * i + 3]
             a, b, s, p = meta[i]
-            dropped = xa
+            dropped, mask = xa, None
             if p == 1:
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
+            elif p > 0 and compiling:
+                # A private generator would break the graph: the compiled form keeps a bool mask.
+                noise = torch.empty_like(xa).bernoulli_(1 - p)
+                mask = noise.to(torch.bool)
+                dropped = xa * noise.div_(1 - p)
             elif p > 0:
                 dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
                 j += 1
@@ -119,6 +128,7 @@ class LoraConvFunction(_common.Function):
             u = _conv(t, B, bias, b)
             result = result + u * s
             kept_t.append(t if need_b[i] else None)
+            masks.append(mask if (need_x or need_a[i]) else None)
             shapes.append((u.dtype, tuple(t.shape), suggest_memory_format(t)))
         sum_dtype = result.dtype
         result = result.to(base_out.dtype)
@@ -128,7 +138,7 @@ class LoraConvFunction(_common.Function):
         keep_seeds = seeds is not None and (need_x or any(need_a))
         ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(xa.shape), suggest_memory_format(xa),
                     x.dtype)
-        ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None, *kept_t, *adapters)
+        ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None, *kept_t, *masks, *adapters)
         return result
 
     @staticmethod
@@ -139,7 +149,8 @@ class LoraConvFunction(_common.Function):
         saved = ctx.saved_tensors
         x, seeds = saved[:2]
         kept_t = saved[2: 2 + n]
-        adapters = saved[2 + n:]
+        masks = saved[2 + n: 2 + 2 * n]
+        adapters = saved[2 + 2 * n:]
         need = ctx.needs_input_grad
         need_x = need[0]
         grads = [None] * (4 + 3 * n)
@@ -167,6 +178,8 @@ class LoraConvFunction(_common.Function):
             noise = None
             if p == 1:
                 noise = torch.zeros((), dtype=A.dtype, device=A.device)
+            elif p > 0 and masks[i] is not None:
+                noise = masks[i].to(A.dtype).div_(1 - p)
             elif p > 0:
                 noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p, seeds[seed_index[i]])
             dropped = None
