@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from slimgrad.functional import _common
 from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, resolve_policy
+from slimgrad.kernels import dropout as dropout_kernels
 
 __all__ = ["LoraAdapter", "LoraLinearFunction", "lora_linear"]
 
@@ -106,7 +107,12 @@ class LoraLinearFunction(_common.Function):
                     bits[i] = (perm, scale)
                     noise = None
                 else:
-                    noise = _fill_noise(torch.empty_like(xa), p, seeds[j])
+                    seed_impl = dropout_kernels.choose_seed(xa)
+                    if seed_impl is dropout_kernels.SEED_TORCH:
+                        noise = _fill_noise(torch.empty_like(xa), p, seeds[j])
+                    else:  # a counter-based kernel (Triton on CUDA): x·noise in one pass, no host sync
+                        noise = None
+                        dropped = seed_impl.forward(xa.contiguous(), p, seeds[j], False)
                 j += 1
                 if noise is not None:
                     dropped = xa * noise
@@ -177,7 +183,7 @@ class LoraLinearFunction(_common.Function):
             if not (need_x or need_a):
                 continue
             p = ps[i]
-            noise = None
+            noise = seeded = None
             if p == 1:
                 noise = torch.zeros((), dtype=A.dtype, device=A.device)
             elif p > 0 and i in bits:
@@ -185,6 +191,8 @@ class LoraLinearFunction(_common.Function):
             elif p > 0:
                 if masks[i] is not None:
                     noise = masks[i].to(A.dtype).div_(1 - p)
+                elif (seed_impl := dropout_kernels.choose_seed(A)) is not dropout_kernels.SEED_TORCH:
+                    seeded = (seed_impl, seeds[seed_index[i]])  # the forward's kernel regenerates the mask
                 else:
                     noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p,
                                         seeds[seed_index[i]])
@@ -192,7 +200,9 @@ class LoraLinearFunction(_common.Function):
             if need_a:
                 if xa is None:
                     xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
-                if noise is None:
+                if seeded is not None:
+                    dropped = seeded[0].forward(xa.contiguous(), p, seeded[1], False)
+                elif noise is None:
                     dropped = xa
                 elif i in bits:
                     dropped = bits_backward(xa, masks[i], *noise)  # xa * noise, as in forward
@@ -204,6 +214,8 @@ class LoraLinearFunction(_common.Function):
                 if i in bits:
                     dd = bits_backward(dd.view(x_shape[:-1] + (dd.shape[-1],)), masks[i], *noise)
                     dd = _rows(dd)
+                elif seeded is not None:
+                    dd = seeded[0].backward(dd, p, seeded[1])  # dd: (rows, in), x's elements in order
                 elif noise is not None:
                     dd = dd * _rows(noise) if noise.dim() else dd * noise
                 dxa = dd if dxa is None else dxa + dd

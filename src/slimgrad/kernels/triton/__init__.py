@@ -32,3 +32,7 @@ register("layer_norm", "triton", devices=("cuda",), dtypes=_DTYPES, load=_loader
 register("gated_activation", "triton", devices=("cuda",), dtypes=_DTYPES, load=_loader("gated"), priority=10)
 register("max_pool_positions", "triton", devices=("cuda",), dtypes=_DTYPES + (torch.float64,),
          load=_loader("max_pool"), priority=10, note="1-d/2-d: output and window positions in one pass; 3-d: torch")
+register("relu_mask", "triton", devices=("cuda",), dtypes=_DTYPES, load=_loader("relu_mask"), priority=10,
+         note="output and packed mask in one kernel; gradient from the mask in one kernel")
+register("dropout_seed", "triton", devices=("cuda",), dtypes=_DTYPES, load=_loader("dropout"), priority=10,
+         note="Philox mask from a device-resident seed: no host sync, regenerated in backward")
