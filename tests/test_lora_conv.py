@@ -16,7 +16,7 @@ from peft.tuners.lora.layer import Conv2d as LoraConv2d  # noqa: E402
 
 import slimgrad  # noqa: E402
 from _util import assert_same, grad_combos  # noqa: E402
-from slimgrad.functional.dropout import _fill_noise  # noqa: E402
+from slimgrad.functional.dropout import _fill_noise, dropout_policy  # noqa: E402
 from slimgrad.measure import SavedTensors  # noqa: E402
 
 R = 4
@@ -89,42 +89,41 @@ CASTS = [(torch.float32, None), (torch.bfloat16, torch.float32), (torch.float16,
 
 @pytest.mark.parametrize("dtype,adapter_dtype", CASTS, ids=["fp32", "bf16+fp32", "fp16+fp32", "bf16"])
 @pytest.mark.parametrize("rg_x,rg_a,rg_b", grad_combos(3))
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_matches_peft_and_keeps_the_minimum(dtype, adapter_dtype, rg_x, rg_a, rg_b, dropout):
+@pytest.mark.parametrize("dropout,policy", [(0.0, "bits"), (0.1, "bits"), (0.1, "seed")])
+def test_matches_peft_and_keeps_the_minimum(dtype, adapter_dtype, rg_x, rg_a, rg_b, dropout, policy):
     if not (rg_x or rg_a or rg_b):
         pytest.skip("nothing to differentiate")
     stock = peft_net(dtype, adapter_dtype, dropout=dropout)
     layer = layer_of(stock)
     layer.lora_A["default"].weight.requires_grad_(rg_a)
     layer.lora_B["default"].weight.requires_grad_(rg_b)
+    real = copy.deepcopy(stock)  # peft with its own nn.Dropout
     slim = slimgrad.convert(stock)
     assert type(layer_of(slim)).__module__ == "slimgrad.integrations.peft_lora_conv"
     xs, xm = _x(dtype, rg=rg_x), _x(dtype, rg=rg_x)
     a_dtype = layer.lora_A["default"].weight.dtype
-    if dropout:
+    if dropout and policy == "seed":
         # the noise slimgrad's Function draws after manual_seed(7): a seed from the default generator
         torch.manual_seed(7)
         seed = torch.empty(1, dtype=torch.int64).random_()
         layer.lora_dropout["default"] = FixedNoise(_fill_noise(torch.empty(xs.shape, dtype=a_dtype), dropout, seed[0]))
-    ys, kept_stock = run(stock, xs)
+    torch.manual_seed(7)  # "bits": the very mask peft's nn.Dropout draws after this
+    ys, _ = run(stock, xs)
     torch.manual_seed(7)
-    ym, kept_slim = run(slim, xm)
+    with dropout_policy(policy):
+        ym, kept_slim = run(slim, xm)
     assert_same(ym, ys, what="output")
     assert_same(xm.grad, xs.grad, what="x.grad")
     compare_grads(stock, slim)
     t_numel = 2 * R * 5 * 4  # A(x): stride 2, padding 1 on 9 x 7
-    expected = ((_bytes(xs.numel(), dtype) if rg_a else 0) + (_bytes(t_numel, a_dtype) if rg_b else 0)
-                + (8 if dropout and (rg_x or rg_a) else 0))
+    mask = (8 if policy == "seed" else (xs.numel() + 7) // 8) if dropout and (rg_x or rg_a) else 0
+    expected = (_bytes(xs.numel(), dtype) if rg_a else 0) + (_bytes(t_numel, a_dtype) if rg_b else 0) + mask
     assert kept_slim == expected
-    if dropout:  # the reference's fixed noise keeps less than peft's nn.Dropout: measure peft itself
-        real = peft_net(dtype, adapter_dtype, dropout=dropout)
-        layer_of(real).lora_A["default"].weight.requires_grad_(rg_a)
-        layer_of(real).lora_B["default"].weight.requires_grad_(rg_b)
-        _, kept_stock = run(real, _x(dtype, rg=rg_x))
-        if not rg_x and dtype == layer.lora_A["default"].weight.dtype:
-            # peft then keeps the dropped copy (no noise: x needs no grad); we keep x and an 8-byte seed, as
-            # the LoRA-linear Function does (x is often kept by another consumer anyway, the copy never is)
-            kept_stock += 8
+    _, kept_stock = run(real, _x(dtype, rg=rg_x))
+    if dropout and not rg_x and dtype == a_dtype:
+        # peft then keeps the dropped copy (no noise: x needs no grad); we keep x and the mask, as the
+        # LoRA-linear Function does (x is often kept by another consumer anyway, the copy never is)
+        kept_stock += mask
     assert kept_slim <= kept_stock
 
 

@@ -5,8 +5,9 @@ the base's kernel, stride and padding, B a 1x1 conv with the base's groups). Aut
 adapter, the cast copy x' (an fp32 copy of a bf16 x in mixed-precision training) or, with dropout, the
 dropout noise *and* the dropped input, on top of x if the base keeps it. What the gradients read:
 
-* dA: dropout(x') — rebuilt in backward from x (kept once, in its own dtype) and the dropout noise,
-  regenerated from an 8-byte seed;
+* dA: dropout(x') — rebuilt in backward from x (kept once, in its own dtype) and the dropout mask, kept
+  as bits or regenerated from an 8-byte seed (slimgrad's dropout policy, see
+  :mod:`slimgrad.functional.dropout`);
 * dB: ``t = A(dropout(x'))`` (r channels, small), kept when B trains;
 * dx through the adapters: A, B and the noise. No activation.
 
@@ -18,9 +19,9 @@ Exactness: the forward runs peft's ops in peft's order. Backward calls ``aten.co
 the operands and output mask autograd gives it for peft's graph (bitwise the same gradients) where the
 weight's gradient is requested, and the transposed convolution slimgrad's conv uses for an input-only
 gradient (bitwise equal too, see :mod:`slimgrad.functional.conv`). Several adapters' input gradients are
-summed in autograd's order (last adapter first). Dropout draws its mask from a seed, as every slimgrad
-dropout does: the same distribution as peft's, not the same mask; under ``torch.compile`` it keeps a
-bool mask instead (a private generator would break the graph).
+summed in autograd's order (last adapter first). Dropout follows slimgrad's dropout policy: ``bits``
+(the CPU default) draws peft's very mask from the default generator and keeps it packed; ``seed`` keeps
+an 8-byte seed (the same distribution as peft's, not the same mask); under ``torch.compile`` a bool mask.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
 from slimgrad.functional import _common
-from slimgrad.functional.dropout import _fill_noise
+from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, resolve_policy
 
 __all__ = ["ConvOptions", "LoraConvAdapter", "LoraConvFunction", "lora_conv"]
 
@@ -106,8 +107,10 @@ class LoraConvFunction(_common.Function):
         xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
         n_drop = sum(1 for m in meta if 0 < m[3] < 1)
         compiling = torch.compiler.is_compiling()
+        policy = resolve_policy(None, x.device)  # the process-wide dropout policy, as peft-linear LoRA's
         seeds = None
-        if n_drop and not compiling:
+        bits = {}  # adapter -> (perm, scale) of its packed mask (policy "bits")
+        if n_drop and not compiling and policy == "seed":
             seeds = torch.empty(n_drop, dtype=torch.int64, device=x.device).random_()
         result, kept_t, masks, shapes, j = base_out, [], [], [], 0
         for i in range(n):
@@ -121,6 +124,10 @@ class LoraConvFunction(_common.Function):
                 noise = torch.empty_like(xa).bernoulli_(1 - p)
                 mask = noise.to(torch.bool)
                 dropped = xa * noise.div_(1 - p)
+            elif p > 0 and policy == "bits":
+                # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask
+                dropped, mask, perm, scale = bits_forward(xa, p, False)
+                bits[i] = (perm, scale)
             elif p > 0:
                 dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
                 j += 1
@@ -137,14 +144,14 @@ class LoraConvFunction(_common.Function):
             _common.note_input_kept(x)
         keep_seeds = seeds is not None and (need_x or any(need_a))
         ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(xa.shape), suggest_memory_format(xa),
-                    x.dtype)
+                    x.dtype, bits)
         ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None, *kept_t, *masks, *adapters)
         return result
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype = ctx.meta
+        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype, bits = ctx.meta
         n = len(meta)
         saved = ctx.saved_tensors
         x, seeds = saved[:2]
@@ -178,6 +185,8 @@ class LoraConvFunction(_common.Function):
             noise = None
             if p == 1:
                 noise = torch.zeros((), dtype=A.dtype, device=A.device)
+            elif p > 0 and i in bits:
+                pass  # applied through the dropout_bits kernels below
             elif p > 0 and masks[i] is not None:
                 noise = masks[i].to(A.dtype).div_(1 - p)
             elif p > 0:
@@ -186,11 +195,17 @@ class LoraConvFunction(_common.Function):
             if need_a:
                 if xa is None:
                     xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
-                dropped = xa if noise is None else xa * noise
+                if i in bits:
+                    dropped = bits_backward(xa, masks[i], *bits[i])  # xa * noise, as in forward
+                else:
+                    dropped = xa if noise is None else xa * noise
             d_dropped, grads[4 + 3 * i], _ = _backward(dt, dropped, A, a, need_x, need_a, False, x_shape, x_format)
             del dropped
             if need_x:
-                dd = d_dropped if noise is None else d_dropped * noise
+                if i in bits:
+                    dd = bits_backward(d_dropped, masks[i], *bits[i])
+                else:
+                    dd = d_dropped if noise is None else d_dropped * noise
                 dxa = dd if dxa is None else dxa + dd
         if need_x and dxa is not None:
             grads[0] = dxa.to(x_dtype)

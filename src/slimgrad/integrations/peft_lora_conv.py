@@ -4,7 +4,8 @@
 The base convolution runs as its own (converted) module: with its weight frozen a slimgrad convolution
 keeps nothing (stock keeps x). With dropout or a dtype cast (fp32 adapters on a bf16/fp16 model, as
 diffusers' mixed-precision LoRA scripts set up) the adapters run in one Function that keeps x once in its
-own dtype, a seed and ``A(x)``, instead of the cast copy, the noise and the dropped copy. Without dropout
+own dtype, the dropout mask as bits (or a seed) and ``A(x)``, instead of the cast copy, the noise and the
+dropped copy. Without dropout
 and cast peft's own forward already keeps only what the adapters' gradients read (x for dA, ``A(x)`` for
 dB), so it runs unchanged; so do merged or disabled adapters, ``adapter_names=``, LoRA variants (DoRA),
 hooks, string paddings, autocast regions and adapters of mixed dtypes.
