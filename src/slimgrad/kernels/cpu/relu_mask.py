@@ -130,8 +130,8 @@ class NumbaReluMask:
         out = x if inplace else torch.empty_like(x)
         packed = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
         if dtype in _INT16_INF:
-            _relu_fwd_i16(_np(x.view(torch.int16)), _np(out.view(torch.int16)), packed.numpy(), np.int16(_INT16_INF[dtype]),
-                          np.int16(0))
+            inf = np.int16(_INT16_INF[dtype])
+            _relu_fwd_i16(_np(x.view(torch.int16)), _np(out.view(torch.int16)), packed.numpy(), inf, np.int16(0))
         elif negative_slope is None:
             _relu_fwd_f(_np(x), _np(out), packed.numpy(), _ZERO[dtype])
         else:
