@@ -108,6 +108,7 @@ class RMSNormFunction(_common.Function):
         ctx.dims, ctx.style, ctx.fused, ctx.x_dtype = dims, style, fused, input.dtype
         if not (need_x or need_w):
             return out
+        ctx.w_meta = None if weight is None else (weight.shape, weight.dtype)
         # The weight is a parameter (not an activation): keeping it costs nothing.
         # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
         # and half its size.
@@ -116,12 +117,14 @@ class RMSNormFunction(_common.Function):
         if not need_x and normed is not None and (
                 normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
             # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
-            # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there.
-            ctx.save_for_backward(None, None, weight, normed)
+            # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there. The
+            # weight's shape and dtype are all dW reads of it: a plain-tensor weight is not kept (stock's
+            # product keeps only the normalised input when x needs no grad).
+            ctx.save_for_backward(None, None, None, normed)
         else:
             _common.note_input_kept(input)
             kept = input.to(rstd.dtype) if narrow else input
-            ctx.save_for_backward(kept, rstd, weight, None)
+            ctx.save_for_backward(kept, rstd, weight if (need_x or fused) else None, None)
         return out
 
     @staticmethod
@@ -134,6 +137,9 @@ class RMSNormFunction(_common.Function):
         if ctx.impl is not None:
             dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w)
             return dx, dw, None, None, None
+        if weight is None and ctx.w_meta is not None:  # only dW: the weight's shape and dtype are all it reads
+            w_shape, w_dtype = ctx.w_meta
+            weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
         if normed is not None:
             return None, _weight_grad(_upstream_of_product(grad_out, ctx.style, weight, normed), normed, weight), \
                 None, None, None
