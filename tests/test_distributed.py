@@ -84,7 +84,12 @@ def _worker(rank, port, kinds, out_dir):
 def _train_both(kind, shard):
     results = {}
     for name in ("stock", "slim"):
-        model = model_factory()
+        if kind == "fsdp-meta":
+            # FSDP2's meta-device initialisation: build and convert on meta, shard, materialise, load.
+            with torch.device("meta"):
+                model = model_factory()
+        else:
+            model = model_factory()
         if name == "slim":
             model = slimgrad.convert(model)
         if kind == "ddp":
@@ -103,6 +108,8 @@ def _train_both(kind, shard):
             for sub in (model[0], model[4], model[9]):
                 fully_shard(sub, mp_policy=mp_policy)
             fully_shard(model, mp_policy=mp_policy)
+            if kind == "fsdp-meta":
+                _materialize(model, model_factory().state_dict())
             train(model, shard)
             state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                      for k, v in model.state_dict().items()}
@@ -110,7 +117,20 @@ def _train_both(kind, shard):
     return results
 
 
-KINDS = ("ddp", "fsdp", "fsdp-bf16")
+def _materialize(model, full_state):
+    """``to_empty`` on CPU, then each rank copies its shard of ``full_state`` in (parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            source = full_state[key]
+            if isinstance(value, DTensor):
+                source = distribute_tensor(source, value.device_mesh, value.placements)
+            value.copy_(source)
+
+
+KINDS = ("ddp", "fsdp", "fsdp-bf16", "fsdp-meta")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +141,7 @@ def distributed(tmp_path_factory):
     return torch.load(out / "result.pt")
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp-meta"])
 def test_matches_single_process_on_the_whole_batch(kind, distributed):
     results = distributed[kind]
     reference = train(model_factory(), data()).state_dict()

@@ -15,6 +15,7 @@ __all__ = [
     "Function",
     "standin",
     "autocast_dtype",
+    "autocast_enabled",
     "autocast_lower_precision",
     "autocast_off",
     "check_tensor",
@@ -59,9 +60,17 @@ def standin(shape, like: torch.Tensor) -> torch.Tensor:
     return torch.empty((), dtype=like.dtype, device=like.device).expand(shape)
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types autocast does not know (``meta``:
+    torch raises there, while stock layers run on meta tensors for shape propagation and meta init)."""
+    if device_type == "meta":
+        return False
+    return torch.is_autocast_enabled(device_type)
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The lower-precision dtype autocast would use on ``device_type``, or None when it is off."""
-    if not torch.is_autocast_enabled(device_type):
+    if not autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
@@ -86,7 +95,7 @@ def autocast_lower_precision(*tensors: torch.Tensor | None):
 def autocast_off(device_type: str):
     """A context that disables autocast for ``device_type`` when it is on (a no-op otherwise), so the ops
     inside a Function run in the dtypes we already chose."""
-    if torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

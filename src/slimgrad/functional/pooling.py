@@ -95,7 +95,7 @@ def _fp32_under_autocast(x: torch.Tensor) -> torch.Tensor:
     """3-d pooling is on CPU autocast's fp32 list: cast like autocast does, outside our Function, so the
     cast's own backward (like stock's) turns the gradient back into x's dtype."""
     if (
-        torch.is_autocast_enabled(x.device.type)
+        _common.autocast_enabled(x.device.type)
         and x.is_floating_point()
         and x.dtype not in (torch.float32, torch.float64)
     ):

@@ -18,6 +18,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from slimgrad._registry import ORIGINALS, register_forward
+from slimgrad.functional._common import autocast_enabled
 from slimgrad.functional.lora import LoraAdapter, lora_linear
 
 __all__ = ["SlimLinear"]
@@ -67,7 +68,7 @@ def _adapters(self: LoraLinear, x: torch.Tensor):
         if _has_hooks(lora_a) or _has_hooks(lora_b) or _has_hooks(drop):
             return None
         p = _dropout_p(drop)
-        if p is None or (p > 0 and torch.is_autocast_enabled(x.device.type)):
+        if p is None or (p > 0 and autocast_enabled(x.device.type)):
             return None
         adapters.append(LoraAdapter(lora_a.weight, lora_b.weight, self.scaling[name], p, lora_b.bias))
     dtypes = {t.dtype for a in adapters for t in (a.A, a.B)}
