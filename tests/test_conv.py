@@ -336,6 +336,30 @@ def test_channels_last(case, rx, rw):
     _compare(stock, x, rx, rw, True, fk=fk, layout=layout, exact=exact)
 
 
+@pytest.mark.parametrize("rw", [False, True], ids=["frozen", "weight-trains"])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c[0] in ("c2d", "c2d_depthwise", "c2d_reflect", "c3d", "t2d")], ids=lambda c: c[0]
+)
+def test_channels_last_output_grad_on_contiguous_input(case, rw):
+    """A contiguous model and input whose output gradient arrives in channels_last (diffusers' AutoencoderKL
+    does this): stock runs its backward in the contiguous layout; ours must too, or dX is ~1e-6 off."""
+    _, cls, kwargs, shape, fk = case
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    torch.manual_seed(0)
+    stock = cls(**kwargs).requires_grad_(rw)
+    slim = slim_copy(stock)
+    x1 = torch.randn(shape, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    o1, o2 = stock(x1, **fk), slim(x2, **fk)
+    g = torch.randn(o1.shape).contiguous(memory_format=layout)
+    o1.backward(g)
+    o2.backward(g)
+    assert_same(x2.grad, x1.grad, what="input grad")
+    assert x2.grad.stride() == x1.grad.stride()
+    if rw:
+        assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -125,11 +125,17 @@ class _ConvFunction(_common.Function):
 
         if need_x:
             w = weight
+            g = grad
             if ctx.xp_format != torch.contiguous_format:
                 # The backend picks its layout from (input, weight): stock sees X in channels_last here.
                 w = w.contiguous(memory_format=ctx.xp_format)
+            elif not g.is_contiguous():
+                # Stock's backward sees a contiguous X and weight and runs in the contiguous layout whatever
+                # dY's layout; our transposed conv would pick channels_last from a channels_last dY (another
+                # summation order, ~1e-6 off). The copy is the one stock's kernel makes of dY.
+                g = g.contiguous()
             if transposed:
-                dx = _CONV[nd](grad, w, None, stride, padding, dilation, groups)
+                dx = _CONV[nd](g, w, None, stride, padding, dilation, groups)
                 # With output_padding >= stride the plain conv yields extra trailing rows: drop them.
                 for i in range(nd):
                     if dx.shape[2 + i] != ctx.xp_shape[2 + i]:
@@ -143,8 +149,8 @@ class _ConvFunction(_common.Function):
                     - ((out_sizes[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1) + 1)
                     for i in range(nd)
                 )
-                dx = _CONV_T[nd](grad, w, None, stride, padding, extra, groups, dilation)
-            del w
+                dx = _CONV_T[nd](g, w, None, stride, padding, extra, groups, dilation)
+            del w, g
             if cast_dtype is not None:
                 dx = dx.to(ctx.x_dtype)
             if pad is not None:
