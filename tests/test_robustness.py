@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 
+import pytest
 import torch
 from tests._util import assert_same
 from torch import nn
@@ -145,3 +146,67 @@ def test_revert_after_training_gives_a_stock_model_with_the_same_numbers():
     assert all(type(m) not in ORIGINALS for m in slim.modules())
     assert not any("_slimgrad_" in k for m in slim.modules() for k in vars(m))
     compare(slim, ref, x)
+
+
+def test_old_weight_norm_and_spectral_norm_hooks_survive_the_default_copy():
+    """torch.nn.utils.weight_norm / spectral_norm (the hook versions) keep their computed weight as a non-leaf
+    attribute, which plain deepcopy refuses; convert's copy works, leaves the original alone, and trains as
+    stock does (the hooks recompute the weight before each forward)."""
+    from torch.nn.utils import spectral_norm, weight_norm
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(weight_norm(nn.Conv2d(3, 4, 3)), nn.ReLU(), spectral_norm(nn.Conv2d(4, 4, 3)),
+                             nn.Flatten(), weight_norm(nn.Linear(64, 2)))
+
+    stock, original = make(), make()
+    weight = original[0].weight
+    slim = slimgrad.convert(original)
+    assert original[0].weight is weight and type(original[0]) is nn.Conv2d
+    assert type(slim[0]) in ORIGINALS and type(slim[2]) in ORIGINALS
+    x = torch.randn(SHAPE)
+    for _ in range(2):
+        xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        stock(xs).sum().backward()
+        slim(xm).sum().backward()
+        assert_same(xm.grad, xs.grad, what="input grad")
+        for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
+            assert_same(q.grad, p.grad, what=name)
+    for (name, b), c in zip(stock.named_buffers(), slim.buffers()):  # spectral norm's power iteration
+        assert_same(c, b, what=name)
+
+
+def _double_backward_cases():
+    from slimgrad.functional import gated_activation, lora_linear
+    from slimgrad.functional.lora import LoraAdapter
+
+    def lora(x):
+        return lora_linear(x, torch.randn(3, 8), None, [LoraAdapter(torch.randn(2, 8, requires_grad=True),
+                                                                    torch.randn(3, 2, requires_grad=True))])
+
+    return {
+        "batch norm": (nn.BatchNorm2d(3), (2, 3, 4, 4), "exclude=[nn.BatchNorm2d]"),
+        "max pooling": (nn.MaxPool2d(2), (2, 3, 4, 4), "exclude=[nn.MaxPool2d]"),
+        "average pooling": (nn.AvgPool2d(2), (2, 3, 4, 4), "exclude=[nn.AvgPool2d"),
+        "LayerNorm": (nn.LayerNorm(4), (2, 3, 4), "exclude=[nn.LayerNorm]"),
+        "GroupNorm": (nn.GroupNorm(1, 3), (2, 3, 4), "exclude=[nn.GroupNorm]"),
+        "RMSNorm": (nn.RMSNorm(4), (2, 3, 4), "exclude=[nn.RMSNorm]"),
+        "gated MLP activation": (lambda x: gated_activation(x, x * 2), (2, 8), "LlamaMLP"),
+        "LoRA linear": (lora, (2, 8), "lora.Linear"),
+    }
+
+
+@pytest.mark.parametrize("layer", list(_double_backward_cases()))
+def test_double_backward_error_names_the_layer_and_the_way_out(layer):
+    """Gradient penalties differentiate a gradient: the layers that refuse it say that slimgrad is the cause,
+    which layer it is, and how to keep it stock."""
+    module, shape, how = _double_backward_cases()[layer]
+    if isinstance(module, nn.Module):
+        module = slimgrad.convert(module)
+    x = torch.randn(shape, requires_grad=True)
+    (g,) = torch.autograd.grad(module(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError) as err:
+        g.pow(2).sum().backward()
+    message = str(err.value)
+    assert message.startswith(f"slimgrad: {layer} (") and "double backward" in message, message
+    assert how in message and "slimgrad.revert(model)" in message, message

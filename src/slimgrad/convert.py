@@ -15,6 +15,7 @@ import fnmatch
 import logging
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
@@ -114,6 +115,23 @@ def _why_not_exact(module: nn.Module) -> str | None:
             f"only exact types are converted")
 
 
+def _deepcopy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, also for models holding computed (non-leaf) tensors as plain attributes.
+
+    The old ``torch.nn.utils.weight_norm`` and ``spectral_norm`` hooks store the weight they compute as such
+    an attribute, which ``deepcopy`` refuses ("Only Tensors created explicitly by the user (graph leaves)
+    support the deepcopy protocol"). Their forward pre-hook recomputes that attribute from the copied
+    parameters before every forward, so the copy gets a detached clone of its current value in its place;
+    the original model is not touched.
+    """
+    memo = {}
+    for module in model.modules():
+        for value in module.__dict__.values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
             chunked_loss: bool = False, dropout: str | None = None):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
@@ -150,7 +168,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     included = _Selector("include", include, paths)
     excluded = _Selector("exclude", exclude, paths)
 
-    target = model if inplace else copy.deepcopy(model)
+    target = model if inplace else _deepcopy(model)
     result = ConversionReport()
     for path, module in target.named_modules():
         kind = type(module)

@@ -7,12 +7,15 @@ tensor whose values it never reads, how autocast is mirrored, and how double bac
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+from torch._C import _functions
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "Function",
+    "once_differentiable",
     "standin",
     "autocast_dtype",
     "autocast_enabled",
@@ -28,6 +31,75 @@ __all__ = [
 ]
 
 
+# Which user-facing layers run each Function, and how to keep them out of a model: named in the errors a
+# Function raises for what it does not support (double backward), so that the user knows slimgrad is the
+# cause and what to exclude.
+_LAYERS = {
+    "BatchNormFunction": ("batch norm", "exclude=[nn.BatchNorm2d] (or BatchNorm1d/3d)"),
+    "MaxPoolFunction": ("max pooling", "exclude=[nn.MaxPool2d] (or MaxPool1d/3d)"),
+    "AvgPoolFunction": ("average pooling", "exclude=[nn.AvgPool2d, nn.AdaptiveAvgPool2d] (or the 1d/3d ones)"),
+    "RMSNormFunction": ("RMSNorm", "exclude=[nn.RMSNorm] (or the Hugging Face RMSNorm class)"),
+    "LayerNormFunction": ("LayerNorm", "exclude=[nn.LayerNorm]"),
+    "GroupNormFunction": ("GroupNorm", "exclude=[nn.GroupNorm]"),
+    "FusedAddRMSNormFunction": ("FusedAddRMSNorm", "no slimgrad.nn.FusedAddRMSNorm in the model"),
+    "PolyNormFunction": ("PolyNorm", "no slimgrad.nn.PolyNorm in the model"),
+    "LoraLinearFunction": ("LoRA linear", "exclude=[peft.tuners.lora.Linear]"),
+    "GatedFunction": ("gated MLP activation", "exclude=[<the model's MLP class, e.g. LlamaMLP>]"),
+    "FormulaActivationFunction": ("formula activation", "exclude=[<the activation class, e.g. NewGELUActivation>]"),
+    "FusedLinearCrossEntropyFunction": ("chunked linear + cross-entropy loss", "chunked_loss=False"),
+}
+
+
+def double_backward_message(cls) -> str:
+    """The error for double backward through ``cls``: which slimgrad layer refuses it, and how to run that
+    part with stock layers."""
+    layer, how = _LAYERS.get(cls.__name__, (cls.__name__, "exclude=[<its module type or path>]"))
+    return (
+        f"slimgrad: {layer} ({cls.__name__}, once_differentiable) does not support double backward (a gradient "
+        f"of a gradient, e.g. torch.autograd.grad(..., create_graph=True) and then backward through it, as "
+        f"gradient penalties do): "
+        f"it keeps only what a single backward reads. Keep these layers stock: slimgrad.convert(model, {how}), "
+        f"or slimgrad.revert(model) / leave `with slimgrad.enabled():` for this computation."
+    )
+
+
+def once_differentiable(fn, cls=None):
+    """``torch.autograd.function.once_differentiable`` whose double-backward error names the slimgrad layer
+    (torch's says only "trying to differentiate twice a function that was marked with @once_differentiable").
+    """
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        with torch.no_grad():
+            outputs = fn(ctx, *args)
+        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return outputs
+        outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
+        owner = cls if cls is not None else getattr(ctx, "_forward_cls", type(ctx))
+        err_fn = _functions.DelayedError(double_backward_message(owner), len(outputs_))
+
+        def fake_requires_grad(var):
+            if var is not None:
+                var = var.detach()
+                var.requires_grad = True
+            return var
+
+        return err_fn(*[fake_requires_grad(v) for v in outputs_])
+
+    wrapper._slimgrad_once = True
+    return wrapper
+
+
+def _is_torch_once_differentiable(backward) -> bool:
+    code = getattr(backward, "__code__", None)
+    return (
+        hasattr(backward, "__wrapped__")
+        and code is not None
+        and code.co_name == "wrapper"
+        and code.co_filename == torch.autograd.function.once_differentiable.__code__.co_filename
+    )
+
+
 class Function(torch.autograd.Function):
     """Base of slimgrad's autograd Functions: refuses ``torch.func`` transforms with a message that says
     what to do, instead of torch's generic one about ``setup_context``.
@@ -36,6 +108,15 @@ class Function(torch.autograd.Function):
     values (masks, positions, seeds), which functorch's split ``forward``/``setup_context`` protocol
     cannot express without returning those as extra outputs; until they do, transforms are refused.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A backward decorated with torch's ``once_differentiable`` gets slimgrad's, whose error says which
+        # layer refuses double backward and how to exclude it (every Function, without editing each one).
+        backward = cls.__dict__.get("backward")
+        fn = backward.__func__ if isinstance(backward, staticmethod) else backward
+        if fn is not None and _is_torch_once_differentiable(fn):
+            cls.backward = staticmethod(once_differentiable(fn.__wrapped__, cls))
 
     @classmethod
     def apply(cls, *args, **kwargs):
@@ -46,6 +127,17 @@ class Function(torch.autograd.Function):
                 f"(slimgrad.revert(model), or outside `with slimgrad.enabled():`)."
             )
         return super().apply(*args, **kwargs)
+
+
+def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """``torch._prims_common.suggest_memory_format`` for strided tensors, traceable in a Function's backward
+    under torch.compile (dynamo's strict mode there refuses reading ``t.layout``, which torch's reads)."""
+    if t.is_contiguous():
+        return torch.contiguous_format
+    for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if t.dim() == dim and t.is_contiguous(memory_format=fmt):
+            return fmt
+    return torch.contiguous_format
 
 
 def standin(shape, like: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Te
         dim = g.dim() - 1 - i
         pad_l, pad_r = pad[2 * i], pad[2 * i + 1]
         g = g.narrow(dim, pad_l, g.shape[dim] - pad_l - pad_r)
-    return g.contiguous(memory_format=suggest_memory_format(grad))
+    return g.contiguous(memory_format=_common.suggest_memory_format(grad))
 
 
 class _ConvFunction(_common.Function):
@@ -167,7 +167,7 @@ class _ConvFunction(_common.Function):
                     grad,
                     xp,
                     weight if weight is not None else _common.standin(ctx.w_shape, grad),
-                    [ctx.w_shape[1 if transposed else 0]] if need_b else None,
+                    [grad.shape[1]] if need_b else None,  # output channels (a transposed weight has out/groups)
                     list(stride),
                     list(padding),
                     list(dilation),

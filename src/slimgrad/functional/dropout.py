@@ -180,7 +180,9 @@ class _DropoutFunction(_common.Function):
             out = _finish(input, kernels.choose_seed(xc).forward(xc, p, seed, inplace), perm, inplace)
             ctx.save_for_backward(seed)
         if inplace:
+            # Return ``input`` itself: torch.compile checks that a dirty tensor is returned as the same object.
             ctx.mark_dirty(input)
+            out = input
         return out
 
     @staticmethod

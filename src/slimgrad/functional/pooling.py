@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.utils import _list_with_default
 
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_off, check_tensor, standin
@@ -424,8 +423,13 @@ def _adaptive(nd, input, output_size, stock):
     check_tensor(input, "input", fn=f"adaptive_avg_pool{nd}d")
     if not _wants_grad(input):
         return stock(input, output_size)
-    if nd > 1:
-        output_size = _list_with_default(output_size, input.size())
+    if nd > 1 and not isinstance(output_size, int):
+        # Stock's _list_with_default (None: keep the input's size), in plain Python: dynamo cannot trace that
+        # torch function (it returns a list), and an int needs no defaults at all.
+        if input.dim() <= len(output_size):
+            raise ValueError(f"Input dimension should be at least {len(output_size) + 1}")
+        output_size = [input.shape[input.dim() - len(output_size) + i] if v is None else v
+                       for i, v in enumerate(output_size)]
     sizes = (output_size,) if isinstance(output_size, int) else tuple(output_size)
     if all(isinstance(s, int) and s == 1 for s in sizes):
         # Stock computes this as a mean, whose backward keeps no tensor: run it as is (same forward, same
