@@ -122,20 +122,22 @@ def test_model_built_on_meta_then_converted():
 
 
 def test_peft_lora_model_on_meta():
-    """A peft LoRA model (dropout > 0) built on meta and converted: the fused LoRA Function and the linear
-    layers propagate shapes, and only the adapters get (meta) gradients."""
+    """A peft LoRA model (dropout > 0, on a conv and linear layers) built on meta and converted: the fused LoRA
+    Functions propagate shapes, and only the adapters get (meta) gradients."""
     peft = pytest.importorskip("peft")
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
+            self.conv = nn.Conv1d(5, 5, 3, padding=1)
             self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 4)
 
         def forward(self, x):
-            return self.o(torch.relu(self.q(x)))
+            return self.o(torch.relu(self.q(self.conv(x))))
 
     with torch.device(META):
-        model = peft.get_peft_model(Block(), peft.LoraConfig(r=2, target_modules=["q", "o"], lora_dropout=0.1))
+        model = peft.get_peft_model(Block(), peft.LoraConfig(r=2, target_modules=["conv", "q", "o"],
+                                                             lora_dropout=0.1))
     slim = slimgrad.convert(model)
     names = {type(m).__module__ for m in slim.modules()}
     assert any(n.startswith("slimgrad") for n in names)

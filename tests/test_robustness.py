@@ -181,11 +181,14 @@ def _double_backward_cases():
     from slimgrad.functional.lora import LoraAdapter
 
     def lora(x):
+        # with dropout: where stock keeps what slimgrad would (no dropout, no cast), stock's ops run directly
         return lora_linear(x, torch.randn(3, 8), None, [LoraAdapter(torch.randn(2, 8, requires_grad=True),
-                                                                    torch.randn(3, 2, requires_grad=True))])
+                                                                    torch.randn(3, 2, requires_grad=True),
+                                                                    dropout=0.1)])
 
     return {
-        "batch norm": (nn.BatchNorm2d(3), (2, 3, 4, 4), "exclude=[nn.BatchNorm2d]"),
+        # eval, frozen: where stock keeps what slimgrad would, stock's own batch norm runs (and double-backs)
+        "batch norm": (nn.BatchNorm2d(3).eval().requires_grad_(False), (2, 3, 4, 4), "exclude=[nn.BatchNorm2d]"),
         "max pooling": (nn.MaxPool2d(2), (2, 3, 4, 4), "exclude=[nn.MaxPool2d]"),
         "average pooling": (nn.AvgPool2d(2), (2, 3, 4, 4), "exclude=[nn.AvgPool2d"),
         "LayerNorm": (nn.LayerNorm(4), (2, 3, 4), "exclude=[nn.LayerNorm]"),

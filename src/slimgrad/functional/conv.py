@@ -198,7 +198,7 @@ def stock_keeps_weight_for_free(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Stock keeps the weight even when X needs no grad (we would not). That costs nothing when the
     weight is a leaf the caller holds anyway; it costs a weight-sized tensor when it is a temporary (a
     computed weight, or autocast's cast copy)."""
-    return x.requires_grad or (weight.is_leaf and not torch.is_autocast_enabled(x.device.type))
+    return x.requires_grad or (weight.is_leaf and not _common.autocast_enabled(x.device.type))
 
 
 def asymmetric_same(padding, weight, dilation) -> bool:

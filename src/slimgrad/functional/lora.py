@@ -254,7 +254,7 @@ def _check(x, weight, bias, adapters):
 def _stock_keeps_what_we_keep(x, adapters, training, cast_input) -> bool:
     """No adapter drops (p == 0 or eval), none needs x cast to its dtype, autocast off: then stock keeps
     exactly what we keep."""
-    if torch.is_autocast_enabled(x.device.type):
+    if _common.autocast_enabled(x.device.type):
         return False
     if training and any(float(a.dropout) > 0 for a in adapters):
         return False

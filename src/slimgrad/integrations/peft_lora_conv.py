@@ -23,6 +23,7 @@ from peft.tuners.lora.layer import Conv3d as LoraConv3d
 from torch import nn
 
 from slimgrad._registry import register_forward
+from slimgrad.functional._common import autocast_enabled
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.integrations.peft_lora import _dropout_p, _has_hooks, _stock_type
 
@@ -80,7 +81,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less."""
     stock = _lora_class(self).forward
     if (args or kwargs or self.disable_adapters or self.merged or not isinstance(x, torch.Tensor)
-            or x.dim() != self.base_layer.weight.dim() or torch.is_autocast_enabled(x.device.type)
+            or x.dim() != self.base_layer.weight.dim() or autocast_enabled(x.device.type)
             or _has_hooks(self.base_layer) or _unsupported(self) is not None):
         return stock(self, x, *args, **kwargs)
     adapters = _adapters(self, x)

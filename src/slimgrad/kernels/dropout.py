@@ -84,6 +84,8 @@ class TorchDropoutSeed:
 
     @staticmethod
     def noise(like, p, seed):
+        if like.device.type == "meta":  # shapes only: no generator there, no seed value to read
+            return torch.empty_like(like)
         generator = torch.Generator(device=like.device)
         generator.manual_seed(int(seed.item()))
         noise = torch.empty_like(like).bernoulli_(1 - p, generator=generator)
