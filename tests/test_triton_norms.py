@@ -189,8 +189,9 @@ def test_layer_norm_no_affine_and_fp32_params(device):
     x, w, g = _inputs((4, 33), torch.bfloat16, device, w_dtype=torch.float32)
     b = torch.randn(33, device=device)
     _compare(lambda x: layer_norm(x, (33,)), (x,), (True,), g, device, "no affine")
-    _compare(lambda x, w, b: layer_norm(x, (33,), w, b), (x, w, b), (True, True, True), g, device, "fp32 params",
-             dtype=torch.bfloat16)
+    if device == "cpu":  # CUDA's stock layer norm refuses a bf16 input with fp32 parameters: no reference there
+        _compare(lambda x, w, b: layer_norm(x, (33,), w, b), (x, w, b), (True, True, True), g, device,
+                 "fp32 params", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)

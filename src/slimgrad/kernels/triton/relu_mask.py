@@ -4,8 +4,9 @@ the mask in one kernel (the contract is in :mod:`slimgrad.kernels.relu_mask`).
 Each forward program handles a block of elements (a multiple of 8): it writes the output (in place when asked:
 the input is read before it is overwritten) and the block's mask bytes, bit ``i % 8`` of byte ``i // 8``, LSB
 first, by summing the block's bits reshaped to (bytes, 8) against ``1 << j``. Backward reads one byte per 8
-elements. Outputs and gradients are bitwise the contract's (selects, and for leaky_relu one fp32 product
-rounded once).
+elements. Outputs and gradients are bitwise stock's on CUDA (checked on an H100): selects, and for leaky_relu
+one fp32 product rounded once. ReLU follows CUDA's stock kernel, which maps -0.0 to +0.0 (the CPU kernel keeps
+-0.0; the mask is the same either way).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _forward_kernel(X, OUT, PACKED, numel, nbytes, slope, LEAKY: tl.constexpr, B
         bit = xf > 0
         out = tl.where(bit, x, (xf * slope).to(x.dtype))
     else:
-        out = tl.where(xf < 0, tl.zeros_like(x), x)  # NaN and -0.0 pass, -inf gives +0
+        # CUDA's stock relu: x <= 0 gives +0 (-0.0 too, unlike the CPU kernel, which passes -0.0), NaN passes.
+        out = tl.where(xf <= 0, tl.zeros_like(x), x)
         bit = (xf > 0) | (xf != xf)  # out != 0: positives and NaN
     tl.store(OUT + offs, out, mask=mask)
     bits = (mask & bit).to(tl.int32)
