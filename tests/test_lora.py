@@ -457,6 +457,37 @@ def test_no_dropout_no_cast_runs_stock_ops():
     assert "LoraLinear" in type(lora_linear(x.double(), w.double(), None, [a]).grad_fn).__name__  # a cast
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("policy", ["bits", "seed"])
+def test_peak_never_above_peft(dtype, dropout, policy):
+    """The peak over a whole step (forward and backward, temporaries included) is at most PEFT's."""
+    from slimgrad.measure import peak_bytes
+
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64).to(dtype)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], lora_dropout=dropout,
+                          init_lora_weights=False)
+    stock = peft.get_peft_model(One(), cfg)
+    slim = slim_of(stock)
+    x = torch.randn(4, 128, 64, dtype=dtype, requires_grad=True)
+
+    def step(m):
+        out = m(x)
+        out.backward(torch.ones_like(out))
+
+    with dropout_policy(policy):
+        peaks = [peak_bytes(step, m) for m in (stock, slim)]
+    assert peaks[1] <= peaks[0], f"slimgrad peak {peaks[1]} > peft's {peaks[0]}"
+
+
 # ----------------------------------------------------------------------------------------------------- slow
 
 def test_adamw_finetune_tracks_peft():

@@ -147,9 +147,12 @@ def bits_forward(input: torch.Tensor, p: float, inplace: bool):
     return _finish(input, out, perm, inplace), packed, perm, scale
 
 
-def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float) -> torch.Tensor:
+def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, *, inplace: bool = False):
+    """``grad * noise`` from the packed mask; ``inplace``: written into ``grad`` (a fresh tensor of the
+    caller's) when its layout allows, which saves a gradient-sized temporary."""
     g = _canonical(grad, perm)
-    gi = kernels.choose_bits(g).backward(g, packed, scale)
+    out = g if inplace and g.data_ptr() == grad.data_ptr() else None
+    gi = kernels.choose_bits(g).backward(g, packed, scale, out)
     return gi if perm is None else gi.permute(_inverse(perm))
 
 

@@ -117,9 +117,12 @@ class LoraLinearFunction(_common.Function):
                 if noise is not None:
                     dropped = xa * noise
             t = F.linear(dropped, A)
+            del dropped  # not kept: freed now, as stock frees what it does not save
             u = F.linear(t, B, b_bias)
             u_dtypes.append(u.dtype)
-            result = u * scalings[i] if result is None else result + u * scalings[i]
+            u = u * scalings[i]  # the unscaled u is freed here, as in stock's expression
+            result = u if result is None else result + u
+            del u
             kept_t.append(t if need_b[i] else None)
             masks.append(mask if (need_x or need_a[i]) else None)
         sum_dtype = result.dtype
@@ -152,15 +155,11 @@ class LoraLinearFunction(_common.Function):
 
         g = grad.to(sum_dtype)
         g_base = _rows(g.to(base_dtype))
-        dx = None
-        if need_x and weight is not None:
-            dx = g_base.mm(weight.t() if fan_in_fan_out else weight)
-        if need_w:
-            x2d = _rows(x)
-            grads[1] = x2d.t().mm(g_base) if fan_in_fan_out else g_base.t().mm(x2d)
-        if need_bias:
-            grads[2] = g_base.sum(0)
+        # Temporaries are dropped as soon as they are used (del / None), and the base layer's gradients
+        # come after the adapters' (the order stock's engine runs them in), so that the peak over backward
+        # stays at or below stock's, whose engine frees each intermediate gradient after its last use.
 
+        last_g = min((i for i in range(n) if any(need[7 + 3 * i: 10 + 3 * i]) or need_x), default=-1)
         xa = None
         dxa = None
         seed_index = [0] * n
@@ -176,6 +175,8 @@ class LoraLinearFunction(_common.Function):
             if not (need_x or need_a or need_b or need_bb):
                 continue
             g_u = _rows(g.to(u_dtypes[i]) * scalings[i])
+            if i == last_g:
+                g = None
             if need_bb:
                 grads[9 + 3 * i] = g_u.sum(0)
             if need_b:
@@ -197,6 +198,7 @@ class LoraLinearFunction(_common.Function):
                     noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p,
                                         seeds[seed_index[i]])
             dt = g_u.mm(B)
+            del g_u
             if need_a:
                 if xa is None:
                     xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
@@ -209,19 +211,34 @@ class LoraLinearFunction(_common.Function):
                 else:
                     dropped = xa * noise
                 grads[7 + 3 * i] = dt.t().mm(_rows(dropped))
+                del dropped
             if need_x:
                 dd = dt.mm(A)
                 if i in bits:
-                    dd = bits_backward(dd.view(x_shape[:-1] + (dd.shape[-1],)), masks[i], *noise)
+                    dd = bits_backward(dd.view(x_shape[:-1] + (dd.shape[-1],)), masks[i], *noise, inplace=True)
                     dd = _rows(dd)
                 elif seeded is not None:
                     dd = seeded[0].backward(dd, p, seeded[1])  # dd: (rows, in), x's elements in order
                 elif noise is not None:
-                    dd = dd * _rows(noise) if noise.dim() else dd * noise
-                dxa = dd if dxa is None else dxa + dd
+                    dd.mul_(_rows(noise) if noise.dim() else noise)  # a fresh mm result: in place, same bits
+                dxa = dd if dxa is None else dxa.add_(dd)  # a fresh tensor of ours: in place, same bits
+                del dd
+            noise = None
+        xa = None
+        dx = None
+        if need_x and weight is not None:
+            dx = g_base.mm(weight.t() if fan_in_fan_out else weight)
+        if need_w:
+            x2d = _rows(x)
+            grads[1] = x2d.t().mm(g_base) if fan_in_fan_out else g_base.t().mm(x2d)
+        if need_bias:
+            grads[2] = g_base.sum(0)
+        del g_base
         if need_x:
             if dxa is not None:
-                dx = dxa.to(x_dtype) if dx is None else dxa.to(x_dtype) + dx
+                dxa = dxa.to(x_dtype)
+                dx = dxa if dx is None else dx.add_(dxa)  # dx is a fresh mm result: in place, same bits
+                del dxa
             grads[0] = dx.view(x_shape)
         return tuple(grads)
 

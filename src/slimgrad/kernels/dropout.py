@@ -8,7 +8,7 @@ slow; seed on CUDA, where a counter-based generator is nearly free).
 ``dropout_bits`` contract::
 
     impl.forward(x, keep, scale, inplace) -> (out, packed)
-    impl.backward(grad, packed, scale) -> grad_input
+    impl.backward(grad, packed, scale, out=None) -> grad_input
 
 * ``x``: contiguous floating tensor. ``keep``: a contiguous ``uint8`` tensor of ``x``'s shape, 1 where the
   element is kept. The Function draws it with torch's own ``bernoulli_(1 - p)`` into
@@ -22,7 +22,8 @@ slow; seed on CUDA, where a counter-based generator is nearly free).
 * ``packed``: ``keep`` packed in the :mod:`slimgrad.functional._bitmask` format (uint8, ``ceil(numel/8)``
   bytes, element ``i`` of ``keep.reshape(-1)`` in bit ``i % 8`` of byte ``i // 8``, LSB first).
 * ``grad``: contiguous, ``x``'s shape; ``grad_input = grad * (bit ? scale : 0)`` rounded as above (stock's
-  ``grad * noise``), a new contiguous tensor.
+  ``grad * noise``), a new contiguous tensor, or written into ``out`` (contiguous, grad's shape and dtype;
+  may be ``grad`` itself) and returned when given.
 
 ``dropout_seed`` contract::
 
@@ -70,11 +71,11 @@ class TorchDropoutBits:
         return out, _bitmask.pack(flat)
 
     @staticmethod
-    def backward(grad, packed, scale):
+    def backward(grad, packed, scale, out=None):
         from slimgrad.functional import _bitmask
 
         noise = _bitmask.unpack(packed, grad.shape).to(grad.dtype).mul_(scale)
-        return grad * noise
+        return grad * noise if out is None else torch.mul(grad, noise, out=out)
 
 
 class TorchDropoutSeed:

@@ -72,10 +72,10 @@ class NumbaDropoutBits:
         return out, packed
 
     @staticmethod
-    def backward(grad, packed, scale):
+    def backward(grad, packed, scale, out=None):
         t = _NP.get(grad.dtype)
         if t is None:
-            return BITS_TORCH.backward(grad, packed, scale)
-        gi = torch.empty_like(grad)
+            return BITS_TORCH.backward(grad, packed, scale, out)
+        gi = torch.empty_like(grad) if out is None else out
         _bwd(_np(grad), packed.numpy(), _np(gi), t(scale), t(0))
         return gi
