@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import slimgrad
 import slimgrad.nn.clamp  # noqa: F401  (registers the replacements)
 from _util import FLOAT_DTYPES, assert_same, slim_copy
+from slimgrad import kernels
 from slimgrad.functional import clamp as C
 from slimgrad.functional._common import note_input_kept
 from slimgrad.measure import SavedTensors
@@ -71,6 +72,11 @@ CASES = {
                           (0.5, -2.0)),
     "hardsigmoid": (lambda x, ip: F.hardsigmoid(x, inplace=ip), lambda x, ip: C.hardsigmoid(x, inplace=ip),
                     (-3.0, 3.0)),
+    # bounds no half-precision dtype holds exactly: stock's kernels round them differently (see _bounds)
+    "hardtanh(-0.1,0.1)": (lambda x, ip: F.hardtanh(x, -0.1, 0.1, ip), lambda x, ip: C.hardtanh(x, -0.1, 0.1, ip),
+                           (-0.1, 0.1)),
+    "threshold(0.1,-1)": (lambda x, ip: F.threshold(x, 0.1, -1.0, ip), lambda x, ip: C.threshold(x, 0.1, -1.0, ip),
+                          (0.1,)),
 }
 
 
@@ -107,7 +113,13 @@ def run(fn, x_leaf, inplace, grad, sliced=False):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed", "sliced"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
-def test_matches_stock_bitwise(case, dtype, layout, inplace):
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_matches_stock_bitwise(case, dtype, layout, inplace, backend):
+    with kernels.preference(backend):
+        _matches_stock_bitwise(case, dtype, layout, inplace)
+
+
+def _matches_stock_bitwise(case, dtype, layout, inplace):
     stock, slim, edges = CASES[case]
     shape = (2, 3, 5, 7)  # 210 elements: not a multiple of 8
     sliced = layout == "sliced"
@@ -319,3 +331,27 @@ def test_compile_fullgraph(module):
     assert_same(ym, ys, what="output")
     assert_same(xm.grad, xs.grad, what="grad")
     assert counter.bytes == (2 * 3 * 4 * 5 + 7) // 8
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("rule,lo,hi", [("inside", 0.0, 6.0), ("inside", -0.1, 0.1), ("above", 0.1, None),
+                                        ("above", -float("inf"), None)])
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 1001])
+def test_range_mask_backends_agree(dtype, rule, lo, hi, numel):
+    """Every registered backend of the range_mask family against the reference, masks and selections."""
+    from slimgrad.kernels import range_mask, registry
+
+    x = make_input((numel,), dtype, "contiguous", (lo,) + ((hi,) if hi is not None else ()))
+    grad = make_input((numel,), dtype, "contiguous", seed=9)
+    if hi is not None:  # bounds as the Function hands them over: exact in the comparison dtype
+        lo, hi = C._bounds("hardtanh", lo, hi, dtype)
+    else:
+        lo, _ = C._bounds("threshold", lo, None, dtype)
+    ref_packed = range_mask.TORCH_IMPL.pack(x, rule, lo, hi)
+    ref_sel = range_mask.TORCH_IMPL.select(grad, ref_packed)
+    backends = [k for k in registry.implementations(range_mask.FAMILY) if k.supports("cpu", dtype) and k.available]
+    assert {k.backend for k in backends} >= {"torch", "numba"}
+    for k in backends:
+        impl = k.implementation()
+        assert torch.equal(impl.pack(x, rule, lo, hi), ref_packed), k.backend
+        assert torch.equal(bits(impl.select(grad, ref_packed)), bits(ref_sel)), k.backend

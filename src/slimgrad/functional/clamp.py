@@ -6,12 +6,11 @@ tests (NaN, ±inf and -0 included):
 
 * ``hardtanh(x, lo, hi)`` (``relu6`` is ``hardtanh(x, 0, 6)``): ``hardtanh_backward`` passes the
   gradient where ``lo < x < hi``; both boundaries block. Stock keeps x (out of place) or the result (in
-  place, where the same test on the result gives the same answer). For NaN inputs stock is not
-  consistent: its vectorised loop computes ``(x > lo) & (x < hi)`` (NaN blocks) while the scalar loop
-  that finishes each contiguous run computes ``!(x <= lo || x >= hi)`` (NaN passes), so which NaN
-  elements pass depends on their position and on how the tensor is split across threads. slimgrad
-  applies the vectorised rule to every element (NaN blocks); the tests check that, and that stock's
-  vectorised body agrees.
+  place). For NaN inputs stock is not consistent: its vectorised loop computes ``(x > lo) & (x < hi)``
+  (NaN blocks) while the scalar loop that finishes each contiguous run computes
+  ``!(x <= lo || x >= hi)`` (NaN passes), so which NaN elements pass depends on their position and on
+  how the tensor is split across threads. slimgrad applies the vectorised rule to every element (NaN
+  blocks); the tests check that, and that stock's vectorised body agrees.
 * ``threshold(x, th, value)``: ``threshold_backward(grad, x, th)`` gives ``x <= th ? 0 : grad``; NaN and
   +inf pass. In place, stock keeps a *clone* of the original input (its formula reads ``self``), so the
   in-place form costs stock a full copy.
@@ -21,28 +20,31 @@ tests (NaN, ±inf and -0 included):
 * ``hardswish`` is *not* here: its gradient in ``(-3, 3)`` is ``grad * (x / 3 + 0.5)``, which reads x
   itself, so no mask can replace the input stock keeps.
 
-Backward multiplies the gradient's bits by the 0/1 mask (as the ReLU does), which is ``where(mask, grad,
-+0)`` bit for bit. The producer/consumer rule of ``_common`` applies to hardtanh/relu6 and to threshold
-with ``value <= threshold``: when the next layer keeps this output anyway, the output is kept instead of
-a mask, and stock's own backward kernel runs on it (the output lies strictly inside the pass region
-exactly where the input does). Hardsigmoid's output cannot stand in for its input (``x`` just below 3
-rounds to an output of 1 but still passes its gradient), so it always keeps the mask.
+Bounds are compared as stock's kernels compare them (measured): in x's dtype for fp32/fp64, in fp32 for
+fp16/bf16 inputs (``_bounds``). The masks are made and read by the ``range_mask`` kernel family
+(:mod:`slimgrad.kernels.range_mask`: a numpy reference, and a numba kernel that packs in one pass);
+backward is ``where(mask, grad, +0)`` bit for bit.
+
+The producer/consumer rule of ``_common`` applies to hardtanh/relu6 (bounds exact in x's dtype) and to
+threshold with ``value <= threshold``: when the next layer keeps this output anyway, the output is kept
+instead of a mask and the pass test runs on it in backward (the output lies strictly inside the pass
+region exactly where the input does). Hardsigmoid's output cannot stand in for its input (``x`` just
+below 3 rounds to an output of 1 but still passes its gradient), so it always keeps the mask.
 """
 
 from __future__ import annotations
 
 import numbers
 
-import numpy as np
 import torch
 
 from slimgrad.functional import _bitmask, _common
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
+from slimgrad.kernels import range_mask
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "threshold", "threshold_", "hardsigmoid", "RangeMaskFunction"]
 
 _LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation."
-_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 HARDTANH, THRESHOLD, HARDSIGMOID = "hardtanh", "threshold", "hardsigmoid"
@@ -58,50 +60,51 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return perm if t.permute(perm).is_contiguous() else None
 
 
-def _write_mask(x: torch.Tensor, kind: str, lo: float, hi: float, out: torch.Tensor) -> None:
-    """Write the pass mask of ``kind`` for ``x`` into the bool tensor ``out`` (same shape, contiguous)."""
-    if x.dtype in _NUMPY_DTYPES and _bitmask.use_numpy(x):
-        a, o = x.detach().numpy(), out.numpy()
-        if kind == THRESHOLD:  # not x <= th: NaN passes
-            np.less_equal(a, lo, out=o)
-            np.logical_not(o, out=o)
-        else:  # lo < x < hi: NaN blocks
-            np.greater(a, lo, out=o)
-            o &= np.less(a, hi)
-        return
-    out.copy_(_mask_torch(x, kind, lo, hi))
+def _rule(kind: str) -> str:
+    return "above" if kind == THRESHOLD else "inside"
 
 
-def _mask_torch(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
-    if kind == THRESHOLD:
-        return ~(x <= lo)
-    return (x > lo) & (x < hi)
+def _round(v: float | None, dtype: torch.dtype) -> float | None:
+    return None if v is None else float(torch.tensor(v, dtype=dtype))
+
+
+def _bounds(kind: str, lo: float, hi: float | None, dtype: torch.dtype) -> tuple[float, float | None]:
+    """The bounds as stock's backward compares them (measured, in place too): in x's dtype for fp32/fp64,
+    in fp32 for half-precision x (so for bf16 x and ``max_val=0.1`` the bound is 0.1f, not bf16's
+    0.10009765625; an input equal to fp16's 0.0999755859375 passes, a larger one clamped to it does not)."""
+    target = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return _round(lo, target), _round(hi, target)
 
 
 def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor:
+    """The packed pass mask of x, in x's memory order (a dense layout goes to the kernel as its contiguous
+    permuted view; a non-dense one, a slice, as a contiguous copy)."""
     perm = _memory_order(x)
     ctx.perm = perm
-    if perm is not None:
-        x = x.permute(perm)
-    ctx.packed_shape = tuple(x.shape)
-    if torch.compiler.is_compiling():
-        flat = _mask_torch(x, kind, lo, hi).reshape(-1)
-        pad = _bitmask.packed_numel(flat.numel()) * 8 - flat.numel()
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    else:
-        flat, view = _bitmask.new_padded_mask(x.shape, x.device)
-        _write_mask(x, kind, lo, hi, view)
-    return _bitmask.pack(flat)
+    xc = x.permute(perm) if perm is not None else x.contiguous()
+    ctx.packed_shape = tuple(xc.shape)
+    lo, hi = _bounds(kind, lo, hi, x.dtype)
+    return range_mask.choose(xc).pack(xc, _rule(kind), lo, hi)
+
+
+def _select(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
+    """``mask ? grad : +0`` through the kernel family, in the mask's memory order."""
+    perm = ctx.perm
+    g = grad if perm is None else grad.permute(perm)
+    g = range_mask.choose(g).select(g.contiguous(), packed)
+    return g if perm is None else g.permute(_inverse(perm))
+
+
+def _inverse(perm):
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inverse[d] = i
+    return inverse
 
 
 def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
     mask = _bitmask.unpack(packed, ctx.packed_shape)
-    if ctx.perm is not None:
-        inverse = [0] * len(ctx.perm)
-        for i, d in enumerate(ctx.perm):
-            inverse[d] = i
-        mask = mask.permute(inverse)
-    return mask
+    return mask if ctx.perm is None else mask.permute(_inverse(ctx.perm))
 
 
 def _stock(input, kind, lo, hi, value, inplace):
@@ -149,19 +152,20 @@ class RangeMaskFunction(_common.Function):
         if ctx.mode == _OUTPUT and ctx.kind == THRESHOLD:
             dx = torch.ops.aten.threshold_backward(grad, saved, ctx.lo)
             return dx, None, None, None, None, None, None, None
-        if ctx.mode == _OUTPUT:
-            # Not stock's hardtanh_backward: its NaN rule depends on the element's position (module doc).
-            mask = _mask_torch(saved, ctx.kind, ctx.lo, ctx.hi)
-        else:
-            mask = _unpack(saved, ctx)
         if ctx.kind == HARDSIGMOID:
             # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
             zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
             grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
-        if grad.requires_grad:  # double backward: stay differentiable in grad
-            return torch.where(mask, grad, 0), None, None, None, None, None, None, None
-        bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-        return (bits * mask).view(grad.dtype), None, None, None, None, None, None, None
+        if ctx.mode == _OUTPUT or grad.requires_grad:
+            # Output kept (not stock's hardtanh_backward: its NaN rule depends on the element's position,
+            # see the module doc), or double backward (stay differentiable in grad): a torch mask.
+            mask = (range_mask.mask_torch(saved, _rule(ctx.kind), *_bounds(ctx.kind, ctx.lo, ctx.hi, saved.dtype))
+                    if ctx.mode == _OUTPUT else _unpack(saved, ctx))
+            if grad.requires_grad:
+                return torch.where(mask, grad, 0), None, None, None, None, None, None, None
+            bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
+            return (bits * mask).view(grad.dtype), None, None, None, None, None, None, None
+        return _select(grad, saved, ctx), None, None, None, None, None, None, None
 
 
 def _real(v, name: str, fn: str) -> float:
@@ -170,9 +174,12 @@ def _real(v, name: str, fn: str) -> float:
     return float(v)
 
 
-def output_can_stand_in(kind: str, lo: float, value: float | None) -> bool:
-    """Whether stock's backward run on the output gives the input's gradient (see the module doc)."""
-    return kind == HARDTANH or (kind == THRESHOLD and value <= lo)
+def output_can_stand_in(kind: str, lo: float, hi: float | None, value: float | None, dtype: torch.dtype) -> bool:
+    """Whether the pass test on the output gives stock's gradient (see the module doc). For hardtanh that
+    needs bounds exact in x's dtype (else a clamped result, rounded, can land inside them)."""
+    if kind == HARDTANH:
+        return _round(lo, dtype) == lo and _round(hi, dtype) == hi
+    return kind == THRESHOLD and value <= lo
 
 
 def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False, use=None, fn=None):
@@ -182,7 +189,7 @@ def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False
         return _stock(input, kind, lo, hi, value, inplace)
     if inplace and input.is_leaf:
         raise RuntimeError(_LEAF_INPLACE)
-    keep_output = bool(keep_output) and output_can_stand_in(kind, lo, value)
+    keep_output = bool(keep_output) and output_can_stand_in(kind, lo, hi, value, input.dtype)
     return RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use)
 
 
@@ -232,7 +239,7 @@ def module_forward(module, input, kind, lo, hi=None, value=None):
     cell = UseCell()
     out = apply(input, kind, lo, hi, value, module.inplace, keep_output, use=(module, cell),
                 fn=type(module).__name__)
-    if out.requires_grad and output_can_stand_in(kind, lo, value):
+    if out.requires_grad and output_can_stand_in(kind, lo, hi, value, input.dtype):
         mark_producer(out, cell)
     return out
 

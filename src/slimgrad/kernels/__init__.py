@@ -10,7 +10,7 @@ from .registry import choose, format_table, get_preference, preference, register
 
 # The op families (their contracts and torch reference implementations), then the backends' packages,
 # which register their kernels for those families (lazily: nothing heavy is imported here).
-from . import dropout, max_pool, relu_mask  # noqa: E402,F401  isort: skip
+from . import dropout, max_pool, range_mask, relu_mask  # noqa: E402,F401  isort: skip
 from . import cpu, triton  # noqa: E402,F401  isort: skip
 
 __all__ = ["choose", "format_table", "get_preference", "preference", "register", "registry",

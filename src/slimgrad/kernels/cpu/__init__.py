@@ -31,3 +31,6 @@ registry.register("max_pool_positions", registry.NUMBA, devices=("cpu",), dtypes
 registry.register("dropout_bits", registry.NUMBA, devices=("cpu",), dtypes=(torch.float32, torch.float64),
                   priority=_PRIORITY, load=_loader("dropout", "NumbaDropoutBits"),
                   note="fused apply+pack, unpack+grad")
+registry.register("range_mask", registry.NUMBA, devices=("cpu",), dtypes=_ALL, priority=_PRIORITY,
+                  load=_loader("range_mask", "NumbaRangeMask"),
+                  note="one-pass pack (fp32/fp64; fp16/bf16 delegate to torch), select on the integer view")

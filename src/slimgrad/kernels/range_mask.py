@@ -1,0 +1,98 @@
+"""Kernel family ``range_mask``: the 1-bit masks of the clamp-like activations (ReLU6, Hardtanh, Threshold,
+Hardsigmoid; :mod:`slimgrad.functional.clamp`) and the backward that reads them.
+
+Contract (every backend implements exactly this; the torch backend below is the reference the tests
+compare the others with)::
+
+    impl.pack(x, rule, lo, hi) -> packed
+    impl.select(grad, packed) -> grad_input
+
+* ``x``: a **contiguous** floating tensor (the Function hands channels_last and other dense layouts over
+  as their contiguous permuted view), any shape, numel >= 0. Not modified.
+* ``rule``: ``"inside"``: the bit is ``lo < x < hi`` (NaN clear: hardtanh, relu6, hardsigmoid);
+  ``"above"``: the bit is ``not (x <= lo)`` (NaN set: threshold; ``hi`` unused).
+* ``lo``, ``hi``: Python floats, exactly representable in fp32 (or x's dtype when that is fp64), compared
+  with x's values exactly (for fp16/bf16 x the comparison is made in fp32; the caller rounds the bounds
+  the way stock's backward kernel does, see ``slimgrad.functional.clamp._bounds``).
+* ``packed``: ``uint8``, 1-D, ``ceil(numel / 8)`` bytes, bit ``i % 8`` (LSB first) of byte ``i // 8`` for
+  element ``i`` of ``x.reshape(-1)``, unused high bits of the last byte zero (the format of
+  :mod:`slimgrad.functional._bitmask`).
+* ``grad``: contiguous, never requiring grad. ``grad_input``: a new contiguous tensor of grad's shape and
+  dtype, bitwise ``bit ? grad : +0.0`` (so inf/NaN gradients at clear bits give +0, as stock's kernels).
+
+Dtypes: float32, float64, bfloat16, float16 for the torch backend; a fast backend declares what it handles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import registry
+
+__all__ = ["FAMILY", "RULES", "TorchRangeMask", "choose"]
+
+FAMILY = "range_mask"
+RULES = ("inside", "above")
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_NUMPY_DTYPES = (torch.float32, torch.float64)  # not fp16: numpy would round an fp32 bound to fp16
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def mask_torch(x: torch.Tensor, rule: str, lo: float, hi: float) -> torch.Tensor:
+    """The bool mask of ``rule`` with torch ops (also what the Functions use under torch.compile)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()  # exact values; the bounds are fp32 numbers
+    if rule == "above":
+        return ~(x <= lo)
+    return (x > lo) & (x < hi)
+
+
+class TorchRangeMask:
+    """The reference: numpy comparisons into a padded buffer and ``packbits`` on CPU in eager mode, torch
+    comparisons elsewhere; backward multiplies the gradient's bits by the 0/1 mask (``where(mask, grad,
+    +0)`` bit for bit, faster than ``torch.where`` on CPU)."""
+
+    name = "torch"
+
+    @staticmethod
+    def pack(x: torch.Tensor, rule: str, lo: float, hi: float) -> torch.Tensor:
+        from slimgrad.functional import _bitmask
+
+        if torch.compiler.is_compiling():
+            flat = mask_torch(x, rule, lo, hi).reshape(-1)
+            pad = _bitmask.packed_numel(flat.numel()) * 8 - flat.numel()
+            return _bitmask.pack(torch.cat([flat, flat.new_zeros(pad)]))
+        flat, view = _bitmask.new_padded_mask(x.shape, x.device)
+        if x.dtype in _NUMPY_DTYPES and _bitmask.use_numpy(x):
+            a, o = x.detach().numpy(), view.numpy()
+            if rule == "above":
+                np.less_equal(a, lo, out=o)
+                np.logical_not(o, out=o)
+            else:
+                np.greater(a, lo, out=o)
+                o &= np.less(a, hi)
+        else:
+            view.copy_(mask_torch(x, rule, lo, hi))
+        return _bitmask.pack(flat)
+
+    @staticmethod
+    def select(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        from slimgrad.functional import _bitmask
+
+        mask = _bitmask.unpack(packed, grad.shape)
+        bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
+        return (bits * mask).view(grad.dtype)
+
+
+TORCH_IMPL = TorchRangeMask()
+
+registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda", "meta"), dtypes=_FLOATS,
+                  load=lambda: TORCH_IMPL, priority=0, note="numpy compare + packbits (reference)")
+
+
+def choose(x: torch.Tensor):
+    """The implementation for ``x`` (the torch reference while compiling: fast backends are eager-only)."""
+    if torch.compiler.is_compiling():
+        return TORCH_IMPL
+    return registry.choose(FAMILY, x) or TORCH_IMPL
