@@ -78,9 +78,30 @@ def test_minimum_total_counts_a_shared_input_once():
     x = torch.randn(5, 8)
     report = audit(QKV(), x, case="all", measure_peak=False)
     rows = {r.path: r for r in report.rows}
-    assert rows["q"].min_bytes == rows["k"].min_bytes == 5 * 8 * 4  # each layer alone needs x
-    # the model needs x once, plus what the container's own mul keeps (k(x) and v(x)), like stock
+    # x belongs to the first layer that needs it, in every column; k and v need nothing more
+    assert rows["q"].min_bytes == rows["q"].stock == 5 * 8 * 4
+    assert rows["k"].min_bytes == rows["v"].min_bytes == 0
+    # the container's own mul keeps k(x) and v(x): no rule there, so the minimum is what is kept
+    assert not rows[""].rule and rows[""].min_bytes == rows[""].stock == 2 * 5 * 8 * 4
     assert report.min_total == 5 * 8 * 4 + 2 * 5 * 8 * 4 == report.stock_total
+
+
+def test_a_relu_mask_is_free_when_the_next_layer_keeps_the_output():
+    """The issue's first example: the minimum used to count a mask per ReLU on top of the conv inputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1))
+    x = torch.randn(2, 3, 8, 8)
+    report = audit(model, x, case="all", measure_peak=False)
+    rows = {r.path: r for r in report.rows}
+    act = 2 * 4 * 8 * 8 * 4
+    # each conv needs its input; the ReLUs' masks are y > 0 of those kept inputs
+    assert [rows[p].min_bytes for p in "01234"] == [2 * 3 * 8 * 8 * 4, 0, act, 0, act]
+    assert report.min_total == 2 * 3 * 8 * 8 * 4 + 2 * act <= report.slim_total <= report.stock_total
+    frozen = audit(model, x, case="input", measure_peak=False)
+    rows = {r.path: r for r in frozen.rows}
+    assert rows["1"].min_bytes == rows["3"].min_bytes == 2 * 4 * 8 * 8 // 8  # nothing keeps x or y: one bit
+    assert rows["0"].min_bytes == rows["2"].min_bytes == 0
 
 
 def test_hidden_ctx_attribute_tensors_are_counted():

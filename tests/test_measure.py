@@ -71,3 +71,16 @@ def test_wrapper_subclasses_count_their_inner_storages():
         counter._pack(weight)
     # 4 bits per element plus the block scales: more than the packed bytes, far less than bf16
     assert 512 * 512 // 2 <= counter.bytes < 512 * 512 * 2 // 3
+
+
+def test_saved_bytes_of_a_result_says_how_to_call_it():
+    import pytest
+
+    lin = nn.Linear(4, 3)
+    x = torch.randn(5, 4, requires_grad=True)
+    with pytest.raises(TypeError, match=r"saved_bytes\(model, x\)"):
+        saved_bytes(lin(x))
+    # a lambda hides the module: its weight (saved as a transposed view, not a Parameter) counts unless excluded
+    assert saved_bytes(lambda: lin(x)) == 5 * 4 * 4 + 3 * 4 * 4
+    assert saved_bytes(lambda: lin(x), exclude=[lin]) == 5 * 4 * 4
+    assert saved_bytes(lin, input=x) == 5 * 4 * 4  # keyword inputs pass through

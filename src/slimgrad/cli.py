@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import os
 import sys
 import time
 
@@ -69,17 +70,41 @@ class _Progress:
 
 
 _HF_CONFIGS = {
+    # name: (config class, model class, config kwargs, pass labels=input_ids)
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                                                       num_attention_heads=4, num_key_value_heads=4,
-                                                      vocab_size=4096)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=256, n_layer=2, n_head=4, vocab_size=4096)),
+                                                      vocab_size=4096), True),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=256, n_layer=2, n_head=4, vocab_size=4096), True),
     "bert": ("BertConfig", "BertModel", dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                             intermediate_size=1024, vocab_size=4096)),
+                                             intermediate_size=1024, vocab_size=4096), False),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(d_model=256, d_ff=1024, num_layers=2, num_heads=4,
+                                                          d_kv=64, vocab_size=4096, decoder_start_token_id=0), True),
 }
 
 
+def _factory_inputs(built) -> tuple:
+    """(model, args, kwargs) from what a --factory returned: (model, x), (model, (x, ...)), (model, {name: x})
+    or (model, (x, ...), {name: x})."""
+    usage = ("--factory must return (model, input), (model, (inputs, ...)), (model, {'name': input}) or "
+             "(model, (inputs, ...), {'name': input})")
+    if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
+        raise UserError(f"{usage}; got {type(built).__name__}")
+    model, inputs, *rest = built
+    if rest:
+        if not isinstance(inputs, (tuple, list)) or not isinstance(rest[0], dict):
+            raise UserError(usage)
+        return model, tuple(inputs), dict(rest[0])
+    if isinstance(inputs, dict):
+        return model, (), dict(inputs)
+    return model, (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+
+
+def _cast(value, dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
 def _build_audit_target(args):
-    """(model, example inputs) for the audit, from --model, --hf or --factory."""
+    """(model, args, kwargs) for the audit, from --model, --hf or --factory."""
     dtype = getattr(torch, args.dtype)
     if args.factory:
         module_name, _, attr = args.factory.partition(":")
@@ -87,43 +112,77 @@ def _build_audit_target(args):
             raise UserError(f"--factory must look like 'package.module:function', got {args.factory!r}")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"--factory {args.factory!r}: {e}") from None
+        except Exception as e:  # ImportError, AttributeError, or the module failing on import
+            raise UserError(f"--factory {args.factory!r}: {type(e).__name__}: {e}") from None
+        if not callable(factory):
+            raise UserError(f"--factory {args.factory!r} is a {type(factory).__name__}, not a function")
         try:
             built = factory()
         except Exception as e:  # a user's factory can fail in any way: report it in one line
             raise UserError(f"--factory {args.factory!r} raised {type(e).__name__}: {e}") from None
-        if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
-            raise UserError("--factory must return (model, example_input) or (model, (inputs, ...))")
-        model, inputs = built
-        return model.to(dtype), (inputs if isinstance(inputs, tuple) else (inputs,))
+        model, inputs, kwargs = _factory_inputs(built)
+        if args.dtype != "float32":
+            model = model.to(dtype)
+            inputs = tuple(_cast(a, dtype) for a in inputs)
+            kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        return model, inputs, kwargs
     if args.hf:
         try:
             import transformers
         except ImportError:
             raise UserError("--hf needs transformers: pip install transformers (with -c constraints.txt)") from None
-        config_name, model_name, kwargs = _HF_CONFIGS[args.hf]
-        config = getattr(transformers, config_name)(**kwargs)
+        config_name, model_name, config_kwargs, labels = _HF_CONFIGS[args.hf]
+        config = getattr(transformers, config_name)(**config_kwargs)
         model = getattr(transformers, model_name)(config).to(dtype)
         ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len))
-        return model, (ids,)
+        return model, (), {"input_ids": ids, **({"labels": ids} if labels else {})}
     model = build_model(args.model, num_classes=10).to(dtype)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, dtype=dtype)
-    return model, (x,)
+    return model, (x,), {}
+
+
+def _writable(option: str, path: str | None) -> None:
+    """Fail before the (long) audit when an output file cannot be written."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UserError(f"{option} {path!r}: directory {directory!r} does not exist")
+    if os.path.isdir(path):
+        raise UserError(f"{option} {path!r} is a directory; give a file name")
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"{option} {path!r}: directory {directory!r} is not writable")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def audit_command(args) -> int:
     from .audit import audit
 
+    _writable("--json", args.json)
+    _writable("--plot", args.plot)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'slimgrad[plot]'") from None
     progress = _Progress(3, args.quiet)
     progress.step("building the model")
-    model, inputs = _build_audit_target(args)
+    model, inputs, kwargs = _build_audit_target(args)
     progress.step(f"running stock and slimgrad forward+backward (case: {args.case})")
     try:
-        report = audit(model, *inputs, case=args.case)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"the model could not run on the example input: {first}") from None
+        report = audit(model, *inputs, case=args.case, **kwargs)
+    except (ValueError, TypeError, ImportError) as e:  # slimgrad's own argument errors: already one line
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(message.removeprefix("audit: ")) from None
+    except Exception as e:  # the user's model failing on the user's input, in any way
+        if os.environ.get("SLIMGRAD_TRACEBACK"):
+            raise
+        raise UserError(f"the model could not run on the example input: {_first_line(e)} "
+                        f"(SLIMGRAD_TRACEBACK=1 shows the traceback)") from None
     progress.step("done")
     print(report.table())
     if args.json:
@@ -143,8 +202,15 @@ def kernels_command(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line ends in one line on stderr (exit code 2), like every other error."""
+
+    def error(self, message):
+        self.exit(2, f"slimgrad: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slimgrad", description=__doc__)
+    parser = _Parser(prog="python -m slimgrad", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="convert an in-repo CNN and compare bytes kept for backward per case")
     p.add_argument("--model", default="resnet18", choices=sorted(MODELS))
@@ -157,7 +223,8 @@ def main(argv=None) -> int:
     src = a.add_mutually_exclusive_group()
     src.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="an in-repo CNN")
     src.add_argument("--hf", choices=sorted(_HF_CONFIGS), help="a small Hugging Face model built from a config")
-    src.add_argument("--factory", help="'module:function' returning (model, example_input)")
+    src.add_argument("--factory", help="'module:function' returning (model, input), (model, (inputs, ...)), "
+                                       "(model, {'name': input}) or (model, (inputs, ...), {'name': input})")
     a.add_argument("--case", default="all", choices=AUDIT_CASES)
     a.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     a.add_argument("--batch-size", type=int, default=8)
@@ -172,8 +239,8 @@ def main(argv=None) -> int:
     k.set_defaults(run=kernels_command, batch_size=1)
 
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or getattr(args, "image_size", 32) < 32:
-        parser.error("--batch-size must be >= 1 and --image-size >= 32")
+    if args.batch_size < 1 or getattr(args, "image_size", 32) < 32 or getattr(args, "seq_len", 1) < 1:
+        parser.error("--batch-size and --seq-len must be >= 1 and --image-size >= 32")
     try:
         return args.run(args)
     except UserError as e:

@@ -21,7 +21,7 @@ from torch import nn
 from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
 from .integrations import load_available
 
-__all__ = ["ConversionReport", "convert", "revert"]
+__all__ = ["ConversionReport", "convert", "qualified_name", "revert"]
 
 log = logging.getLogger("slimgrad")
 
@@ -38,18 +38,44 @@ class Skipped:
     reason: str
 
 
+def qualified_name(kind: type) -> str:
+    """``Conv2d`` for torch.nn's own classes, ``module.Class`` for everyone else's: peft's ``lora.Linear``
+    reads ``peft.tuners.lora.layer.Linear``, not a bare ``Linear``."""
+    if kind.__module__.startswith("torch.nn.") or kind.__module__.startswith("slimgrad.nn."):
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+#: containers whose forward only calls their children: nothing of their own runs as stock
+_PURE_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 @dataclasses.dataclass
 class ConversionReport:
-    """What ``convert`` did: the converted module paths and the modules it left alone with reasons."""
+    """What ``convert`` did: the converted modules, the modules of known families it left alone (with
+    reasons), and, by count, the module types it has no replacement for (they run as stock)."""
 
     converted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    #: qualified type name -> count, converted modules
+    converted_types: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: qualified type name -> count, modules of types slimgrad has no replacement for (pure containers left out)
+    unknown: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"slimgrad: converted {len(self.converted)} module(s), left {len(self.skipped)} alone"]
+        lines = [f"slimgrad: converted {len(self.converted)} module(s), left {len(self.skipped)} alone, "
+                 f"{sum(self.unknown.values())} of types it does not know"]
+        if self.converted_types:
+            lines.append("  converted: " + _by_count(self.converted_types))
         for s in self.skipped:
-            lines.append(f"  {s.path or '<root>'} ({s.type_name}): {s.reason}")
+            lines.append(f"  left alone: {s.path or '<root>'} ({s.type_name}): {s.reason}")
+        if self.unknown:
+            lines.append("  not known (run as stock): " + _by_count(self.unknown))
         return "\n".join(lines)
+
+
+def _by_count(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 class _Selector:
@@ -174,6 +200,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         kind = type(module)
         if kind in ORIGINALS:  # already converted (shared module seen twice, or converting twice)
             continue
+        name = qualified_name(kind)
         if (not included.empty and not included.selects(path, module)) or excluded.selects(path, module):
             continue
         replacement = REPLACEMENTS.get(kind)
@@ -182,20 +209,25 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         if replacement is None:
             reason = _why_not_exact(module)
             if reason is not None:
-                result.skipped.append(Skipped(path, kind.__name__, reason))
+                result.skipped.append(Skipped(path, name, reason))
+            elif kind not in _PURE_CONTAINERS:
+                result.unknown[name] = result.unknown.get(name, 0) + 1
             continue
         reason_fn = getattr(replacement, "unsupported_reason", None)
         reason = reason_fn(module) if reason_fn is not None else None
         if reason is not None:
-            result.skipped.append(Skipped(path, kind.__name__, reason))
+            result.skipped.append(Skipped(path, name, reason))
             continue
         module.__class__ = replacement
         if dropout is not None:
             module._slimgrad_dropout_policy = dropout  # read by the dropout and LoRA forwards
         result.converted.append((path, kind.__name__))
+        result.converted_types[name] = result.converted_types.get(name, 0) + 1
 
-    if result.skipped:
+    if result.skipped and not report:  # with report=True the caller has the report: no warning on top
         log.warning("%s", result)
+    elif result.skipped:
+        log.info("%s", result)
     else:
         log.info("slimgrad: converted %d module(s)", len(result.converted))
     return (target, result) if report else target

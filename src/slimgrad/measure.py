@@ -96,8 +96,16 @@ class SavedTensors:
 def saved_bytes(fn: Callable, *args, exclude: Iterable = (), **kwargs) -> int:
     """Bytes that autograd keeps for backward when calling ``fn(*args, **kwargs)``.
 
+    The count happens while ``fn`` runs, so pass the callable and its inputs, not a result:
+    ``saved_bytes(model, x)``, ``saved_bytes(model, input_ids=ids)`` or ``saved_bytes(lambda: model(x))``.
+    ``saved_bytes(model(x))`` raises a TypeError saying so: by the time it is called the forward is over.
     When ``fn`` is a module, its parameters and buffers are excluded. The result of ``fn`` is dropped.
     """
+    if not callable(fn):
+        got = type(fn).__name__
+        raise TypeError(f"saved_bytes: 'fn' must be the callable to run (a module or a function), got a {got}: "
+                        f"saved_bytes counts while the forward runs, so call saved_bytes(model, x) or "
+                        f"saved_bytes(lambda: model(x)), not saved_bytes(model(x))")
     extra = [fn] if isinstance(fn, nn.Module) else []
     with SavedTensors(exclude=list(exclude) + extra) as counter:
         fn(*args, **kwargs)
