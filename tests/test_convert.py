@@ -97,8 +97,10 @@ def test_subclasses_and_parametrized_modules_are_left_alone_and_reported(caplog)
 
     model = nn.Sequential(MyConv(3, 3, 1), nn.Conv2d(3, 3, 1))
     parametrize.register_parametrization(model[1], "weight", Positive())
-    with caplog.at_level(logging.WARNING, logger="slimgrad"):
+    with caplog.at_level(logging.INFO, logger="slimgrad"):
         slim, report = slimgrad.convert(model, report=True)
+    # the caller asked for the report: the skipped modules are logged at info, not warned about
+    assert caplog.records and all(r.levelno == logging.INFO for r in caplog.records)
     assert type(slim[0]) is MyConv
     assert type(slim[1]) is type(model[1])  # the Parametrized class, untouched
     reasons = {s.path: s.reason for s in report.skipped}
@@ -106,6 +108,10 @@ def test_subclasses_and_parametrized_modules_are_left_alone_and_reported(caplog)
     assert "MyConv" in caplog.text and "parametriz" in caplog.text
     x = torch.randn(1, 3, 4, 4)
     assert torch.equal(slim(x), model(x))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slimgrad"):
+        slimgrad.convert(model)  # without report=True, the warning is the only way to learn of them
+    assert any(r.levelno == logging.WARNING and "MyConv" in r.getMessage() for r in caplog.records)
 
 
 def test_include_exclude_patterns_and_types():
