@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import slimgrad
-from slimgrad.audit import AuditReport, audit
+from slimgrad.audit import AuditReport, audit, prepare
 from slimgrad.measure import SavedTensors
 
 
@@ -197,9 +197,13 @@ def test_lora_case_freezes_the_base_and_trains_adapters():
     pytest.importorskip("peft")
     model = tiny()
     report = audit(model, torch.randn(2, 3, 8, 8), case="lora", measure_peak=False)
-    params = {r.path: r.params for r in report.rows}
-    assert any("lora_A" in p and v == "trainable" for p, v in params.items())
-    assert any(p.endswith("base_layer") and v == "frozen" for p, v in params.items())
+    lora = [r for r in report.rows if r.type_name.startswith("peft.tuners.lora.layer.")]
+    # one row per LoRA layer (base and adapters together): frozen base + trainable adapters = mixed
+    assert {r.type_name.rsplit(".", 1)[1] for r in lora} == {"Conv2d", "Linear"}
+    assert all(r.params == "mixed" and r.rule for r in lora)
+    assert not [r for r in report.rows if "lora_A" in r.path or r.path.endswith("base_layer")]
+    stock, _, _ = prepare(model, "lora")
+    assert all(p.requires_grad == ("lora_" in n) for n, p in stock.named_parameters())
     with pytest.raises(ValueError, match="unknown case 'nope'"):
         audit(model, torch.randn(2, 3, 8, 8), case="nope")
 
@@ -215,7 +219,255 @@ def test_cli_errors_are_one_line(tmp_path):
     )
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     _one_line_error(_cli("audit", "--factory", "user_models:wrong_shape", env=env), "could not run")
-    bad_model = _cli("audit", "--model", "nope")
-    assert bad_model.returncode == 2 and "invalid choice" in bad_model.stderr
-    bad_size = _cli("audit", "--batch-size", "0")
-    assert bad_size.returncode == 2 and "--batch-size" in bad_size.stderr
+    _one_line_error(_cli("audit", "--model", "nope"), "invalid choice")
+    _one_line_error(_cli("audit", "--batch-size", "0"), "--batch-size")
+
+
+# -- models as users bring them: outputs, keyword inputs, losses -------------------------------------------
+
+
+class _Outputs(nn.Module):
+    """A model whose output container is chosen by the test: dict, tuple, dataclass; keyword inputs."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, *, scale=1.0, mask=None):
+        h = self.a(x) * scale
+        if mask is not None:
+            h = h * mask
+        y = self.b(h)
+        if self.kind == "dict":
+            return {"hidden": h, "logits": y, "count": torch.tensor(3)}
+        if self.kind == "tuple":
+            return h, (y, None)
+        if self.kind == "dataclass":
+            return _Out(y, h)
+        return y
+
+
+@__import__("dataclasses").dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple", "dataclass", "tensor"])
+def test_any_output_container_and_keyword_inputs(kind):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    mask = torch.ones(3, 4)
+    report = audit(_Outputs(kind), x, case="all", measure_peak=False, scale=2.0, mask=mask)
+    rows = {r.path: r for r in report.rows}
+    assert rows["a"].stock == rows["a"].min_bytes == 3 * 4 * 4  # a's input
+    assert rows["b"].min_bytes == 3 * 4 * 4  # b's input, h * mask
+    # mul by the mask keeps the mask... a keyword input, counted where the container keeps it
+    assert report.stock_total == independent_count_kw(_Outputs(kind), x, scale=2.0, mask=mask)
+
+
+def independent_count_kw(model, *args, **kwargs):
+    from slimgrad.audit import default_loss
+
+    with SavedTensors(exclude=[model]) as counter:
+        out = model(*args, **kwargs)
+    default_loss(out).backward()
+    return counter.bytes
+
+
+def test_default_loss_prefers_loss_and_sums_every_output_tensor():
+    from slimgrad.audit import default_loss
+
+    a = torch.ones(2, 3, requires_grad=True)
+    b = torch.full((4,), 2.0, requires_grad=True)
+    assert default_loss({"loss": (a * 5).sum(), "logits": a}).item() == 30
+    assert default_loss({"hidden": a, "pooled": b, "ids": torch.arange(3)}).item() == 6 + 8
+    assert default_loss((a, [b, None])).item() == 14
+    assert default_loss(_Out(a, b)).item() == 14
+    with pytest.raises(ValueError, match="requires grad"):
+        default_loss({"ids": torch.arange(3), "frozen": torch.ones(2)})
+
+
+def test_loss_fn_and_bad_arguments():
+    model = tiny()
+    x = torch.randn(2, 3, 8, 8)
+    first_only = audit(model, x, case="all", measure_peak=False, loss_fn=lambda out: out[:, 0].sum())
+    assert first_only.stock_total == audit(model, x, case="all", measure_peak=False).stock_total
+    with pytest.raises(TypeError, match="'loss_fn' must be a callable"):
+        audit(model, x, loss_fn=3)
+    with pytest.raises(ValueError, match="one-element tensor"):
+        audit(model, x, case="all", loss_fn=lambda out: out)
+    with pytest.raises(ValueError, match="give the model's inputs"):
+        audit(model)
+    with pytest.raises(TypeError, match="'model' must be a torch.nn.Module"):
+        audit(lambda x: x, x)
+
+
+def test_hugging_face_model_outputs_and_keyword_inputs():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=50, max_position_embeddings=16)
+    torch.manual_seed(0)
+    bert = transformers.BertModel(cfg)
+    ids = torch.randint(0, 50, (2, 6))
+    positional = audit(bert, ids, case="all", measure_peak=False)  # BaseModelOutputWithPooling...: no .loss
+    keyword = audit(bert, input_ids=ids, attention_mask=torch.ones_like(ids), case="all", measure_peak=False)
+    assert positional.stock_total > 0 and keyword.stock_total >= positional.stock_total
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        audit(bert, ids, case="input")  # token ids cannot need a gradient: say what to pass instead
+    embeds = audit(bert, inputs_embeds=torch.randn(2, 6, 32), case="input", measure_peak=False)
+    assert 0 < embeds.min_total <= embeds.slim_total <= embeds.stock_total
+
+
+def test_llama_norm_case_and_the_lora_minimum_in_bf16():
+    """The issue's failures: 'norm' on a Llama found no norm; T5 bf16 + LoRA had minimum > slimgrad."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=50)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 6))
+    norm = audit(transformers.LlamaForCausalLM(cfg), input_ids=ids, labels=ids, case="norm", measure_peak=False)
+    norms = [r for r in norm.rows if r.type_name.endswith("LlamaRMSNorm")]
+    assert norms and all(r.params == "trainable" and r.rule for r in norms)
+    cfg = transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=50,
+                                decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(cfg).to(torch.bfloat16)
+    report = audit(t5, input_ids=ids, labels=ids, case="lora", measure_peak=False)
+    lora = [r for r in report.rows if r.type_name == "peft.tuners.lora.layer.Linear"]
+    assert lora and all(r.min_bytes <= r.slim <= r.stock for r in lora)
+    # every LoRA layer's bytes are on its own row (none left on lora_A / lora_B rows)
+    assert not [r for r in report.rows if ".lora_" in r.path and (r.stock or r.slim or r.min_bytes)]
+    assert report.min_total <= report.slim_total <= report.stock_total
+
+
+# -- the table ----------------------------------------------------------------------------------------------
+
+
+def test_table_shows_whole_paths_wrapping_long_ones():
+    def nest(depth):
+        return nn.Linear(4, 4) if depth == 0 else nn.Sequential(nest(depth - 1))
+
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a_rather_long_module_name = nest(12)
+
+        def forward(self, x):
+            return self.a_rather_long_module_name(x)
+
+    deep = nn.Sequential(Named(), nn.ReLU(), nn.Linear(4, 4))
+    report = audit(deep, torch.randn(2, 4), case="all", measure_peak=False)
+    text = report.table(path_width=30)
+    long_path = "0.a_rather_long_module_name" + ".0" * 12
+    assert long_path in text.splitlines()  # on a line of its own: whole, never cut
+    assert "2  " in text and "Linear" in text
+    short = report.table()
+    assert any(line.startswith(long_path + " ") for line in short.splitlines())
+
+
+def test_table_prints_a_shared_prefix_once():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    report = audit(model, torch.randn(2, 4), case="all", measure_peak=False)
+    lines = report.table().splitlines()
+    assert "module paths below start with '0.'" in lines
+    assert any(line.startswith("0  ") or line.startswith("0 ") for line in lines)
+    assert any(line.startswith("2 ") for line in lines)
+
+
+# -- conversion report coverage --------------------------------------------------------------------------------
+
+
+def test_conversion_report_lists_unknown_types_by_count_with_qualified_names(caplog):
+    import logging
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ELU(), nn.Conv2d(4, 4, 3), nn.ELU(), nn.Softplus(),
+                          nn.Sequential(nn.Linear(4, 4)))
+    with caplog.at_level(logging.INFO, logger="slimgrad"):
+        _, rep = slimgrad.convert(model, report=True)
+    assert rep.unknown == {"ELU": 2, "Softplus": 1}  # pure containers (Sequential) are not listed
+    assert rep.converted_types == {"Conv2d": 2}
+    assert rep.stock_minimal == {"Linear": 1}
+    assert "not known (run as stock): ELU ×2, Softplus ×1" in str(rep)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(nn.Sequential(nn.Linear(4, 4)), peft.LoraConfig(r=2, target_modules=["0"]))
+    _, rep = slimgrad.convert(lora, report=True)
+    assert rep.converted_types.get("peft.tuners.lora.layer.Linear") == 1
+    assert "peft.tuners.lora.layer.Linear ×1" in str(rep)
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+def test_cli_factory_with_keyword_inputs(tmp_path):
+    (tmp_path / "kw_models.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x, *, scale):\n"
+        "        return self.lin(x) * scale\n"
+        "def build():\n"
+        "    return M(), {'x': torch.randn(2, 4), 'scale': torch.tensor(2.0)}\n"
+        "def build_both():\n"
+        "    return M(), (torch.randn(2, 4),), {'scale': 3.0}\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    for name in ("build", "build_both"):
+        result = _cli("audit", "--factory", f"kw_models:{name}", "--quiet", env=env)
+        assert result.returncode == 0, result.stderr
+        assert "lin" in result.stdout and "total" in result.stdout
+
+
+def test_cli_bad_inputs_end_in_one_line_with_code_2(tmp_path):
+    (tmp_path / "bad_models.py").write_text(
+        "import torch\n"
+        "def nothing():\n"
+        "    return None\n"
+        "def not_a_model():\n"
+        "    return 'model', torch.randn(2)\n"
+        "def crashes_in_forward():\n"
+        "    class M(torch.nn.Module):\n"
+        "        def forward(self, x):\n"
+        "            raise KeyError('oops')\n"
+        "    return M(), torch.randn(2)\n"
+        "def int_input():\n"
+        "    return torch.nn.Embedding(5, 3), torch.tensor([1, 2])\n"
+        "def no_norm():\n"
+        "    return torch.nn.Linear(3, 3), torch.randn(2, 3)\n"
+        "VALUE = 3\n"
+    )
+    (tmp_path / "broken_module.py").write_text("raise RuntimeError('cannot import me')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    _one_line_error(_cli("audit", "--factory", "bad_models:nothing", env=env), "--factory must return")
+    _one_line_error(_cli("audit", "--factory", "bad_models:not_a_model", env=env), "--factory must return")
+    _one_line_error(_cli("audit", "--factory", "bad_models:crashes_in_forward", env=env), "KeyError")
+    _one_line_error(_cli("audit", "--factory", "bad_models:int_input", "--case", "input", env=env),
+                    "floating-point input")
+    _one_line_error(_cli("audit", "--factory", "bad_models:no_norm", "--case", "norm", env=env),
+                    "no normalisation layer")
+    _one_line_error(_cli("audit", "--factory", "bad_models:VALUE", env=env), "not a function")
+    _one_line_error(_cli("audit", "--factory", "bad_models:missing", env=env), "AttributeError")
+    _one_line_error(_cli("audit", "--factory", "broken_module:x", env=env), "cannot import me")
+    _one_line_error(_cli("audit", "--json", str(tmp_path / "no" / "dir.json")), "does not exist")
+    _one_line_error(_cli("audit", "--plot", str(tmp_path)), "is a directory")
+    _one_line_error(_cli("audit", "--seq-len", "0"), "--seq-len")
+    _one_line_error(_cli("audit", "--case", "nope"), "invalid choice")
+    _one_line_error(_cli("audit", "--hf", "nope"), "invalid choice")
+    _one_line_error(_cli("audit", "--dtype", "int8"), "invalid choice")
+    _one_line_error(_cli("audit", "--model", "resnet18", "--hf", "bert"), "not allowed with")
+    _one_line_error(_cli("audit", "--batch-size", "x"), "invalid int value")
+    _one_line_error(_cli("nope"), "invalid choice")
+
+
+@pytest.mark.slow
+def test_cli_hugging_face_models_run(tmp_path):
+    pytest.importorskip("transformers")
+    for name in ("bert", "t5"):
+        result = _cli("audit", "--hf", name, "--batch-size", "1", "--seq-len", "8", "--quiet",
+                      "--plot", str(tmp_path / f"{name}.png"))
+        assert result.returncode == 0, result.stderr
+        assert "total" in result.stdout and (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

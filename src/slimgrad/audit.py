@@ -37,7 +37,8 @@ from .minimum import Need, minimum_needs, rule_for
 __all__ = ["AUDIT_CASES", "AuditReport", "ModuleRow", "audit", "default_loss", "prepare"]
 
 #: the training cases the audit knows: MemSave's, plus "lora" (peft LoRA adapters, rank 8, on every linear
-#: layer of a Hugging Face model, or on every Linear/Conv2d of another model; everything else frozen)
+#: layer of a Hugging Face model, or on every Linear and ungrouped Conv2d of another model; everything else
+#: frozen)
 AUDIT_CASES = (*CASES, "lora")
 
 
@@ -49,9 +50,10 @@ def _with_lora(model: nn.Module) -> nn.Module:
     if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
         targets = "all-linear"  # a transformers model: every linear layer but the output head
     else:
-        targets = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+        targets = [name for name, m in model.named_modules()  # peft's conv LoRA needs groups == 1
+                   if type(m) is nn.Linear or (type(m) is nn.Conv2d and m.groups == 1)]
         if not targets:
-            raise ValueError("audit: case 'lora' found no nn.Linear or nn.Conv2d to put adapters on")
+            raise ValueError("audit: case 'lora' found no nn.Linear or (ungrouped) nn.Conv2d to put adapters on")
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
 
 

@@ -48,6 +48,12 @@ def qualified_name(kind: type) -> str:
 
 #: containers whose forward only calls their children: nothing of their own runs as stock
 _PURE_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+#: types slimgrad leaves alone because stock already keeps only what their gradients read (see
+#: slimgrad.minimum's rules): reported as such, not as unknown
+_STOCK_IS_MINIMAL = (nn.Linear, nn.Embedding, nn.Identity, nn.Flatten, nn.Unflatten, nn.SiLU, nn.GELU, nn.Mish,
+                     nn.Hardswish, nn.Tanh, nn.Sigmoid, nn.Softmax)
+_STOCK_IS_MINIMAL_NAMES = ("transformers.activations.SiLUActivation", "transformers.pytorch_utils.Conv1D",
+                           "peft.tuners.lora.layer.Embedding")
 
 
 @dataclasses.dataclass
@@ -61,6 +67,8 @@ class ConversionReport:
     converted_types: dict[str, int] = dataclasses.field(default_factory=dict)
     #: qualified type name -> count, modules of types slimgrad has no replacement for (pure containers left out)
     unknown: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: qualified type name -> count, modules left as stock because stock already keeps the minimum (Linear)
+    stock_minimal: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"slimgrad: converted {len(self.converted)} module(s), left {len(self.skipped)} alone, "
@@ -69,6 +77,8 @@ class ConversionReport:
             lines.append("  converted: " + _by_count(self.converted_types))
         for s in self.skipped:
             lines.append(f"  left alone: {s.path or '<root>'} ({s.type_name}): {s.reason}")
+        if self.stock_minimal:
+            lines.append("  left as stock, already minimal: " + _by_count(self.stock_minimal))
         if self.unknown:
             lines.append("  not known (run as stock): " + _by_count(self.unknown))
         return "\n".join(lines)
@@ -210,6 +220,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             reason = _why_not_exact(module)
             if reason is not None:
                 result.skipped.append(Skipped(path, name, reason))
+            elif kind in _STOCK_IS_MINIMAL or name in _STOCK_IS_MINIMAL_NAMES:
+                result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
             elif kind not in _PURE_CONTAINERS:
                 result.unknown[name] = result.unknown.get(name, 0) + 1
             continue

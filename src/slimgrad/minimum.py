@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._registry import ORIGINALS
+from ._registry import ORIGINALS, REPLACEMENTS
 
 __all__ = ["Need", "minimum_bytes", "minimum_needs", "rule_for"]
 
@@ -112,8 +112,10 @@ def _affine_norm(x, x_grad, w_grad, b_grad, groups_stats: int, xhat_itemsize: in
 
 
 def _layer_norm(m, x, y, x_grad):
-    dims = len(m.normalized_shape)
-    return _affine_norm(x, x_grad, _needs(m.weight), _needs(m.bias), _rows(x, dims), x.element_size())
+    """Also the channels-first LayerNorms (ConvNeXt's and the LayerNorm2d copies): statistics per position,
+    over the normalized shape wherever it sits in the input."""
+    groups = x.numel() // max(1, math.prod(m.normalized_shape))
+    return _affine_norm(x, x_grad, _needs(m.weight), _needs(m.bias), groups, x.element_size())
 
 
 def _group_norm(m, x, y, x_grad):
@@ -161,8 +163,9 @@ def _hf_rms_norm(m, x, y, x_grad):
 
 
 def _mask(m, x, y, x_grad):
-    """ReLU, LeakyReLU, ReLU6, Hardtanh: dX = dY·[x in the linear range], one bit per element, which is an
-    element-wise function of x and of y (so free when either is kept)."""
+    """ReLU, LeakyReLU, ReLU6, Hardtanh, Threshold, Hardsigmoid: dX = dY·[x in the linear range] (times a
+    constant slope), one bit per element, an element-wise function of x (and of y: free when either is
+    kept)."""
     if not x_grad:
         return []
     return [Need("mask", math.ceil(x.numel() / 8), derive=((x,), (y,)) if y is not None else ((x,),))]
@@ -208,25 +211,32 @@ def _quantized_linear(m, x, y, x_grad):
 
 @dataclasses.dataclass
 class _LinearLike:
-    """What one projection of a composite (Linear, Conv1D, LoRA over either, quantized base) needs."""
+    """What one projection of a composite (Linear, Conv1D, a convolution, LoRA over any of them, a quantized
+    base) needs."""
 
     trainable: bool  # any parameter of it trains (so gradients flow back through its input's producer)
     input_need: Callable[[torch.Tensor], Need | None]  # what its dW / adapters' dA read of its input
-    internal: Callable[[torch.Tensor, bool], list[Need]]  # (input, input needs grad) -> its own internals
+    internal: Callable[[int, bool], list[Need]]  # (output positions, input needs grad) -> its own internals
+    out_features: int
 
 
 def _out_features(m: nn.Module) -> int:
     m = getattr(m, "base_layer", m)
-    return getattr(m, "out_features", None) or m.weight.shape[-1]  # Conv1D keeps W as [in, out]
+    return (getattr(m, "out_features", None) or getattr(m, "out_channels", None)
+            or m.weight.shape[-1])  # Conv1D keeps W as [in, out]
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _linear_like(m: nn.Module) -> _LinearLike | None:
     kind = _stock(type(m))
     name = _qualname(kind)
-    if kind is nn.Linear or name == "transformers.pytorch_utils.Conv1D" or name.startswith("bitsandbytes."):
+    if (kind is nn.Linear or kind in _CONVS or name == "transformers.pytorch_utils.Conv1D"
+            or name.startswith("bitsandbytes.")):
         reads = _needs(getattr(m, "weight", None))
         return _LinearLike(any(p.requires_grad for p in m.parameters()),
-                           lambda x: _keep(x) if reads else None, lambda x, g: [])
+                           lambda x: _keep(x) if reads else None, lambda positions, g: [], _out_features(m))
     if name.startswith("peft.tuners.lora.") and hasattr(m, "lora_A") and hasattr(m, "base_layer"):
         return _lora_like(m)
     return None
@@ -241,8 +251,9 @@ def _active_adapters(m) -> list[str] | None:
 
 
 def _lora_like(m) -> _LinearLike | None:
-    """A LoRA layer ``base(x) + B(A(dropout(x))) * s``: dW reads x; dA reads dropout(x) in A's dtype (x and a
-    seed); dB reads A(dropout(x)), r values per row; dX reads parameters and the dropout mask (a seed)."""
+    """A LoRA layer ``base(x) + B(A(dropout(x))) * s`` (linear or convolution): dW reads x; dA reads
+    dropout(x) in A's dtype (x and a seed); dB reads A(dropout(x)), r values per output position; dX reads
+    parameters and the dropout mask (a seed)."""
     base = _linear_like(m.base_layer)
     adapters = _active_adapters(m)
     if base is None or adapters is None:
@@ -250,7 +261,7 @@ def _lora_like(m) -> _LinearLike | None:
     specs = []
     for name in adapters:
         a, b, drop = m.lora_A[name], m.lora_B[name], m.lora_dropout[name]
-        if _stock(type(a)) is not nn.Linear or _stock(type(b)) is not nn.Linear:
+        if not (_stock(type(a)) is _stock(type(b)) and _stock(type(a)) in (nn.Linear, *_CONVS)):
             return None
         p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
         specs.append((a, b, p))
@@ -268,16 +279,23 @@ def _lora_like(m) -> _LinearLike | None:
             return _keep(x)
         return Need("input (adapter dtype)", x.numel() * max(sizes), derive=((x,),))
 
-    def internal(x, x_grad):
+    def internal(positions, x_grad):
         needs = []
         for a, b, p in specs:
             if _needs(b.weight):
-                needs.append(Need("A(x)", _rows(x, 1) * a.weight.shape[0] * a.weight.element_size()))
+                needs.append(Need("A(x)", positions * a.weight.shape[0] * a.weight.element_size()))
             if 0 < p < 1 and (x_grad or _needs(a.weight)):
                 needs.append(Need("seed", 8))
         return needs
 
-    return _LinearLike(trainable, input_need, internal)
+    return _LinearLike(trainable, input_need, internal, base.out_features)
+
+
+def _positions(y: torch.Tensor | None, x: torch.Tensor, out_features: int, conv: bool) -> int:
+    """Output positions (rows of a linear layer, N·spatial of a convolution)."""
+    if y is not None:
+        return y.numel() // max(1, out_features)
+    return _rows(x, 1) if not conv else x.numel() // max(1, x.shape[1])
 
 
 def _lora(m, x, y, x_grad):
@@ -285,7 +303,8 @@ def _lora(m, x, y, x_grad):
     if spec is None:
         return None
     need = spec.input_need(x)
-    return ([need] if need is not None else []) + spec.internal(x, x_grad)
+    conv = _stock(type(m.base_layer)) in _CONVS
+    return ([need] if need is not None else []) + spec.internal(_positions(y, x, spec.out_features, conv), x_grad)
 
 
 def _gated_mlp(m, x, y, x_grad):
@@ -304,7 +323,7 @@ def _gated_mlp(m, x, y, x_grad):
         return None
     *in_specs, down = specs
     gate_spec, up_spec = (in_specs[0], in_specs[0]) if fused else in_specs
-    width = _out_features(ins[0]) // (2 if fused else 1)
+    width = specs[0].out_features // (2 if fused else 1)
     inner = torch.empty((), dtype=x.dtype).expand(*x.shape[:-1], width)  # shape and dtype of gate, up, product
     need_gate = x_grad or gate_spec.trainable  # dGate reads gate and up
     need_up = x_grad or up_spec.trainable  # dUp reads gate
@@ -314,13 +333,28 @@ def _gated_mlp(m, x, y, x_grad):
     if x_need is not None:
         needs.append(x_need)
     for s in in_specs:
-        needs += s.internal(x, x_grad)
+        needs += s.internal(_rows(x, 1), x_grad)
     needs += [Need("gate", _nbytes(inner))] if keep_gate else []
     needs += [Need("up", _nbytes(inner))] if keep_up else []
     product = down.input_need(inner)
     if product is not None and not (keep_gate and keep_up):
         needs.append(Need("product", product.nbytes))
-    needs += down.internal(inner, keep_gate)
+    needs += down.internal(_rows(x, 1), keep_gate)
+    return needs
+
+
+def _projected_activation(m, x, y, x_grad):
+    """diffusers' GEGLU / SwiGLU (``h, g = proj(x).chunk(2); h * act(g)``) and ApproximateGELU
+    (``p = proj(x); p * sigmoid(1.702 p)``): the backward of the element-wise part reads the projection's
+    output (both halves), needed when anything before it needs a gradient; the projection's own dW reads x."""
+    spec = _linear_like(m.proj)
+    if spec is None:
+        return None
+    out = torch.empty((), dtype=x.dtype).expand(*x.shape[:-1], _out_features(m.proj))
+    need = spec.input_need(x)
+    needs = ([need] if need is not None else []) + spec.internal(_rows(x, 1), x_grad)
+    if x_grad or spec.trainable:
+        needs.append(Need("projection", _nbytes(out)))
     return needs
 
 
@@ -330,7 +364,7 @@ _RULES: dict[type, Callable] = {
     **dict.fromkeys((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
                      nn.Linear), _weight_reads_input),
     **dict.fromkeys((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), _batch_norm),
-    **dict.fromkeys((nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh), _mask),
+    **dict.fromkeys((nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold, nn.Hardsigmoid), _mask),
     **dict.fromkeys((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d), _dropout),
     **dict.fromkeys((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d), _max_pool),
     **dict.fromkeys((nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
@@ -353,6 +387,12 @@ _NAMED_RULES: dict[str, Callable] = {
     "transformers.activations.SiLUActivation": _reads_input,
     "transformers.models.convnext.modeling_convnext.ConvNextLayerNorm": _layer_norm,
     "peft.tuners.lora.layer.Linear": _lora,
+    "peft.tuners.lora.layer.Conv1d": _lora,
+    "peft.tuners.lora.layer.Conv2d": _lora,
+    "peft.tuners.lora.layer.Conv3d": _lora,
+    "diffusers.models.activations.GEGLU": _projected_activation,
+    "diffusers.models.activations.SwiGLU": _projected_activation,
+    "diffusers.models.activations.ApproximateGELU": _projected_activation,
     "peft.tuners.lora.bnb.Linear4bit": _lora,
     "peft.tuners.lora.bnb.Linear8bitLt": _lora,
     "bitsandbytes.nn.modules.Linear4bit": _quantized_linear,
@@ -381,8 +421,14 @@ def rule_for(module: nn.Module) -> Callable | None:
     rule = _RULES.get(kind) or _NAMED_RULES.get(_qualname(kind))
     if rule is _lora:
         return rule if _lora_like(module) is not None else None
+    if rule is _projected_activation:
+        proj = getattr(module, "proj", None)
+        return rule if isinstance(proj, nn.Module) and _linear_like(proj) is not None else None
     if rule is not None:
         return rule
+    replacement = REPLACEMENTS.get(kind)
+    if replacement is not None and replacement.__module__ == "slimgrad.integrations.hf_layer_norm_2d":
+        return _layer_norm  # channels-first LayerNorms, recognised by slimgrad's converter by their source
     for base in kind.__mro__[1:]:
         base_rule = _RULES.get(base)
         if base_rule is not None:
