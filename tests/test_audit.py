@@ -163,6 +163,11 @@ def test_json_round_trip_table_and_png(tmp_path):
 
 
 def _cli(*args, env=None):
+    """``python -m slimgrad ...`` on this checkout's slimgrad (its source directory first on the path, ahead of
+    any PYTHONPATH a test adds for its own modules)."""
+    env = dict(env if env is not None else os.environ)
+    src = os.path.dirname(os.path.dirname(slimgrad.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "slimgrad", *args], capture_output=True, text=True, env=env)
 
 

@@ -194,12 +194,30 @@ class AuditReport:
         return rows if limit is None else rows[:limit], len(rows)
 
     def _type_labels(self, rows) -> dict[str, str]:
-        """Class names where they are unambiguous in the report, qualified names where two types share one."""
+        """Class names where they are unambiguous (in the report and against torch.nn's own names); qualified
+        names otherwise, so peft's LoRA ``Linear`` never reads as ``nn.Linear``."""
         by_short: dict[str, set[str]] = {}
         for r in self.rows:
             by_short.setdefault(r.type_name.rsplit(".", 1)[-1], set()).add(r.type_name)
-        return {r.type_name: (r.type_name.rsplit(".", 1)[-1] if len(by_short[r.type_name.rsplit(".", 1)[-1]]) == 1
-                              else r.type_name) for r in rows}
+
+        def label(name):
+            short = name.rsplit(".", 1)[-1]
+            clash = len(by_short[short]) > 1 or (short != name and hasattr(nn, short))
+            return name if clash else short
+
+        return {r.type_name: label(r.type_name) for r in rows}
+
+    def by_type(self) -> list[tuple[str, int, int, int, int]]:
+        """(type, modules, stock, minimum, slimgrad) per module type, largest stock first."""
+        totals: dict[str, list[int]] = {}
+        for r in self.rows:
+            if r.stock or r.slim or r.min_bytes:
+                t = totals.setdefault(r.type_name, [0, 0, 0, 0])
+                t[0] += 1
+                t[1] += r.stock
+                t[2] += r.min_bytes
+                t[3] += r.slim
+        return sorted(((k, *v) for k, v in totals.items()), key=lambda t: t[2], reverse=True)
 
     def table(self, limit: int | None = 25, path_width: int = 56) -> str:
         """The report as text: one row per module, largest waste (stock above the minimum) first.
@@ -246,6 +264,11 @@ class AuditReport:
         unread = sum(r.stock_unread_bytes for r in self.rows)
         if unread:
             lines.append(f"(stock keeps {_mib(unread)} MiB that its backward never unpacks)")
+        kinds = self.by_type()
+        if len(kinds) > 1:
+            labels = self._type_labels(self.rows)
+            lines.append("by type (stock / minimum / slimgrad MiB): " + "; ".join(
+                f"{labels[name]} ×{n} {_mib(st)} / {_mib(mn)} / {_mib(sl)}" for name, n, st, mn, sl in kinds[:5]))
         todo = sorted((r for r in self.rows if r.rule and r.todo), key=lambda r: r.todo, reverse=True)
         if todo:
             top = ", ".join(f"{r.path or '<model>'} +{_mib(r.todo)}" for r in todo[:3])
