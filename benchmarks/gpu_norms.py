@@ -9,6 +9,9 @@ Liger is optional: install its wheel without dependencies (``pip install --no-de
 liger_kernel-*.whl`` and ``PYTHONPATH=/tmp/site``); it runs with ``in_place=False`` (its default writes dX
 into dY, which the other providers do not do and which a repeated backward would corrupt).
 
+"slimgrad split" is the same module with the experimental two-kernel backward (``SPLIT_DW``: dX one program
+per row, dW a tiled column reduction), measured to decide whether it should become the default.
+
 Times: ``triton.testing.do_bench``, median (ms); backward re-runs one retained graph. Bytes: "kept" is what
 the forward leaves allocated besides its output (the tensors saved for backward), "peak" the highest
 allocation above the inputs during one forward + backward (``torch.cuda.max_memory_allocated``). Writes a
@@ -18,6 +21,7 @@ Markdown report to ``--out`` (default ``$OUT/gpu_norms.md`` when ``$OUT`` is set
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -50,6 +54,7 @@ def providers(h):
         "hf LlamaRMSNorm": lambda: LlamaRMSNorm(h, eps=1e-6),
         "F.rms_norm": lambda: TorchRMSNorm(h),
         "slimgrad": lambda: slimgrad.convert(LlamaRMSNorm(h, eps=1e-6)),
+        "slimgrad split": lambda: slimgrad.convert(LlamaRMSNorm(h, eps=1e-6)),
     }
     try:
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
@@ -58,6 +63,19 @@ def providers(h):
     except ImportError as exc:
         print(f"liger_kernel not importable ({exc}); its rows are skipped", file=sys.stderr)
     return out
+
+
+@contextlib.contextmanager
+def split_dw(on: bool):
+    """The experimental split backward of slimgrad's RMSNorm kernel (``rms_norm.SPLIT_DW``) on or off."""
+    from slimgrad.kernels.triton import rms_norm as kernel
+
+    old = kernel.SPLIT_DW
+    kernel.SPLIT_DW = 0 if on else None
+    try:
+        yield
+    finally:
+        kernel.SPLIT_DW = old
 
 
 def measure(make, rows, h, dtype, trainable, device):
@@ -115,14 +133,16 @@ def main(argv=None):
               "|---|---|---|---|---|---|---|---|"]
     summary = ["| dtype | H | slimgrad bwd trainable/frozen | liger bwd trainable/frozen | slimgrad vs liger bwd "
                "(frozen) | slimgrad vs liger bwd (trainable) | slimgrad vs F.rms_norm bwd (frozen) | "
-               "slimgrad vs HF bwd (frozen) |", "|---|---|---|---|---|---|---|---|"]
+               "slimgrad vs HF bwd (frozen) | split vs one-kernel bwd (trainable) | split vs one-kernel bwd "
+               "(frozen) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for h in args.hidden:
             res = {}
             for prov, make in providers(h).items():
                 for trainable in (True, False):
-                    r = measure(make, args.rows, h, dtype, trainable, device)
+                    with split_dw(prov == "slimgrad split"):
+                        r = measure(make, args.rows, h, dtype, trainable, device)
                     res[prov, trainable] = r
                     mode = "trainable" if trainable else "frozen"
                     detail.append(f"| {dtype_name} | {h} | {mode} | {prov} | {r['fwd']:.4f} | {r['bwd']:.4f} | "
@@ -134,7 +154,9 @@ def main(argv=None):
                            f"{_ratio(res, ('liger', False), ('slimgrad', False))} | "
                            f"{_ratio(res, ('liger', True), ('slimgrad', True))} | "
                            f"{_ratio(res, ('F.rms_norm', False), ('slimgrad', False))} | "
-                           f"{_ratio(res, ('hf LlamaRMSNorm', False), ('slimgrad', False))} |")
+                           f"{_ratio(res, ('hf LlamaRMSNorm', False), ('slimgrad', False))} | "
+                           f"{_ratio(res, ('slimgrad', True), ('slimgrad split', True))} | "
+                           f"{_ratio(res, ('slimgrad', False), ('slimgrad split', False))} |")
     lines += ["## Backward speed ratios", "", "Trainable/frozen: how much faster slimgrad's backward is with the "
               "weight frozen. \"slimgrad vs X\": X's backward time / slimgrad's (> 1: slimgrad faster).", "",
               *summary, "", "## All measurements", "", *detail, ""]

@@ -260,3 +260,17 @@ def test_checkpoint_recomputes_through_kernels(device, reentrant):
     for a, b_ in zip(*grads):
         assert torch.equal(a, b_)
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,style", [(torch.bfloat16, s) for s in STYLES] + [(torch.float32, "llama")])
+@pytest.mark.parametrize("rg", [(True, True), (False, True), (True, False)])
+def test_rms_norm_split_dw_variant(device, dtype, style, rg, monkeypatch):
+    """The experimental split backward (dX per row, dW as a tiled column reduction; off by default) gives the
+    same gradients within the same tolerance, across several row tiles and column blocks."""
+    from slimgrad.kernels.triton import rms_norm as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_DW", 0)
+    for shape in ((40, 33), (3, 600)):  # 3 row tiles (16 rows), 3 column blocks (256 columns), ragged
+        x, w, g = _inputs(shape, dtype, device)
+        _compare(_rms(style), (x, w), rg, g, device, f"split {style} {dtype} {shape} rg={rg}")

@@ -130,6 +130,45 @@ def _backward_kernel(DY, X, W, RSTD, DX, DS, DWP, stride_dy, stride_x, stride_dx
         tl.store(DWP + pid * N + cols, dw, mask=mask)
 
 
+@jit
+def _dw_kernel(DY, X, W, RSTD, DWP, stride_dy, stride_x, M, N, rows_per_program,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STYLE: tl.constexpr, T5_CAST: tl.constexpr):
+    """dW partials over a (rows, column block) tile: program (n, m) sums ``dy·x̂`` over rows
+    [m·rows_per_program, ...) for its columns (the split variant, see :data:`SPLIT_DW`)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    start = pid_m * rows_per_program
+    end = tl.minimum(start + rows_per_program, M)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        h = x * rstd[:, None]
+        if STYLE == 1:
+            h = h.to(X.dtype.element_ty).to(tl.float32)
+        if STYLE == 4:
+            if T5_CAST:
+                h = h.to(W.dtype.element_ty).to(tl.float32)
+        acc += tl.sum(dy * h, axis=0)
+    tl.store(DWP + pid_m * N + cols, acc, mask=cmask)
+
+
+#: Experimental, off by default (None): rows at least this wide run backward as two kernels, dX with one
+#: program per row and no dW accumulator, dW as a tiled column reduction that reads dY and x again. The
+#: one-kernel backward keeps a row-wide fp32 dW accumulator per program in registers, which measured slow for
+#: trainable weights at H = 32768 (docs/gpu.md); whether the split is faster is for
+#: ``benchmarks/gpu_norms.py`` to show ("slimgrad split" rows) before it becomes a default.
+SPLIT_DW: int | None = None
+_DW_BLOCK_M, _DW_BLOCK_N = 16, 256
+
+
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """t as (rows, n) with unit stride along the row (a copy only when t's layout needs one)."""
     t2 = t.reshape(-1, n)
@@ -194,19 +233,37 @@ def backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torc
     dy2 = _rows(dy, n)
     rows = x2.shape[0]
     block = row_block(n)
-    programs = num_programs(x.device, rows)
-    per_program = -(-rows // programs)
-    programs = -(-rows // per_program)
+    split = SPLIT_DW is not None and n >= SPLIT_DW
     w = weight.contiguous() if weight is not None else None
+    t5_cast = w is not None and w.dtype in _HALF
+    if split:
+        programs, per_program = rows, 1  # dX: one program per row, no dW accumulator
+    else:
+        programs = num_programs(x.device, rows)
+        per_program = -(-rows // programs)
+        programs = -(-rows // per_program)
     dx2 = torch.empty((rows, n), dtype=x.dtype, device=x.device) if need_x else None
-    dwp = torch.empty((programs, n), dtype=torch.float32, device=x.device) if need_w else None
+    dwp = None
     ds2 = _rows(ds, n) if (need_x and ds is not None) else None
-    _backward_kernel[(programs,)](
-        dy2, x2, w if w is not None else x2, rstd, dx2 if dx2 is not None else x2, ds2 if ds2 is not None else x2,
-        dwp if dwp is not None else rstd, _stride0(dy2), _stride0(x2), _stride0(dx2) if dx2 is not None else n,
-        _stride0(ds2) if ds2 is not None else n, rows, n, per_program,
-        BLOCK=block, STYLE=STYLES[style], HAS_W=w is not None, T5_CAST=w is not None and w.dtype in _HALF,
-        COMPUTE_DX=need_x, COMPUTE_DW=need_w, HAS_DS=ds2 is not None, num_warps=num_warps(block))
+    if need_w and split:
+        col_blocks = -(-n // _DW_BLOCK_N)
+        row_chunks = max(1, min(-(-rows // _DW_BLOCK_M), 4 * num_programs(x.device, 1 << 30) // col_blocks))
+        dw_rows = -(-rows // row_chunks)
+        row_chunks = -(-rows // dw_rows)
+        dwp = torch.empty((row_chunks, n), dtype=torch.float32, device=x.device)
+        _dw_kernel[(col_blocks, row_chunks)](dy2, x2, w, rstd, dwp, _stride0(dy2), _stride0(x2), rows, n, dw_rows,
+                                             BLOCK_M=_DW_BLOCK_M, BLOCK_N=_DW_BLOCK_N, STYLE=STYLES[style],
+                                             T5_CAST=t5_cast)
+    elif need_w:
+        dwp = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    if need_x or not split:
+        _backward_kernel[(programs,)](
+            dy2, x2, w if w is not None else x2, rstd, dx2 if dx2 is not None else x2,
+            ds2 if ds2 is not None else x2, dwp if (dwp is not None and not split) else rstd, _stride0(dy2),
+            _stride0(x2), _stride0(dx2) if dx2 is not None else n, _stride0(ds2) if ds2 is not None else n, rows,
+            n, per_program, BLOCK=block, STYLE=STYLES[style], HAS_W=w is not None, T5_CAST=t5_cast,
+            COMPUTE_DX=need_x, COMPUTE_DW=need_w and not split, HAS_DS=ds2 is not None,
+            num_warps=num_warps(block))
     dx = dx2.view(x.shape) if need_x else None
     dw = dwp.sum(0).to(weight.dtype).view(weight.shape) if need_w else None
     return dx, dw
