@@ -26,21 +26,28 @@ from slimgrad.models import MODELS, build_model
 MIB = 2**20
 
 
-def attack(model, image, label, steps, eps=8 / 255, alpha=2 / 255):
-    """PGD in the L-infinity ball of radius ``eps``: ``steps`` signed-gradient ascent steps on the
-    classification loss. Returns the adversarial image and the seconds per step."""
-    adv = image.clone()
-    times = []
+def pgd_step(model, image, adv, label, eps=8 / 255, alpha=2 / 255):
+    """One PGD step in the L-infinity ball of radius ``eps`` around ``image``: a signed-gradient ascent step
+    on the classification loss, projected back."""
+    adv = adv.detach().requires_grad_(True)
+    loss = F.cross_entropy(model(adv), label)
+    (grad,) = torch.autograd.grad(loss, adv)
+    with torch.no_grad():
+        adv = adv + alpha * grad.sign()
+        return (image + (adv - image).clamp(-eps, eps)).clamp(0, 1)
+
+
+def attack(models, image, label, steps):
+    """PGD on every model, interleaved step by step (machine noise hits all alike). Returns, per model,
+    the adversarial image and the seconds per step."""
+    adv = {name: image.clone() for name in models}
+    times = {name: [] for name in models}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        adv.requires_grad_(True)
-        loss = F.cross_entropy(model(adv), label)
-        (grad,) = torch.autograd.grad(loss, adv)
-        with torch.no_grad():
-            adv = adv + alpha * grad.sign()
-            adv = (image + (adv - image).clamp(-eps, eps)).clamp(0, 1)
-        times.append(time.perf_counter() - t0)
-    return adv.detach(), times
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            adv[name] = pgd_step(model, image, adv[name], label)
+            times[name].append(time.perf_counter() - t0)
+    return adv, times
 
 
 def measure(model, image, label):
@@ -67,12 +74,15 @@ def run(model_name="resnet18", tiny=False, steps=3, batch=8, size=224, seed=0):
     gen = torch.Generator().manual_seed(seed)
     image = torch.rand(batch, 3, size, size, generator=gen)
     label = torch.randint(0, 10, (batch,), generator=gen)
+    models = {"stock": stock, "slimgrad": slim}
     result = {}
-    for name, model in (("stock", stock), ("slimgrad", slim)):
+    for name, model in models.items():
         measure(model, image, label)  # warm-up: producers learn what their consumers keep
         kept, peak = measure(model, image, label)
-        adv, times = attack(model, image, label, steps)
-        result[name] = {"kept": kept, "peak": peak, "times": times, "adv": adv}
+        result[name] = {"kept": kept, "peak": peak}
+    adv, times = attack(models, image, label, steps)
+    for name in models:
+        result[name].update(adv=adv[name], times=times[name])
     result["image"] = image
     return result
 
