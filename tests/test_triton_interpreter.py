@@ -32,3 +32,19 @@ def test_triton_kernels_under_interpreter():
     summary = re.search(r"(\d+) passed", result.stdout)
     assert summary and int(summary.group(1)) > 0, tail
     assert "skipped" not in result.stdout.splitlines()[-1], tail  # every case ran under the interpreter
+
+
+def test_interpreter_set_too_late_is_a_clear_error(monkeypatch):
+    """TRITON_INTERPRET=1 set after triton was imported cannot work (triton's own functions are compiled):
+    slimgrad says so instead of failing deep inside triton."""
+    if triton_interpreting():
+        pytest.skip("this process started under the interpreter")
+    pytest.importorskip("triton")
+    import torch
+
+    from slimgrad import kernels
+    from slimgrad.functional.norms import rms_norm_hf
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with kernels.preference("triton"), pytest.raises(RuntimeError, match="set after triton was imported"):
+        rms_norm_hf(torch.randn(2, 8), torch.ones(8))
