@@ -5,9 +5,10 @@ one fp32 rstd per row. That rstd and x in its own dtype are all backward reads.
 
 Backward: one program per SM loops over its rows. dX and dW are compiled in or out by ``tl.constexpr``
 flags taken from ``ctx.needs_input_grad``: with a frozen weight no dW work is done and no fp32 partial
-buffer is allocated (Liger-Kernel's RMSNorm allocates and fills it whatever the weight; its PRs #1068/#1440
-adding such flags are unmerged). ``HAS_DS`` adds the gradient reaching FusedAddRMSNorm's second output
-``s``, only when there is one (Liger's ``dS_out is None`` bug was testing the wrong thing here).
+buffer is allocated (Liger-Kernel 0.8.5 does the same for RMSNorm, LayerNorm and FusedAddRMSNorm, not yet for
+GroupNorm and PolyNorm). ``HAS_DS`` adds the gradient reaching FusedAddRMSNorm's second output ``s`` only when
+there is one: the Function does not materialise unused outputs' gradients, so an unused ``s`` costs no read
+and an unused ``y`` runs no kernel (Liger materialises them as zeros and runs the whole backward).
 
 Casting follows each reference: the statistics in fp32; Llama rounds ``x·rstd`` to x's dtype before the
 weight multiplies it, T5 rounds it to a half-precision weight's dtype, Olmo2 multiplies in fp32, Gemma
@@ -17,7 +18,7 @@ reduction order differs from the reference: results agree within the dtype's rou
 
 Interface (family ``rms_norm`` / ``rms_norm_hf``, used by :class:`slimgrad.functional.norms.RMSNormFunction`):
 ``supports(x, weight, n)``, ``forward(x, weight, eps, style, n, residual=None) -> (y, rstd[, s])`` and
-``backward(dy, x, rstd, weight, style, n, need_x, need_w, ds=None, out_dtype=None) -> (dx, dw)``.
+``backward(dy, x, rstd, weight, style, n, need_x, need_w, ds=None) -> (dx, dw)``.
 """
 
 from __future__ import annotations
