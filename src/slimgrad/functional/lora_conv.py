@@ -105,6 +105,7 @@ class LoraConvFunction(_common.Function):
         need_a = [need[4 + 3 * i] for i in range(n)]
         need_b = [need[5 + 3 * i] for i in range(n)]
         xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
+        x_meta = (tuple(xa.shape), suggest_memory_format(xa))
         n_drop = sum(1 for m in meta if 0 < m[3] < 1)
         compiling = torch.compiler.is_compiling()
         policy = resolve_policy(None, x.device)  # the process-wide dropout policy, as peft-linear LoRA's
@@ -132,19 +133,22 @@ class LoraConvFunction(_common.Function):
                 dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
                 j += 1
             t = _conv(dropped, A, None, a)
+            del dropped  # temporaries go as soon as they are read: the step's peak stays at peft's
+            if i == n - 1:
+                del xa
             u = _conv(t, B, bias, b)
-            result = result + u * s
+            shapes.append((u.dtype, tuple(t.shape), suggest_memory_format(t)))
+            result = result + u.mul_(s)  # u * s, in place on a tensor of our own (same bits)
+            del u
             kept_t.append(t if need_b[i] else None)
             masks.append(mask if (need_x or need_a[i]) else None)
-            shapes.append((u.dtype, tuple(t.shape), suggest_memory_format(t)))
         sum_dtype = result.dtype
         result = result.to(base_out.dtype)
         keep_x = any(need_a)
         if keep_x:
             _common.note_input_kept(x)
         keep_seeds = seeds is not None and (need_x or any(need_a))
-        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(xa.shape), suggest_memory_format(xa),
-                    x.dtype, bits)
+        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), *x_meta, x.dtype, bits)
         ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None, *kept_t, *masks, *adapters)
         return result
 
@@ -163,12 +167,20 @@ class LoraConvFunction(_common.Function):
         grads = [None] * (4 + 3 * n)
         g = grad.to(sum_dtype)
         if need[1]:
-            grads[1] = g.to(base_dtype)
+            # grad.to(sum_dtype).to(base_dtype), as autograd computes it, is grad itself: the sum's dtype is
+            # the promotion of the base's, which holds every value of it exactly. No copy.
+            grads[1] = grad if grad.dtype == base_dtype else g.to(base_dtype)
+        # The last adapter to run may scale g itself when g is a fresh tensor of ours (same bits as g * s).
+        g_own = g is not grad  # .to returns grad itself when the dtype is already right
+        last = None  # the adapter the reversed loop below processes last
+        for i in range(n - 1, -1, -1):
+            if need_x or need[4 + 3 * i] or need[5 + 3 * i] or need[6 + 3 * i]:
+                last = i
         seed_index, j = [0] * n, 0
         for i in range(n):
             if 0 < meta[i][3] < 1:
                 seed_index[i], j = j, j + 1
-        xa, dxa = None, None
+        dxa = None
         for i in reversed(range(n)):  # autograd runs the last-created adapter's nodes first
             A, B, bias = adapters[3 * i: 3 * i + 3]
             a, b, s, p = meta[i]
@@ -176,10 +188,16 @@ class LoraConvFunction(_common.Function):
             need_a, need_b, need_bb = need[4 + 3 * i], need[5 + 3 * i], need[6 + 3 * i]
             if not (need_x or need_a or need_b or need_bb):
                 continue
-            g_u = g.to(u_dtype) * s
+            if i == last and g_own and g.dtype == u_dtype:
+                g_u = g.mul_(s)
+            else:
+                g_u = g.to(u_dtype) * s
+            if i == last:
+                del g
             need_t = need_x or need_a
             dt, grads[5 + 3 * i], grads[6 + 3 * i] = _backward(g_u, kept_t[i], B, b, need_t, need_b,
                                                                need_bb and bias is not None, t_shape, t_format)
+            del g_u
             if not need_t:
                 continue
             noise = None
@@ -191,24 +209,28 @@ class LoraConvFunction(_common.Function):
                 noise = masks[i].to(A.dtype).div_(1 - p)
             elif p > 0:
                 noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p, seeds[seed_index[i]])
-            dropped = None
             if need_a:
-                if xa is None:
-                    xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
+                # dA first, with the rebuilt input freed before dX allocates (two calls, as slimgrad's conv
+                # makes them: bitwise the combined call's results)
+                xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
                 if i in bits:
                     dropped = bits_backward(xa, masks[i], *bits[i])  # xa * noise, as in forward
                 else:
                     dropped = xa if noise is None else xa * noise
-            d_dropped, grads[4 + 3 * i], _ = _backward(dt, dropped, A, a, need_x, need_a, False, x_shape, x_format)
-            del dropped
+                del xa
+                _, grads[4 + 3 * i], _ = _backward(dt, dropped, A, a, False, True, False, x_shape, x_format)
+                del dropped
             if need_x:
+                dd = _input_grad(dt, A, a, x_shape, x_format)
                 if i in bits:
-                    dd = bits_backward(d_dropped, masks[i], *bits[i])
-                else:
-                    dd = d_dropped if noise is None else d_dropped * noise
-                dxa = dd if dxa is None else dxa + dd
+                    dd = bits_backward(dd, masks[i], *bits[i], inplace=True)
+                elif noise is not None:
+                    dd = dd.mul_(noise)
+                dxa = dd if dxa is None else dxa.add_(dd)
+                del dd
         if need_x and dxa is not None:
             grads[0] = dxa.to(x_dtype)
+            del dxa
         return tuple(grads)
 
 
