@@ -67,7 +67,8 @@ def free_port() -> int:
 
 
 def _worker(rank, port, kinds, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    # CPU and gloo on every machine: on a CUDA machine FSDP2 would otherwise place shards on the GPU.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -169,7 +170,8 @@ def test_fsdp2_bf16_mixed_precision(distributed):
 
 @pytest.mark.slow
 def test_example_runs_with_torchrun(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    # The example's CPU/gloo path (two processes; one GPU could not hold two NCCL ranks).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(ROOT / "examples" / "distributed_train.py"), "--steps", "3",
            "--fsdp", "--check"]

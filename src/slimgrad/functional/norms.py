@@ -88,7 +88,7 @@ class RMSNormFunction(_common.Function):
         need_w = need_w and weight is not None
         n = _numel(input.shape[input.dim() - ndim:])
         impl = _common.fast_kernel("rms_norm" if style == "torch" else "rms_norm_hf", input)
-        if style == "torch" and torch.is_autocast_enabled(input.device.type):
+        if style == "torch" and _common.autocast_enabled(input.device.type):
             impl = None  # autocast may run stock's rms_norm in fp32 (CUDA's fp32 list): the torch code mirrors it
         ctx.impl = impl if impl is not None and impl.supports(input, weight, n) else None
         if ctx.impl is not None:
@@ -310,7 +310,7 @@ class LayerNormFunction(_common.Function):
         ctx.mask = (need_x, need_w, need_b)
         n = _numel(normalized_shape)
         impl = _common.fast_kernel("layer_norm", input)
-        if torch.is_autocast_enabled(input.device.type):
+        if _common.autocast_enabled(input.device.type):
             impl = None  # autocast runs stock's layer norm in fp32 on CUDA: the aten call below mirrors it
         ctx.impl = impl if impl is not None and impl.supports(input, weight, bias, n) else None
         if ctx.impl is not None:

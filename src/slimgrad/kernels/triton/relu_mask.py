@@ -34,7 +34,15 @@ def _forward_kernel(X, OUT, PACKED, numel, nbytes, slope, LEAKY: tl.constexpr, B
         out = tl.where(bit, x, (xf * slope).to(x.dtype))
     else:
         # CUDA's stock relu: x <= 0 gives +0 (-0.0 too, unlike the CPU kernel, which passes -0.0), NaN passes.
-        out = tl.where(xf <= 0, tl.zeros_like(x), x)
+        # Selected on the integer bits: a float select against zero is folded into a max instruction on the
+        # GPU, which returns the hardware's canonical NaN (0x7FFFFFFF) instead of the input's NaN (seen on an
+        # H100: stock keeps the input's NaN bits).
+        if X.dtype.element_ty.primitive_bitwidth == 32:
+            xi = x.to(tl.int32, bitcast=True)
+            out = tl.where(xf <= 0, tl.zeros_like(xi), xi).to(X.dtype.element_ty, bitcast=True)
+        else:
+            xi = x.to(tl.int16, bitcast=True)
+            out = tl.where(xf <= 0, tl.zeros_like(xi), xi).to(X.dtype.element_ty, bitcast=True)
         bit = (xf > 0) | (xf != xf)  # out != 0: positives and NaN
     tl.store(OUT + offs, out, mask=mask)
     bits = (mask & bit).to(tl.int32)
