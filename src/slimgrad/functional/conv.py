@@ -110,7 +110,8 @@ class _ConvFunction(_common.Function):
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
         ctx.xp_shape = tuple(xp.shape)
-        ctx.xp_format = suggest_memory_format(xp)
+        # (torch's suggest_memory_format is slow on the common contiguous case: ~25 µs of symbolic guards)
+        ctx.xp_format = torch.contiguous_format if xp.is_contiguous() else suggest_memory_format(xp)
         ctx.w_shape = tuple(weight.shape)
         ctx.has_bias = bias is not None
         return out
