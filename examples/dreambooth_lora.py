@@ -10,6 +10,7 @@ backward by one forward, the peak MiB over a whole step and the step time.
 
     python examples/dreambooth_lora.py                 # 32x32 latents, batch 2, 3 steps
     python examples/dreambooth_lora.py --tiny --steps 2  # what CI runs
+    python examples/dreambooth_lora.py --conv-lora --lora-dropout 0.1  # LoRA on the convs too, with dropout
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from slimgrad.measure import SavedTensors, peak_bytes
 
 MIB = 2**20
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # as train_dreambooth_lora.py
+CONV_TARGETS = ["conv1", "conv2"]  # the ResNet blocks' 3x3 convs (peft lora.Conv2d), with --conv-lora
 
 
 def build_unet(tiny: bool) -> UNet2DConditionModel:
@@ -71,8 +73,9 @@ def train(models, batches, dtype, lr=1e-3):
     opts = {n: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for n, m in models.items()}
     losses = {n: [] for n in models}
     times = {n: [] for n in models}
-    for batch in batches:
+    for step, batch in enumerate(batches):
         for name, unet in models.items():
+            torch.manual_seed(step)  # the same dropout masks for every model (LoRA dropout draws from it)
             t0 = time.perf_counter()
             loss = loss_of(unet, batch, dtype)
             loss.backward()
@@ -98,13 +101,15 @@ def measure(unet, batch, dtype):
     return kept.bytes, peak
 
 
-def run(tiny=False, steps=3, batch=2, dtype=torch.float32, seed=0):
+def run(tiny=False, steps=3, batch=2, dtype=torch.float32, seed=0, conv_lora=False, dropout=0.0):
     torch.manual_seed(seed)
     unet = build_unet(tiny)
     if dtype != torch.float32:
         unet = unet.to(dtype)
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=TARGETS))
+    targets = TARGETS + (CONV_TARGETS if conv_lora else [])
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=targets,
+                                lora_dropout=dropout))
     models = {"stock": unet, "slimgrad": slimgrad.convert(copy.deepcopy(unet), inplace=True)}
     batches = make_batches(unet, steps, batch, seed)
     result = {}
@@ -123,8 +128,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--conv-lora", action="store_true", help="LoRA on the ResNet blocks' convs too")
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
     args = parser.parse_args(argv)
-    result = run(args.tiny, args.steps, args.batch, getattr(torch, args.dtype))
+    result = run(args.tiny, args.steps, args.batch, getattr(torch, args.dtype), conv_lora=args.conv_lora,
+                 dropout=args.lora_dropout)
     print(f"{'':10} {'MiB kept':>9} {'peak MiB':>9} {'s/step':>7}  losses")
     for name, r in result.items():
         step_s = sorted(r["times"])[len(r["times"]) // 2]
