@@ -476,3 +476,37 @@ def test_cli_hugging_face_models_run(tmp_path):
                       "--plot", str(tmp_path / f"{name}.png"))
         assert result.returncode == 0, result.stderr
         assert "total" in result.stdout and (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- composite rules, values written out from shapes ---------------------------------------------------------
+
+
+def test_lora_rule_in_bf16_counts_x_once_in_its_own_dtype():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["0", "1"], lora_dropout=0.1))
+    model.train()
+    x = torch.randn(6, 16, dtype=torch.bfloat16)
+    report = audit(model, x, measure_peak=False)  # as given: adapters (fp32, peft's default) train
+    rows = {r.path.rsplit(".", 1)[-1]: r for r in report.rows if r.rule}
+    # x once in bf16, A(x) 6x4 fp32, a seed; never peft's fp32 copy of x or its dropped copy
+    assert rows["0"].min_bytes == 6 * 16 * 2 + 6 * 4 * 4 + 8
+    assert rows["1"].min_bytes == 6 * 16 * 2 + 6 * 4 * 4 + 8  # its input is layer 0's output
+    assert all(r.min_bytes <= r.slim <= r.stock for r in rows.values())
+
+
+def test_gated_mlp_rule_recomputes_the_product():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = transformers.LlamaConfig(hidden_size=8, intermediate_size=24, num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(LlamaMLP(cfg))
+    x = torch.randn(2, 5, 8)
+    rows = {r.path: r for r in audit(mlp, x, case="all", measure_peak=False).rows}
+    inner = 2 * 5 * 24 * 4
+    assert rows["0"].min_bytes == 2 * 5 * 8 * 4 + 2 * inner  # x, gate, up; down's input = act(gate) * up
+    assert rows["0"].todo == rows["0"].slim - rows["0"].min_bytes
+    rows = {r.path: r for r in audit(mlp, x, case="input", measure_peak=False).rows}
+    assert rows["0"].min_bytes == 2 * inner  # frozen: gate and up for dX, no x

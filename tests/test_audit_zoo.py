@@ -45,6 +45,20 @@ def llama():
     return _token_model(transformers.LlamaForCausalLM(cfg))
 
 
+def llama_bf16():
+    """bf16 base, fp32 LoRA adapters in the 'lora' case (peft's default): the casts a lower bound must see."""
+    model, args, kwargs, input_kwargs = llama()
+    model = model.to(torch.bfloat16)
+    return model, args, kwargs, {**input_kwargs, "inputs_embeds": input_kwargs["inputs_embeds"].bfloat16()}
+
+
+def phi3():
+    """Phi-3's fused gate_up_proj MLP."""
+    cfg = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, vocab_size=V, max_position_embeddings=32, pad_token_id=0)
+    return _token_model(transformers.Phi3ForCausalLM(cfg))
+
+
 def bert():
     cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                   vocab_size=V, max_position_embeddings=32)
@@ -127,7 +141,7 @@ def lora_with_dropout():
 
 
 FAST = [cnn("resnet18"), llama, bert, t5, gpt2, vit, resnet, mobilenet, convnext]
-SLOW = [cnn("vgg11"), cnn("convnext"), cnn("vit"), unet, vae]
+SLOW = [cnn("vgg11"), cnn("convnext"), cnn("vit"), unet, vae, llama_bf16, phi3]
 
 
 def check(model, args, kwargs, case):
@@ -250,3 +264,15 @@ def test_norm_case_trains_hugging_face_norms():
     with pytest.raises(ValueError, match="case 'norm' found no normalisation layer"):
         audit(torch.nn.Linear(3, 3), torch.randn(2, 3), case="norm")
     assert slimgrad.cases.is_norm(torch.nn.GroupNorm(2, 4))
+
+
+@pytest.mark.xfail(strict=True, reason="slimgrad's LoRA Function keeps x as given; a strided view (BERT's pooler "
+                   "reads hidden[:, 0]) pins the whole last hidden state where peft's fp32 cast keeps a compact "
+                   "copy: the audit shows it as a to-do. Remove this mark when the Function keeps a compact x.")
+def test_lora_on_a_view_keeps_no_more_than_stock():
+    pytest.importorskip("peft")
+    model, args, kwargs, _ = bert()
+    report = audit(model.to(torch.bfloat16), *args, case="lora", measure_peak=False, **kwargs)
+    (pooler,) = [r for r in report.rows if r.path.endswith("pooler.dense")]
+    assert pooler.todo > 0  # the audit sees it: more than the minimum...
+    assert pooler.slim <= pooler.stock  # ...and more than stock

@@ -340,7 +340,6 @@ class _Run:
         self.needs: list[tuple[str, Need, str | None, tuple]] = []
         self.unpacked: set = set()
         self.nodes_seen: set = set()
-        self.internal = 0
 
     def _label(self, t: torch.Tensor, sid: str) -> str:
         key, _ = _storage_key(t)
