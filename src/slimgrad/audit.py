@@ -280,9 +280,9 @@ class AuditReport:
         return self.table()
 
     def plot(self, path, limit: int = 20) -> None:
-        """Bar chart of MiB kept per module: stock, minimum and slimgrad, largest waste first (needs
-        matplotlib). Labels are whole paths under the common prefix (in the title); very long ones lose
-        their middle, never their end."""
+        """Bar charts of MiB kept for backward: per module type (top), then per module, largest waste first
+        (stock, slimgrad, minimum; needs matplotlib). Labels are whole paths under the common prefix (in the
+        title); very long ones lose their middle, never their end."""
         try:
             import matplotlib
 
@@ -291,20 +291,31 @@ class AuditReport:
         except ImportError as e:
             raise ImportError("AuditReport.plot needs matplotlib: pip install 'slimgrad[plot]'") from e
         rows, _ = self._shown(limit)
+        kinds = self.by_type()[:6]
+        labels_by_type = self._type_labels(self.rows)
         prefix = _common_prefix([r.path for r in rows])
         labels = [_elide_middle((r.path[len(prefix):] if prefix else r.path) or "<model>", 48) for r in rows]
-        fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.8))
-        ys = range(len(rows))
-        ax.barh([y - 0.27 for y in ys], [r.stock / 2**20 for r in rows], 0.27, label="stock PyTorch")
-        ax.barh(list(ys), [r.slim / 2**20 for r in rows], 0.27, label="slimgrad")
-        ax.barh([y + 0.27 for y in ys], [r.min_bytes / 2**20 for r in rows], 0.27, label="minimum",
-                color="0.6")
-        ax.set_yticks(list(ys), labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("MiB kept for backward")
+        fig, (top, ax) = plt.subplots(2, 1, figsize=(10, 0.42 * (len(rows) + len(kinds)) + 3.2),
+                                      gridspec_kw={"height_ratios": [max(1, len(kinds)), max(1, len(rows))]})
+
+        def bars(axis, names, stock, slim, minimum):
+            ys = range(len(names))
+            axis.barh([y - 0.27 for y in ys], [b / 2**20 for b in stock], 0.27, label="stock PyTorch")
+            axis.barh(list(ys), [b / 2**20 for b in slim], 0.27, label="slimgrad")
+            axis.barh([y + 0.27 for y in ys], [b / 2**20 for b in minimum], 0.27, label="minimum", color="0.6")
+            axis.set_yticks(list(ys), names, fontsize=8)
+            axis.invert_yaxis()
+
+        bars(top, [f"{labels_by_type[k[0]]} ×{k[1]}" for k in kinds], [k[2] for k in kinds], [k[4] for k in kinds],
+             [k[3] for k in kinds])
+        top.set_title(f"Kept for backward, by module type (case: {self.case or 'as given'}; total stock "
+                      f"{_mib(self.stock_total + self.stock_hidden_total)}, minimum {_mib(self.min_total)}, "
+                      f"slimgrad {_mib(self.slim_total + self.slim_hidden_total)} MiB)", fontsize=9)
+        top.legend(loc="lower right", fontsize=8)
+        bars(ax, labels, [r.stock for r in rows], [r.slim for r in rows], [r.min_bytes for r in rows])
         where = f" under '{prefix}'" if prefix else ""
-        ax.set_title(f"Kept for backward per module{where} (case: {self.case or 'as given'})", fontsize=10)
-        ax.legend(loc="lower right")
+        ax.set_title(f"per module{where}, largest waste first", fontsize=9)
+        ax.set_xlabel("MiB kept for backward")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
