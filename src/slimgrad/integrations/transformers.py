@@ -22,12 +22,14 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 from torch import nn
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
+from slimgrad._registry import ORIGINALS
 from slimgrad.convert import ConversionReport, convert
 
 __all__ = ["SlimgradCallback"]
@@ -75,6 +77,11 @@ class SlimgradCallback(TrainerCallback):
         if "inplace" in convert_options or "report" in convert_options:
             raise TypeError("SlimgradCallback: 'inplace' and 'report' are fixed (the trainer's model is converted "
                             "in place and the report is kept on the callback); pass only convert's other options")
+        known = set(inspect.signature(convert).parameters) - {"model", "inplace", "report"}
+        unknown = sorted(set(convert_options) - known)
+        if unknown:
+            raise TypeError(f"SlimgradCallback: unknown option {unknown[0]!r}; slimgrad.convert takes "
+                            f"{', '.join(sorted(known))}")
         self.convert_options = convert_options
         self.report: ConversionReport | None = None
 
@@ -90,8 +97,6 @@ class SlimgradCallback(TrainerCallback):
 
     @staticmethod
     def _log(model: nn.Module, report: ConversionReport) -> None:
-        from slimgrad._registry import ORIGINALS
-
         total = sum(type(m) in ORIGINALS for m in model.modules())
         counts: dict[str, int] = {}
         for _, type_name in report.converted:
