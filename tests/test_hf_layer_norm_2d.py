@@ -29,6 +29,7 @@ def _modules():
         "convnext-channels_first": ConvNextLayerNorm(C, eps=1e-6, data_format="channels_first"),
         "convnext-channels_last": ConvNextLayerNorm(C, eps=1e-6, data_format="channels_last"),
         "layernorm2d": EomtLayerNorm2d(C),
+        "vitdet-formula": VitDetLayerNorm(C),
     }
 
 
@@ -72,10 +73,68 @@ def test_matches_stock_and_keeps_the_minimum(name, dtype, layout, need_x, need_w
     for p in ("weight", "bias"):
         assert_same(getattr(slim, p).grad, getattr(stock, p).grad, what=f"{p} grad")
     size = base.element_size()
+    x_bytes = N * C * H * W * size
+    if name == "vitdet-formula":
+        # x alone; stock keeps, for dx, x - u twice (pow's and div's inputs) and sqrt(s + eps) per pixel,
+        # and for dw the normalised x
+        assert kept_slim == (x_bytes if (need_x or need_w) else 0)
+        assert kept_stock == (2 * x_bytes + N * H * W * size if need_x else 0) + (x_bytes if need_w else 0)
+        return
     # x (the permuted view shares its storage) + mean and rstd per pixel, in x's dtype on CPU
-    x_and_stats = N * C * H * W * size + 2 * N * H * W * size
+    x_and_stats = x_bytes + 2 * N * H * W * size
     assert kept_slim == (x_and_stats if (need_x or need_w) else 0)
     assert kept_stock == (x_and_stats if (need_x or need_w or need_b) else 0)
+
+
+def test_register_class_takes_a_models_own_copy():
+    from slimgrad.integrations.hf_layer_norm_2d import register_class
+
+    class LayerNorm2d(torch.nn.Module):  # segment_anything/modeling/common.py, verbatim
+        def __init__(self, num_channels: int, eps: float = 1e-6) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(num_channels))
+            self.bias = torch.nn.Parameter(torch.zeros(num_channels))
+            self.eps = eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            u = x.mean(1, keepdim=True)
+            s = (x - u).pow(2).mean(1, keepdim=True)
+            x = (x - u) / torch.sqrt(s + self.eps)
+            x = self.weight[:, None, None] * x + self.bias[:, None, None]
+            return x
+
+    class Shifted(LayerNorm2d):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    assert register_class(LayerNorm2d) and not register_class(Shifted)
+    stock = LayerNorm2d(C)
+    slim = slimgrad.convert(stock)
+    x = torch.randn(N, C, H, W)
+    xs, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stock(xs).sum().backward()
+    slim(xm).sum().backward()
+    assert_same(xm.grad, xs.grad, what="input grad")
+    assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
+
+
+def test_formula_under_autocast_and_checkpoint():
+    stock = VitDetLayerNorm(C)
+    slim = _swap(stock)
+    base = torch.randn(N, C, H, W)
+    results = []
+    for module, reentrant in ((stock, None), (slim, None), (slim, True), (slim, False)):
+        module.zero_grad()
+        x = base.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x) if reentrant is None else torch.utils.checkpoint.checkpoint(module, x,
+                                                                                         use_reentrant=reentrant)
+        y.float().sum().backward()
+        results.append((y, x.grad, module.weight.grad.clone()))
+    for y, gx, gw in results[1:]:
+        assert_same(y, results[0][0], what="output")
+        assert_same(gx, results[0][1], what="input grad")
+        assert_same(gw, results[0][2], what="weight grad")
 
 
 def test_functional_form():
@@ -95,7 +154,7 @@ def test_converted_in_a_model_and_by_source_only(monkeypatch):
     slim, report = slimgrad.convert(model, report=True)
     assert type(slim[0]) is REPLACEMENTS[ConvNextLayerNorm]
     assert type(slim[1]) is REPLACEMENTS[EomtLayerNorm2d]
-    assert type(slim[2]) is VitDetLayerNorm  # its own Python formula: not ours to replace
+    assert type(slim[2]) is REPLACEMENTS[VitDetLayerNorm]  # the Python formula, same source
     # a forward edited after verification is left alone and reported
     monkeypatch.setattr(EomtLayerNorm2d, "forward", lambda self, x: x)
     slim, report = slimgrad.convert(model, report=True)

@@ -8,7 +8,7 @@ from .cross_entropy import fused_linear_cross_entropy
 from .dropout import dropout, dropout1d, dropout2d, dropout3d
 from .gated import gated_activation
 from .hf_activations import gelu_new, gelu_python, quick_gelu
-from .layer_norm_2d import layer_norm_2d
+from .layer_norm_2d import layer_norm_2d, layer_norm_2d_formula
 from .lora import LoraAdapter, lora_linear
 from .norms import fused_add_rms_norm, group_norm, layer_norm, poly_norm, rms_norm, rms_norm_hf
 from .pooling import (
@@ -33,6 +33,7 @@ __all__ = [
     "gated_activation", "gelu_new", "gelu_python", "quick_gelu",
     "leaky_relu", "relu", "hardsigmoid", "hardtanh", "hardtanh_", "relu6", "threshold", "threshold_",
     "LoraAdapter", "lora_linear",
-    "fused_add_rms_norm", "group_norm", "layer_norm", "layer_norm_2d", "poly_norm", "rms_norm", "rms_norm_hf",
+    "fused_add_rms_norm", "group_norm", "layer_norm", "layer_norm_2d", "layer_norm_2d_formula",
+    "poly_norm", "rms_norm", "rms_norm_hf",
     "max_pool1d", "max_pool2d", "max_pool3d",
 ]
