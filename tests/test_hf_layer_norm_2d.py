@@ -160,3 +160,16 @@ def test_converted_in_a_model_and_by_source_only(monkeypatch):
     slim, report = slimgrad.convert(model, report=True)
     assert type(slim[1]) is EomtLayerNorm2d
     assert "changed after slimgrad verified its source" in str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["convnext-channels_first", "layernorm2d", "vitdet-formula"])
+def test_compile_fullgraph(name):
+    torch._dynamo.reset()
+    stock = _modules()[name]
+    slim = torch.compile(_swap(stock), fullgraph=True)
+    base = torch.randn(N, C, H, W)
+    xs, xm = base.clone().requires_grad_(), base.clone().requires_grad_()
+    stock(xs).sum().backward()
+    slim(xm).sum().backward()
+    assert_same(xm.grad, xs.grad, exact=False, rtol=1e-5, atol=1e-5, what="input grad")  # compiled kernels

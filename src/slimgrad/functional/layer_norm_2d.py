@@ -90,4 +90,8 @@ def layer_norm_2d_formula(input: torch.Tensor, weight: torch.Tensor, bias: torch
     if input.dim() != 4 or weight.shape != (input.shape[1],) or bias.shape != (input.shape[1],):
         raise ValueError(f"layer_norm_2d_formula: expected 'input' (N, C, H, W) and 'weight', 'bias' of shape (C,), "
                          f"got {tuple(input.shape)}, {tuple(weight.shape)}, {tuple(bias.shape)}")
+    if torch.compiler.is_compiling():
+        # The compiler decides what to keep by itself (and cannot trace autograd.grad inside a backward):
+        # give it the formula's own ops.
+        return _formula(input, weight, bias, eps)
     return LayerNorm2dFormulaFunction.apply(input, weight, bias, float(eps))
