@@ -243,16 +243,20 @@ def learn_from_use(producer, cell: UseCell) -> None:
     """Called from the producer's backward: fold this call's cell into what the next forward will use."""
     if torch.compiler.is_compiling():
         return
+    # Plain attributes, written to the instance dict: nn.Module.__setattr__'s parameter/buffer/module
+    # checks cost ~10 µs a write, several times per call.
+    state = producer.__dict__
     task = torch._C._current_graph_task_id()
-    if getattr(producer, "_slimgrad_task", None) != task:
-        producer._slimgrad_task = task
-        producer._slimgrad_uses_kept = False
+    if state.get("_slimgrad_task") != task:
+        state["_slimgrad_task"] = task
+        state["_slimgrad_uses_kept"] = False
 
         def publish():
-            producer._slimgrad_output_kept = producer._slimgrad_uses_kept
+            state["_slimgrad_output_kept"] = state["_slimgrad_uses_kept"]
 
         torch.autograd.Variable._execution_engine.queue_callback(publish)
-    producer._slimgrad_uses_kept = producer._slimgrad_uses_kept or cell.kept
+    if cell.kept:
+        state["_slimgrad_uses_kept"] = True
 
 
 def fast_kernel(family: str, tensor: torch.Tensor):

@@ -139,7 +139,8 @@ class _ReLUFunction(_common.Function):
             else:
                 gi = torch.where(mask, g, g * slope)
         else:
-            g = g.contiguous()
+            if not g.is_contiguous():
+                g = g.contiguous()
             gi = relu_mask.choose(g).backward(g, saved, slope)
         if perm is not None:
             gi = gi.permute(_inverse(perm))
@@ -191,7 +192,7 @@ def _module_forward(module, input, negative_slope):
     """Shared by the ReLU/LeakyReLU modules: keep the output instead of a mask when a consumer kept this
     module's output during the previous step (then it is shared, not extra); see the producer/consumer
     rule in ``_common``."""
-    keep_output = getattr(module, "_slimgrad_output_kept", False)
+    keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
     cell = UseCell()
     if (
         keep_output

@@ -106,6 +106,8 @@ def _grad_format(x: torch.Tensor, nd: int) -> torch.memory_format:
     """The memory format stock's backward kernels give the input gradient: the input's suggested one."""
     if nd == 1:
         x = x.unsqueeze(-2)  # 1-d runs as 2-d on x.unsqueeze(-2)
+    if x.is_contiguous():  # torch's suggest_memory_format pays ~25 µs of symbolic guards for this answer
+        return torch.contiguous_format
     return suggest_memory_format(x)
 
 

@@ -27,7 +27,8 @@ def _stock_keeps_what_we_keep(self, input) -> bool:
 def _conv_forward(self, input, nd: int):
     name = type(self).__name__
     if _stock_keeps_what_we_keep(self, input):
-        _common.note_input_kept(input)
+        if input.requires_grad:  # only an output that requires grad can have a producer to tell
+            _common.note_input_kept(input)
         return self._conv_forward(input, self.weight, self.bias)
     if self.padding_mode != "zeros":
         # As stock _conv_forward: F.pad with the module's reversed padding, then a conv with padding 0.
@@ -50,7 +51,8 @@ def _conv_forward(self, input, nd: int):
 
 def _conv_transpose_forward(self, input, output_size, nd: int):
     if _stock_keeps_what_we_keep(self, input):
-        _common.note_input_kept(input)
+        if input.requires_grad:
+            _common.note_input_kept(input)
         return _STOCK_TRANSPOSE[nd].forward(self, input, output_size)
     if self.padding_mode != "zeros":
         raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")

@@ -48,7 +48,7 @@ def _bwd(g, packed, gi, scale, zero):
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().reshape(-1).numpy()
+    return t.detach().numpy().reshape(-1)  # numpy's reshape of a contiguous array: cheaper than torch's
 
 
 class NumbaDropoutBits:

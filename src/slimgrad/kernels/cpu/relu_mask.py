@@ -110,7 +110,7 @@ def _leaky_bwd(g, packed, gi, slope):
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().reshape(-1).numpy()
+    return t.detach().numpy().reshape(-1)  # numpy's reshape of a contiguous array: cheaper than torch's
 
 
 class NumbaReluMask:
