@@ -579,7 +579,9 @@ def audit(model: nn.Module, *args, loss_fn: Callable | None = None, case: str | 
     runs = {"stock": _Run(stock, units, True), "slim": _Run(slim, units, False)}
     for name, m in (("stock", stock), ("slim", slim)):
         runs[name].run(step(m))
-    peaks = {name: (peak_bytes(lambda m=m: step(m)().backward()) if measure_peak else 0)
+    # peak_bytes picks CPU or CUDA accounting from its tensor arguments: hand it the first input tensor
+    where = next((t for t in _pytree.tree_leaves((args, forward_kwargs)) if isinstance(t, torch.Tensor)), None)
+    peaks = {name: (peak_bytes(lambda _device, m=m: step(m)().backward(), where) if measure_peak else 0)
              for name, m in (("stock", stock), ("slim", slim))}
     return _assemble(stock, fold, units, runs["stock"], runs["slim"], peaks, case)
 

@@ -143,12 +143,19 @@ def _torch_rms_norm(m, x, y, x_grad):
     return _rms(x, x_grad, _needs(m.weight), dims, x.element_size(), x.element_size(), _stat_size(x))
 
 
+_STYLES: dict[type, str | None] = {}
+
+
 def _hf_rms_style(m) -> str | None:
-    try:
-        from .integrations import hf_norms
-    except ImportError:  # transformers missing
-        return None
-    return hf_norms._style_of(_stock(type(m)))
+    """The casting style slimgrad's converter recognised in this RMSNorm class's forward source (cached)."""
+    kind = _stock(type(m))
+    if kind not in _STYLES:
+        try:
+            from .integrations import hf_norms
+        except ImportError:  # transformers missing
+            return None
+        _STYLES[kind] = hf_norms._style_of(kind)
+    return _STYLES[kind]
 
 
 def _hf_rms_norm(m, x, y, x_grad):
