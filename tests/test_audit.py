@@ -427,7 +427,26 @@ def test_cli_factory_with_keyword_inputs(tmp_path):
         assert "lin" in result.stdout and "total" in result.stdout
 
 
-def test_cli_bad_inputs_end_in_one_line_with_code_2(tmp_path):
+def _main(*args, capsys):
+    """``python -m slimgrad ...`` in this process (a subprocess per bad input costs a torch import each):
+    the exit code, and stderr's lines. A traceback would escape main() and fail the test."""
+    from slimgrad.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def _one_line_main(*args, capsys, needle):
+    code, err = _main(*args, capsys=capsys)
+    errors = [line for line in err.splitlines() if not line.startswith("[")]
+    assert code == 2, err
+    assert len(errors) == 1 and needle in errors[0], err
+
+
+def test_cli_bad_inputs_end_in_one_line_with_code_2(tmp_path, monkeypatch, capsys):
     (tmp_path / "bad_models.py").write_text(
         "import torch\n"
         "def nothing():\n"
@@ -446,26 +465,26 @@ def test_cli_bad_inputs_end_in_one_line_with_code_2(tmp_path):
         "VALUE = 3\n"
     )
     (tmp_path / "broken_module.py").write_text("raise RuntimeError('cannot import me')\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    _one_line_error(_cli("audit", "--factory", "bad_models:nothing", env=env), "--factory must return")
-    _one_line_error(_cli("audit", "--factory", "bad_models:not_a_model", env=env), "--factory must return")
-    _one_line_error(_cli("audit", "--factory", "bad_models:crashes_in_forward", env=env), "KeyError")
-    _one_line_error(_cli("audit", "--factory", "bad_models:int_input", "--case", "input", env=env),
-                    "floating-point input")
-    _one_line_error(_cli("audit", "--factory", "bad_models:no_norm", "--case", "norm", env=env),
-                    "no normalisation layer")
-    _one_line_error(_cli("audit", "--factory", "bad_models:VALUE", env=env), "not a function")
-    _one_line_error(_cli("audit", "--factory", "bad_models:missing", env=env), "AttributeError")
-    _one_line_error(_cli("audit", "--factory", "broken_module:x", env=env), "cannot import me")
-    _one_line_error(_cli("audit", "--json", str(tmp_path / "no" / "dir.json")), "does not exist")
-    _one_line_error(_cli("audit", "--plot", str(tmp_path)), "is a directory")
-    _one_line_error(_cli("audit", "--seq-len", "0"), "--seq-len")
-    _one_line_error(_cli("audit", "--case", "nope"), "invalid choice")
-    _one_line_error(_cli("audit", "--hf", "nope"), "invalid choice")
-    _one_line_error(_cli("audit", "--dtype", "int8"), "invalid choice")
-    _one_line_error(_cli("audit", "--model", "resnet18", "--hf", "bert"), "not allowed with")
-    _one_line_error(_cli("audit", "--batch-size", "x"), "invalid int value")
-    _one_line_error(_cli("nope"), "invalid choice")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _one_line_main("audit", "--factory", "bad_models:nothing", capsys=capsys, needle="--factory must return")
+    _one_line_main("audit", "--factory", "bad_models:not_a_model", capsys=capsys, needle="--factory must return")
+    _one_line_main("audit", "--factory", "bad_models:crashes_in_forward", capsys=capsys, needle="KeyError")
+    _one_line_main("audit", "--factory", "bad_models:int_input", "--case", "input", capsys=capsys,
+                   needle="floating-point input")
+    _one_line_main("audit", "--factory", "bad_models:no_norm", "--case", "norm", capsys=capsys,
+                   needle="no normalisation layer")
+    _one_line_main("audit", "--factory", "bad_models:VALUE", capsys=capsys, needle="not a function")
+    _one_line_main("audit", "--factory", "bad_models:missing", capsys=capsys, needle="AttributeError")
+    _one_line_main("audit", "--factory", "broken_module:x", capsys=capsys, needle="cannot import me")
+    _one_line_main("audit", "--json", str(tmp_path / "no" / "dir.json"), capsys=capsys, needle="does not exist")
+    _one_line_main("audit", "--plot", str(tmp_path), capsys=capsys, needle="is a directory")
+    _one_line_main("audit", "--seq-len", "0", capsys=capsys, needle="--seq-len")
+    _one_line_main("audit", "--case", "nope", capsys=capsys, needle="invalid choice")
+    _one_line_main("audit", "--hf", "nope", capsys=capsys, needle="invalid choice")
+    _one_line_main("audit", "--dtype", "int8", capsys=capsys, needle="invalid choice")
+    _one_line_main("audit", "--model", "vgg11", "--hf", "bert", capsys=capsys, needle="not allowed with")
+    _one_line_main("audit", "--batch-size", "x", capsys=capsys, needle="invalid int value")
+    _one_line_main("nope", capsys=capsys, needle="invalid choice")
 
 
 @pytest.mark.slow
