@@ -38,8 +38,8 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def lora_config():
-    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+def lora_config(dropout=0.0):
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS)
 
 
 def dataset():
@@ -170,7 +170,13 @@ def test_callback_warns_when_nothing_converts(caplog):
 
 
 @pytest.mark.slow
-def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path):
+@pytest.mark.parametrize("lora_dropout", [0.0, pytest.param(0.1, marks=pytest.mark.xfail(strict=True, reason=(
+    "slimgrad's 'bits' dropout draws stock's mask but can leave the default generator in another state than "
+    "stock's (seen for slimgrad.functional.dropout on a 4x16 input, and after one LoRA layer of a tiny Llama), "
+    "so later masks differ: step 0 is equal, later steps differ by ~1e-3")))])
+def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path, lora_dropout):
+    """With lora_dropout > 0 both runs should draw the same masks: the trainer seeds both alike, and slimgrad's
+    CPU dropout policy ("bits") draws peft's own mask from the default generator."""
     trl = pytest.importorskip("trl")
 
     class RecordingSFT(trl.SFTTrainer):
@@ -184,7 +190,8 @@ def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path):
 
     def run(name, callbacks):
         config = trl.SFTConfig(**training_args(tmp_path, name), gradient_checkpointing=True)
-        trainer = RecordingSFT(model=tiny_llama(), args=config, train_dataset=data, peft_config=lora_config(),
+        trainer = RecordingSFT(model=tiny_llama(), args=config, train_dataset=data,
+                               peft_config=lora_config(lora_dropout),
                                processing_class=tiny_tokenizer(), callbacks=callbacks)
         trainer.train()
         return trainer
