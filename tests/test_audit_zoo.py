@@ -144,16 +144,27 @@ FAST = [cnn("resnet18"), llama, bert, t5, gpt2, vit, resnet, mobilenet, convnext
 SLOW = [cnn("vgg11"), cnn("convnext"), cnn("vit"), unet, vae, llama_bf16, phi3]
 
 
-def check(model, args, kwargs, case):
+_MASKED = {"ReLU", "LeakyReLU", "ReLU6", "Hardtanh", "Threshold", "Hardsigmoid"}
+
+
+def _known_mask_excess(r) -> bool:
+    """README's documented limit: a slimgrad ReLU whose consumer is not a slimgrad layer (Flatten, Linear)
+    never learns that the consumer keeps its output, so it keeps its 1-bit mask on top of it."""
+    return r.type_name in _MASKED and r.slim_kinds and all(k.startswith("mask") for k in r.slim_kinds)
+
+
+def check(model, args, kwargs, case, allow_mask_excess=False):
     torch.manual_seed(0)
     report = audit(model, *args, case=case, measure_peak=False, **kwargs)
     where = f"case {case}"
     for r in report.rows:
         assert r.min_bytes <= r.slim + TOLERANCE, (where, r)
-        assert r.slim <= r.stock + TOLERANCE, (where, r)
+        if not (allow_mask_excess and _known_mask_excess(r)):
+            assert r.slim <= r.stock + TOLERANCE, (where, r)
     assert report.min_total == sum(r.min_bytes for r in report.rows)
     assert report.min_total <= report.slim_total + report.slim_hidden_total
-    assert report.slim_total + report.slim_hidden_total <= report.stock_total + report.stock_hidden_total
+    excess = sum(r.slim for r in report.rows if allow_mask_excess and _known_mask_excess(r))
+    assert report.slim_total + report.slim_hidden_total <= report.stock_total + report.stock_hidden_total + excess
 
     # totals: an independent count, by saved-tensor hooks around plain forwards of the same two copies
     torch.manual_seed(0)
@@ -276,3 +287,44 @@ def test_lora_on_a_view_keeps_no_more_than_stock():
     (pooler,) = [r for r in report.rows if r.path.endswith("pooler.dense")]
     assert pooler.todo > 0  # the audit sees it: more than the minimum...
     assert pooler.slim <= pooler.stock  # ...and more than stock
+
+
+# -- random stacks of the layers slimgrad converts: the rules hold on combinations nobody wrote down --------
+# minimum <= slimgrad everywhere; slimgrad <= stock everywhere except the documented ReLU-mask limit, where
+# slimgrad's row may exceed stock's by that mask (1 bit per element) and nothing else.
+
+_LAYERS = {
+    "conv": lambda c: torch.nn.Conv2d(c, c, 3, padding=1),
+    "conv_reflect": lambda c: torch.nn.Conv2d(c, c, 3, padding=1, padding_mode="reflect"),
+    "bn": lambda c: torch.nn.BatchNorm2d(c),
+    "gn": lambda c: torch.nn.GroupNorm(2, c),
+    "relu": lambda c: torch.nn.ReLU(),
+    "relu_inplace": lambda c: torch.nn.ReLU(inplace=True),
+    "leaky": lambda c: torch.nn.LeakyReLU(0.1),
+    "relu6": lambda c: torch.nn.ReLU6(),
+    "silu": lambda c: torch.nn.SiLU(),
+    "tanh": lambda c: torch.nn.Tanh(),
+    "dropout": lambda c: torch.nn.Dropout(0.3),
+    "dropout2d": lambda c: torch.nn.Dropout2d(0.3),
+    "maxpool": lambda c: torch.nn.MaxPool2d(3, stride=1, padding=1),
+    "avgpool": lambda c: torch.nn.AvgPool2d(3, stride=1, padding=1),
+    "identity": lambda c: torch.nn.Identity(),
+}
+
+
+def test_random_stacks_every_case():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=16, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.sampled_from(sorted(_LAYERS)), min_size=1, max_size=6),
+                      st.sampled_from([c for c in AUDIT_CASES if c != "lora"]))
+    def stack_holds(names, case):
+        torch.manual_seed(0)
+        layers = [torch.nn.Conv2d(3, 4, 1)] + [_LAYERS[n](4) for n in names]
+        if case == "norm" and not any(n in ("bn", "gn") for n in names):
+            layers.append(torch.nn.BatchNorm2d(4))
+        model = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+        check(model, (torch.randn(2, 3, 6, 6),), {}, case, allow_mask_excess=True)
+
+    stack_holds()
