@@ -259,6 +259,8 @@ def _chunked(self, head: _Head, arguments, extra, softcap, return_dict):
 
 
 def _forward(self, *args, **kwargs):
+    # Takes anything and binds with the stock signature itself (_plan); register_forward gives each class's
+    # copy of it the stock forward's signature, so Trainer's column dropping sees the stock parameters.
     stock = ORIGINALS[type(self)]
     plan = _plan(self, stock, args, kwargs)
     if plan is None:
