@@ -34,16 +34,21 @@ def _forward_kernel(X, OUT, PACKED, numel, nbytes, slope, LEAKY: tl.constexpr, B
         out = tl.where(bit, x, (xf * slope).to(x.dtype))
     else:
         # CUDA's stock relu: x <= 0 gives +0 (-0.0 too, unlike the CPU kernel, which passes -0.0), NaN passes.
-        # Selected on the integer bits: a float select against zero is folded into a max instruction on the
-        # GPU, which returns the hardware's canonical NaN (0x7FFFFFFF) instead of the input's NaN (seen on an
-        # H100: stock keeps the input's NaN bits).
+        # Decided and selected on the integer bits alone. A float compare-and-select against zero is folded
+        # into a max instruction on the GPU, which returns the hardware's canonical NaN (0x7FFFFFFF) where
+        # stock keeps the input's NaN bits (seen on an H100, even with the select done on bitcast integers).
+        # Kept: positive non-zero patterns (x > 0, +inf, positive NaNs) and negative NaNs.
         if X.dtype.element_ty.primitive_bitwidth == 32:
             xi = x.to(tl.int32, bitcast=True)
-            out = tl.where(xf <= 0, tl.zeros_like(xi), xi).to(X.dtype.element_ty, bitcast=True)
+            nan_neg = (xi < 0) & ((xi & 0x7FFFFFFF) > 0x7F800000)
+        elif X.dtype.element_ty == tl.bfloat16:
+            xi = x.to(tl.int16, bitcast=True)
+            nan_neg = (xi < 0) & ((xi & 0x7FFF) > 0x7F80)
         else:
             xi = x.to(tl.int16, bitcast=True)
-            out = tl.where(xf <= 0, tl.zeros_like(xi), xi).to(X.dtype.element_ty, bitcast=True)
-        bit = (xf > 0) | (xf != xf)  # out != 0: positives and NaN
+            nan_neg = (xi < 0) & ((xi & 0x7FFF) > 0x7C00)
+        bit = (xi > 0) | nan_neg  # out != 0: positives and NaN
+        out = (xi & tl.where(bit, -1, 0).to(xi.dtype)).to(X.dtype.element_ty, bitcast=True)
     tl.store(OUT + offs, out, mask=mask)
     bits = (mask & bit).to(tl.int32)
     weights = (1 << tl.arange(0, 8)).to(tl.int32)
