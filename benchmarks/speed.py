@@ -52,37 +52,37 @@ def _image_case(model, case, batch, size, channels=3, logits=True):
 def cnn(name, case):
     from slimgrad.models import build_model
 
-    return _image_case(build_model(name, num_classes=10, width_scale=0.5), case, 4, 32, logits=False)
+    return _image_case(build_model(name, num_classes=10), case, 8, 64, logits=False)
 
 
 def hf_resnet(case):
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    cfg = ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], layer_type="basic",
+    cfg = ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2], layer_type="basic",
                        num_labels=10)
-    return _image_case(ResNetForImageClassification(cfg), case, 4, 32)
+    return _image_case(ResNetForImageClassification(cfg), case, 8, 64)
 
 
 def hf_mobilenet(case):
     from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
 
-    cfg = MobileNetV2Config(image_size=32, depth_multiplier=0.5, num_labels=10)
-    return _image_case(MobileNetV2ForImageClassification(cfg), case, 4, 32)
+    cfg = MobileNetV2Config(image_size=64, num_labels=10)
+    return _image_case(MobileNetV2ForImageClassification(cfg), case, 8, 64)
 
 
 def hf_convnext(case):
     from transformers import ConvNextConfig, ConvNextForImageClassification
 
-    cfg = ConvNextConfig(hidden_sizes=[24, 48, 96, 192], depths=[1, 1, 2, 1], num_labels=10, image_size=64)
-    return _image_case(ConvNextForImageClassification(cfg), case, 4, 64)
+    cfg = ConvNextConfig(hidden_sizes=[48, 96, 192, 384], depths=[1, 1, 3, 1], num_labels=10, image_size=64)
+    return _image_case(ConvNextForImageClassification(cfg), case, 8, 64)
 
 
 def hf_vit(case):
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = ViTConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512,
+    cfg = ViTConfig(hidden_size=192, num_hidden_layers=6, num_attention_heads=3, intermediate_size=768,
                     image_size=64, patch_size=8, num_labels=10)
-    return _image_case(ViTForImageClassification(cfg), case, 4, 64)
+    return _image_case(ViTForImageClassification(cfg), case, 8, 64)
 
 
 def _lora(model, targets, dropout):
