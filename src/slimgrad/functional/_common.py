@@ -140,6 +140,20 @@ def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def compile_distinct(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself in eager; under torch.compile a view of it, a node of its own in the traced graph.
+
+    Inductor's layout optimisation (always on for CPU with mkldnn, a heuristic on CUDA) rewrites a graph input
+    that feeds a convolution into a channels-last copy, and when the same input is also saved for backward
+    the forward graph returns that copy as the saved value: every frozen conv weight then costs a weight-sized
+    activation (measured: 0.66 MiB on a width-8 ResNet-18 at 4x3x64², 35x what eager keeps). Feeding the
+    convolution a view instead confines the copy to the forward; the saved value stays the parameter itself.
+    """
+    if torch.compiler.is_compiling():
+        return t.as_strided(t.shape, t.stride())
+    return t
+
+
 def standin(shape, like: torch.Tensor) -> torch.Tensor:
     """A zero-stride tensor of ``shape`` backed by a single element.
 

@@ -98,10 +98,12 @@ class _ConvFunction(_common.Function):
             xp = F.pad(xp, pad, mode=pad_mode)
         if cast_dtype is not None:
             xp = xp.to(cast_dtype)
+        w = _common.compile_distinct(weight)
         if transposed:
-            out = _CONV_T[nd](xp, weight, bias, stride, padding, output_padding, groups, dilation)
+            out = _CONV_T[nd](xp, w, bias, stride, padding, output_padding, groups, dilation)
         else:
-            out = _CONV[nd](xp, weight, bias, stride, padding, dilation, groups)
+            out = _CONV[nd](xp, w, bias, stride, padding, dilation, groups)
+        del w
 
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if need_w:
@@ -198,7 +200,13 @@ def _pad_backward(dxp, pad, pad_mode, nd):
 def stock_keeps_weight_for_free(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Stock keeps the weight even when X needs no grad (we would not). That costs nothing when the
     weight is a leaf the caller holds anyway; it costs a weight-sized tensor when it is a temporary (a
-    computed weight, or autocast's cast copy)."""
+    computed weight, or autocast's cast copy).
+
+    Never under torch.compile: there stock's conv would have inductor save a channels-last copy of the weight
+    (layout optimisation), while the Function feeds the convolution a distinct view of it
+    (``_common.compile_distinct``) and saves the parameter itself."""
+    if torch.compiler.is_compiling():
+        return False
     return x.requires_grad or (weight.is_leaf and not _common.autocast_enabled(x.device.type))
 
 
