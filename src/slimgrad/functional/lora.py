@@ -201,7 +201,11 @@ class LoraLinearFunction(_common.Function):
             del g_u
             if need_a:
                 if xa is None:
-                    xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
+                    xa = x
+                    if cast and x.dtype != A.dtype:
+                        # Under torch.compile, a cast of a view: a node CSE cannot merge with forward's cast,
+                        # which the partitioner would then save (in the adapters' dtype: fp32 copies of x).
+                        xa = _rows(x).to(A.dtype).view(x.shape) if torch.compiler.is_compiling() else x.to(A.dtype)
                 if seeded is not None:
                     dropped = seeded[0].forward(xa.contiguous(), p, seeded[1], False)
                 elif noise is None:
