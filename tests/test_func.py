@@ -1,0 +1,163 @@
+"""torch.func on converted models: ``grad``, ``vmap``, ``jacrev`` and ``functional_call`` give stock's numbers.
+
+Under a transform each slimgrad Function runs its stock computation (``slimgrad.functional._func_stock``):
+the same kernels or the reference formulas, so results equal stock's, and stock's memory. Tested per family,
+for per-sample gradients (``vmap(grad(loss))``, the DP-SGD recipe) and input gradients on a converted CNN
+and on an LLM block with peft LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests._util import assert_same
+from torch import nn
+from torch.func import functional_call, grad, jacrev, vmap
+
+import slimgrad
+from slimgrad.functional import fused_linear_cross_entropy, gated_activation
+from slimgrad.functional.hf_activations import gelu_new
+from slimgrad.models.cnn import build_model
+
+FAMILIES = {
+    "conv": (lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 6, 6)),
+    "conv-reflect-frozen": (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect").requires_grad_(False),
+                            (3, 6, 6)),
+    "conv-transpose": (lambda: nn.ConvTranspose2d(3, 4, 2, stride=2), (3, 6, 6)),
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3), (3, 8)),
+    "bn-eval": (lambda: nn.BatchNorm2d(3).eval(), (3, 6, 6)),
+    "relu": (lambda: nn.ReLU(), (3, 6, 6)),
+    "leaky-relu": (lambda: nn.LeakyReLU(0.1), (3, 6, 6)),
+    "max-pool": (lambda: nn.MaxPool2d(3, 2, 1), (3, 6, 6)),
+    "avg-pool": (lambda: nn.AvgPool2d(2), (3, 6, 6)),
+    "adaptive-int": (lambda: nn.AdaptiveAvgPool2d(2), (3, 6, 6)),
+    "layer-norm": (lambda: nn.LayerNorm(6), (3, 6)),
+    "group-norm": (lambda: nn.GroupNorm(1, 3), (3, 6, 6)),
+    "rms-norm": (lambda: nn.RMSNorm(6), (3, 6)),
+}
+
+
+def _loss_fn(model):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def loss(p, x):
+        out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
+        return out.square().sum()
+
+    return params, loss
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_grad_vmap_jacrev(name):
+    """Per-sample parameter gradients (vmap over grad of functional_call), input gradients (grad) and a
+    Jacobian (jacrev): converted equals stock, bitwise where stock's own kernels run."""
+    make, shape = FAMILIES[name]
+    torch.manual_seed(0)
+    stock = make()
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn((4,) + shape)
+    results = []
+    for model in (stock, slim):
+        params, loss = _loss_fn(model)
+        per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x) if params else {}
+        input_grad = vmap(grad(loss, argnums=1), in_dims=(None, 0))(params, x)
+        jac = jacrev(lambda xx, m=model: m(xx.unsqueeze(0)).sum(0))(x[0])
+        results.append((per_sample, input_grad, jac))
+    (ps_s, ig_s, j_s), (ps_m, ig_m, j_m) = results
+    assert ps_m.keys() == ps_s.keys()
+    for k in ps_s:
+        assert_same(ps_m[k], ps_s[k], what=f"per-sample grad {k}")
+    assert_same(ig_m, ig_s, what="input grad")
+    assert_same(j_m, j_s, what="jacobian")
+
+
+def test_functional_families_under_grad():
+    """Gated MLP activation, transformers' formula activations and the chunked loss: torch.func.grad equals
+    autograd on the same slimgrad call outside any transform (and the stock formula)."""
+    torch.manual_seed(0)
+    gate, up, h = torch.randn(4, 8), torch.randn(4, 8), torch.randn(5, 8)
+    w, target = torch.randn(11, 8), torch.randint(0, 11, (5,))
+
+    def f(g, u, hh, ww):
+        return (gated_activation(g, u, "silu").sum() + gelu_new(g).square().sum()
+                + fused_linear_cross_entropy(hh, ww, target, chunk_size=2))
+
+    got = grad(f, argnums=(0, 1, 2, 3))(gate, up, h, w)
+    leaves = [t.clone().requires_grad_() for t in (gate, up, h, w)]
+    f(*leaves).backward()
+    for i, (a, b) in enumerate(zip(got, leaves)):
+        assert_same(a, b.grad, exact=False, rtol=1e-5, atol=1e-6, what=f"argument {i}")
+
+
+def test_per_sample_gradients_of_a_converted_cnn():
+    """DP-SGD's recipe on a converted ResNet (batch norm in eval, as per-sample training requires, frozen
+    stem): per-sample gradients and input gradients equal stock's."""
+    torch.manual_seed(0)
+    stock = build_model("resnet18", width_scale=0.125, num_classes=3).eval()
+    stock.conv1.requires_grad_(False)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 2, 1])
+    out = []
+    for model in (stock, slim):
+        params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+        frozen = {k: v for k, v in model.named_parameters() if not v.requires_grad}
+        buffers = dict(model.named_buffers())
+
+        def loss(p, xi, yi, m=model, fz=frozen, bf=buffers):
+            logits = functional_call(m, ({**p, **fz}, bf), (xi.unsqueeze(0),))
+            return nn.functional.cross_entropy(logits, yi.unsqueeze(0))
+
+        per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+        input_grad = vmap(grad(loss, argnums=1), in_dims=(None, 0, 0))(params, x, y)
+        out.append((per_sample, input_grad))
+    for k in out[0][0]:
+        assert_same(out[1][0][k], out[0][0][k], exact=False, rtol=1e-5, atol=1e-6, what=k)
+    assert_same(out[1][1], out[0][1], exact=False, rtol=1e-5, atol=1e-6, what="input grad")
+
+
+def test_per_sample_gradients_of_an_llm_block_with_lora():
+    """An RMSNorm + gated MLP block (Hugging Face Llama classes) with peft LoRA adapters, converted: per-sample
+    gradients of the adapters and input gradients equal stock's."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=24, num_attention_heads=4)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.mlp = LlamaRMSNorm(16), LlamaMLP(cfg)
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    torch.manual_seed(0)
+    stock = peft.get_peft_model(Block(), peft.LoraConfig(r=2, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                                         init_lora_weights=False))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    assert any(type(m).__module__.startswith("slimgrad") for m in slim.modules())
+    x = torch.randn(3, 5, 16)
+    out = []
+    for model in (stock, slim):
+        params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+        frozen = {k: v for k, v in model.named_parameters() if not v.requires_grad}
+
+        def loss(p, xi, m=model, fz=frozen):
+            return functional_call(m, {**p, **fz}, (xi.unsqueeze(0),)).square().mean()
+
+        out.append((vmap(grad(loss), in_dims=(None, 0))(params, x), vmap(grad(loss, argnums=1), in_dims=(None, 0))(
+            params, x)))
+    for k in out[0][0]:
+        assert_same(out[1][0][k], out[0][0][k], exact=False, rtol=1e-5, atol=1e-6, what=k)
+    assert_same(out[1][1], out[0][1], exact=False, rtol=1e-5, atol=1e-6, what="input grad")
+
+
+def test_eager_outside_transforms_still_runs_the_functions():
+    """The fallback is only taken under a transform: a plain step still keeps slimgrad's bytes."""
+    slim = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2)).requires_grad_(False))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    assert slimgrad.saved_bytes(slim, x) == 2 * 4 * 3 * 3  # max pool's 1-byte positions only
