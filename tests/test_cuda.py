@@ -201,3 +201,13 @@ def test_frozen_norm_weight_has_no_dw_buffer_on_cuda():
     programs = -(-rows // per_program)  # the kernel's grid: one program per SM, fewer when rows divide so
     assert peaks[False] == dx, peaks  # dX alone (measured so on an H100)
     assert peaks[True] >= dx + programs * h * 4, peaks
+
+
+def test_peak_bytes_of_a_closure_measures_cuda():
+    """``peak_bytes(lambda: step())`` names no device; on a CUDA step it must report the GPU's peak, not the
+    CPU allocator's (which sees none of it: the LoRA benchmark printed 0.0 MiB before)."""
+    from slimgrad.measure import peak_bytes
+
+    torch.ones(1, device="cuda")  # CUDA in use, as in a training script
+    x = torch.randn(1024, 1024, device="cuda")
+    assert peak_bytes(lambda: (x * 2).sum()) >= 1024 * 1024 * 4

@@ -115,15 +115,27 @@ def saved_bytes(fn: Callable, *args, exclude: Iterable = (), **kwargs) -> int:
 def peak_bytes(fn: Callable, *args, **kwargs) -> int:
     """Peak bytes allocated above the starting level while ``fn(*args, **kwargs)`` runs.
 
-    On CUDA this is ``max_memory_allocated``; on CPU it replays the profiler's allocation records (every
+    On CUDA (a CUDA tensor among the arguments, or none at all while CUDA is in use and the step allocates
+    there) this is ``max_memory_allocated``; on CPU it replays the profiler's allocation records (every
     allocation and free, including those inside C++ kernels), so temporaries inside a backward kernel
     count. The result of ``fn`` is released before returning.
     """
     device = next(
         (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
-        torch.device("cpu"),
+        None,
     )
-    if device.type == "cuda":
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # A closure (``peak_bytes(lambda: step(model, batch))``) names no device: measure CUDA too and report it
+        # when the step allocated there (the CPU allocator records see none of a GPU step's tensors).
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.synchronize(cuda)
+        start = torch.cuda.memory_allocated(cuda)
+        torch.cuda.reset_peak_memory_stats(cuda)
+        cpu_peak = _cpu_peak(fn, *args, **kwargs)
+        torch.cuda.synchronize(cuda)
+        cuda_peak = torch.cuda.max_memory_allocated(cuda) - start
+        return cuda_peak if cuda_peak > 0 else cpu_peak
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -131,6 +143,10 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
         del out
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
+    return _cpu_peak(fn, *args, **kwargs)
+
+
+def _cpu_peak(fn: Callable, *args, **kwargs) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
