@@ -466,6 +466,8 @@ def test_cli_bad_inputs_end_in_one_line_with_code_2(tmp_path, monkeypatch, capsy
     )
     (tmp_path / "broken_module.py").write_text("raise RuntimeError('cannot import me')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    _one_line_main("demo", "--batch-size", "1", capsys=capsys, needle="--batch-size must be >= 2")
+    _one_line_main("audit", "--case", "all", "--batch-size", "1", capsys=capsys, needle="--batch-size must be >= 2")
     _one_line_main("audit", "--factory", "bad_models:nothing", capsys=capsys, needle="--factory must return")
     _one_line_main("audit", "--factory", "bad_models:not_a_model", capsys=capsys, needle="--factory must return")
     _one_line_main("audit", "--factory", "bad_models:crashes_in_forward", capsys=capsys, needle="KeyError")

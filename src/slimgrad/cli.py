@@ -241,6 +241,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or getattr(args, "image_size", 32) < 32 or getattr(args, "seq_len", 1) < 1:
         parser.error("--batch-size and --seq-len must be >= 1 and --image-size >= 32")
+    in_repo_cnn = args.command == "demo" or (args.command == "audit" and not getattr(args, "hf", None)
+                                             and not getattr(args, "factory", None)
+                                             and args.case != "input-bn-eval")
+    if in_repo_cnn and args.batch_size < 2:
+        parser.error("--batch-size must be >= 2 for the in-repo CNNs: their batch norms train, and batch norm "
+                     "in training mode needs more than one value per channel")
     try:
         return args.run(args)
     except UserError as e:
