@@ -36,7 +36,7 @@ def kept(model, x, compiled):
     return counter.bytes, out, xi.grad
 
 
-def check_family(stock, x, *, at_most_eager=True, slack=0):
+def check_family(stock, x, *, at_most_eager=True):
     torch._dynamo.reset()
     eager = slimgrad.convert(copy.deepcopy(stock))
     compiled = slimgrad.convert(copy.deepcopy(stock))
@@ -46,7 +46,7 @@ def check_family(stock, x, *, at_most_eager=True, slack=0):
     assert_same(out_c, out_s, exact=False, rtol=1e-4, atol=1e-5, what="compiled output vs stock eager")
     assert_same(g_c, g_s, exact=False, rtol=1e-4, atol=1e-5, what="compiled input grad vs stock eager")
     if at_most_eager:
-        assert b_comp <= RATIO * b_eager + slack, f"compiled keeps {b_comp} bytes, eager {b_eager}"
+        assert b_comp <= RATIO * b_eager, f"compiled keeps {b_comp} bytes, eager {b_eager}"
     return b_eager, b_comp
 
 
@@ -55,7 +55,8 @@ def _frozen(model):
 
 
 def test_conv_frozen_and_trainable():
-    """Frozen convs (input needs grad) keep no weight copies; trainable ones keep what eager keeps."""
+    """Frozen convs (input needs grad) keep no weight copies; trainable ones keep what eager keeps (the
+    reflect-padded conv used to keep its padded input under compile: 36,992 vs 34,816 bytes here)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
                         nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"))
@@ -85,9 +86,7 @@ def test_batch_norm_eval_and_train():
     norm_only = copy.deepcopy(net).requires_grad_(False)
     for m in (norm_only[1], norm_only[4]):
         m.requires_grad_(True)
-    # measured: 36,992 vs 34,816 bytes here (the partitioner's own choice around the batch statistics, a
-    # constant per layer: on the ResNet-18-like "norm" case compiled keeps less than eager, 0.402 vs 0.410 MiB)
-    check_family(norm_only, x, slack=4096)
+    check_family(norm_only, x)
 
 
 def test_norms_and_gated():

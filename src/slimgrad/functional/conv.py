@@ -161,7 +161,9 @@ class _ConvFunction(_common.Function):
 
         if need_w or need_b:
             if need_w:
-                xp = x
+                # Under torch.compile, pad/cast a view of x: nodes CSE cannot merge with forward's, which the
+                # partitioner would then save (the padded or cast copy) instead of redoing them from x.
+                xp = _common.compile_distinct(x)
                 if pad is not None:
                     xp = F.pad(xp, pad, mode=pad_mode)
                 if cast_dtype is not None:

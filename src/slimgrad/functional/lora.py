@@ -159,7 +159,11 @@ class LoraLinearFunction(_common.Function):
         # come after the adapters' (the order stock's engine runs them in), so that the peak over backward
         # stays at or below stock's, whose engine frees each intermediate gradient after its last use.
 
-        last_g = min((i for i in range(n) if any(need[7 + 3 * i: 10 + 3 * i]) or need_x), default=-1)
+        last_g = -1  # the first adapter needing g (a loop: dynamo cannot trace min() over a generator)
+        for i in range(n):
+            if need_x or any(need[7 + 3 * i: 10 + 3 * i]):
+                last_g = i
+                break
         xa = None
         dxa = None
         seed_index = [0] * n
