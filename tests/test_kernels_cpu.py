@@ -156,3 +156,32 @@ def test_torch_preference_chooses_the_references():
             assert kernels.choose(family, x).name == "numba"
         assert kernels.choose(relu_mask.FAMILY, x.bfloat16()).name == "numba"
         assert kernels.choose(max_pool.FAMILY, x.bfloat16()).name == "torch"
+
+
+def test_loading_a_kernel_never_moves_the_default_generator():
+    """Loading (compiling or reading the cache of) a CPU kernel runs it once on warm-up data. That data must not
+    come from the default generator: the first dropout call of a run would otherwise leave the generator in
+    another state than stock's, and every later mask would differ (seen in TRL SFT with lora_dropout=0.1)."""
+    pytest.importorskip("numba")
+    from slimgrad.kernels.cpu import dropout as cpu_dropout
+    from slimgrad.kernels.cpu import max_pool as cpu_max_pool
+    from slimgrad.kernels.cpu import range_mask as cpu_range_mask
+    from slimgrad.kernels.cpu import relu_mask as cpu_relu_mask
+
+    makers = [cpu_dropout.NumbaDropoutBits, cpu_max_pool.NumbaMaxPoolPositions]
+    makers += [getattr(m, n) for m in (cpu_relu_mask, cpu_range_mask) for n in dir(m)
+               if n.startswith("Numba") and isinstance(getattr(m, n), type)]
+    for make in makers:
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        make()
+        assert torch.equal(torch.get_rng_state(), before), make.__name__
+
+
+def test_first_dropout_call_leaves_the_generator_as_stock_does():
+    x = torch.randn(4, 16)
+    torch.manual_seed(1)
+    expected_out, expected_state = F.dropout(x, 0.1), torch.get_rng_state()
+    torch.manual_seed(1)
+    out = dropout(x, 0.1, policy="bits")
+    assert torch.equal(out, expected_out) and torch.equal(torch.get_rng_state(), expected_state)

@@ -83,7 +83,7 @@ class NumbaMaxPoolPositions:
 
     def __init__(self):
         started = time.perf_counter()
-        x = torch.randn(1, 1, 4, 4)
+        x = torch.linspace(-1.0, 1.0, 16).reshape(1, 1, 4, 4)  # never the default generator
         out, pos = self.forward(x, (2, 2), (2, 2), (0, 0), (1, 1), False)
         self.backward(out, pos, x.shape, (2, 2), (2, 2), (0, 0), (1, 1), False)
         report_first_compile(started, "max_pool_positions")
