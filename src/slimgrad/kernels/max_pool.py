@@ -32,7 +32,7 @@ import torch
 
 from . import registry
 
-__all__ = ["FAMILY", "TorchMaxPoolPositions", "choose"]
+__all__ = ["FAMILY", "TorchMaxPoolPositions", "choose", "output_size"]
 
 FAMILY = "max_pool_positions"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -69,6 +69,15 @@ class TorchMaxPoolPositions:
         op = P._MAX_BACKWARD[max(nd, 2)]
         grad = op(grad_out, P.standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
         return grad.squeeze(-2) if nd == 1 else grad
+
+
+def output_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """Stock's ``pooling_output_shape`` for one spatial dimension (shared by the fast backends)."""
+    numerator = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)
+    out = numerator // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
 
 
 def _prod(values) -> int:

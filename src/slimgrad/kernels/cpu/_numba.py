@@ -32,6 +32,12 @@ def jit(fn):
     return numba.njit(cache=True, nogil=True, parallel=PARALLEL)(fn)
 
 
+def as_flat_numpy(t):
+    """A contiguous CPU tensor as a 1-D numpy view (numpy's reshape of a contiguous array is cheaper than
+    torch's)."""
+    return t.detach().numpy().reshape(-1)
+
+
 def report_first_compile(started: float, what: str) -> None:
     """Log, once per process, how long the first kernel took to load (compile or read from the cache)."""
     global _reported

@@ -15,6 +15,7 @@ import torch
 
 from slimgrad.kernels.dropout import BITS_TORCH
 
+from ._numba import as_flat_numpy as _np
 from ._numba import jit, prange, report_first_compile
 
 __all__ = ["NumbaDropoutBits"]
@@ -46,9 +47,6 @@ def _bwd(g, packed, gi, scale, zero):
         for j in range(m):
             gi[base + j] = g[base + j] * (scale if (byte >> j) & 1 else zero)
 
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy().reshape(-1)  # numpy's reshape of a contiguous array: cheaper than torch's
 
 
 class NumbaDropoutBits:

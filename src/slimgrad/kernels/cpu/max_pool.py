@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from slimgrad.kernels.max_pool import TORCH_IMPL
+from slimgrad.kernels.max_pool import output_size as _out_size
 
 from ._numba import jit, prange, report_first_compile
 
@@ -68,14 +69,6 @@ def _bwd2d(g, pos, gi, kw, sh, sw, ph, pw, dh, dw):
                 p = pos[c, oh, ow]
                 gi[c, h0 + (p // kw) * dh, w0 + (p % kw) * dw] += g[c, oh, ow]
 
-
-def _out_size(size, k, s, p, d, ceil_mode):
-    """Stock's ``pooling_output_shape``."""
-    numerator = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)
-    out = numerator // s + 1
-    if ceil_mode and (out - 1) * s >= size + p:
-        out -= 1
-    return out
 
 
 class NumbaMaxPoolPositions:

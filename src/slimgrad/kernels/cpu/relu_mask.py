@@ -19,6 +19,7 @@ import torch
 
 from slimgrad.kernels.relu_mask import TORCH_IMPL
 
+from ._numba import as_flat_numpy as _np
 from ._numba import jit, prange, report_first_compile
 
 __all__ = ["NumbaReluMask"]
@@ -89,9 +90,6 @@ def _leaky_bwd(g, packed, gi, slope):
             v = g[base + j]
             gi[base + j] = v if (byte >> j) & 1 else v * slope
 
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy().reshape(-1)  # numpy's reshape of a contiguous array: cheaper than torch's
 
 
 class NumbaReluMask:

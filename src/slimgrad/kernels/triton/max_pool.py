@@ -27,21 +27,13 @@ import math
 import torch
 import triton.language as tl
 
+from slimgrad.kernels.max_pool import output_size as _out_size
 from slimgrad.kernels.triton._jit import jit
 
 __all__ = ["backend", "forward", "backward"]
 
 backend = "triton"
 _BLOCK = 256
-
-
-def _out_size(size, k, s, p, d, ceil_mode):
-    """Stock's ``pooling_output_shape``."""
-    numer = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)
-    out = numer // s + 1
-    if ceil_mode and (out - 1) * s >= size + p:
-        out -= 1
-    return out
 
 
 def _as_2d(kernel, stride, padding, dilation):
