@@ -112,12 +112,8 @@ registry.register(SEED, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS,
 
 
 def choose_bits(x: torch.Tensor):
-    if torch.compiler.is_compiling():
-        return BITS_TORCH
-    return registry.choose(BITS, x) or BITS_TORCH
+    return registry.choose_or_reference(BITS, x, BITS_TORCH)
 
 
 def choose_seed(x: torch.Tensor):
-    if torch.compiler.is_compiling():
-        return SEED_TORCH
-    return registry.choose(SEED, x) or SEED_TORCH
+    return registry.choose_or_reference(SEED, x, SEED_TORCH)

@@ -94,6 +94,4 @@ registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOAT
 
 
 def choose(x: torch.Tensor):
-    if torch.compiler.is_compiling():
-        return TORCH_IMPL
-    return registry.choose(FAMILY, x) or TORCH_IMPL
+    return registry.choose_or_reference(FAMILY, x, TORCH_IMPL)

@@ -93,6 +93,4 @@ registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda", "meta"), dtype
 
 def choose(x: torch.Tensor):
     """The implementation for ``x`` (the torch reference while compiling: fast backends are eager-only)."""
-    if torch.compiler.is_compiling():
-        return TORCH_IMPL
-    return registry.choose(FAMILY, x) or TORCH_IMPL
+    return registry.choose_or_reference(FAMILY, x, TORCH_IMPL)

@@ -41,6 +41,7 @@ __all__ = [
     "PREFERENCES",
     "register",
     "choose",
+    "choose_or_reference",
     "get_preference",
     "set_preference",
     "preference",
@@ -205,6 +206,14 @@ def choose(family: str, tensor: torch.Tensor):
     impl = kernel.implementation() if kernel is not None else None
     _CACHE[key] = impl
     return impl
+
+
+def choose_or_reference(family: str, tensor: torch.Tensor, reference):
+    """The family's chosen implementation for ``tensor``, or ``reference`` (its torch implementation) while
+    ``torch.compile`` traces (the fast backends are eager-only) or when nothing fits."""
+    if torch.compiler.is_compiling():
+        return reference
+    return choose(family, tensor) or reference
 
 
 def implementations(family: str) -> list[Kernel]:
