@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import sys
 import textwrap
 
 from torch import nn
@@ -24,6 +23,7 @@ from torch import nn
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.layer_norm_2d import layer_norm_2d, layer_norm_2d_formula
 from slimgrad.functional.norms import layer_norm
+from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["REFERENCE_FORWARDS", "register_class", "register_loaded"]
 
@@ -127,17 +127,13 @@ def register_loaded() -> list[type]:
     """Register every channels-first LayerNorm of the transformers modeling modules imported so far whose
     forward matches a reference; returns the classes newly registered. Cheap to call again."""
     added = []
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("transformers.models.") or module is None:
+    for name, cls in loaded_transformers_classes():
+        # the name only narrows the search (as for the RMSNorms); the source decides
+        if cls in _checked or not (issubclass(cls, nn.LayerNorm) or "Norm" in name):
             continue
-        for name, cls in list(vars(module).items()):
-            # the name only narrows the search (as for the RMSNorms); the source decides
-            if (not isinstance(cls, type) or cls in _checked or cls.__module__ != module_name
-                    or not issubclass(cls, nn.Module) or not (issubclass(cls, nn.LayerNorm) or "Norm" in name)):
-                continue
-            _checked.add(cls)
-            if register_class(cls):
-                added.append(cls)
+        _checked.add(cls)
+        if register_class(cls):
+            added.append(cls)
     return added
 
 

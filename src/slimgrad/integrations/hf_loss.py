@@ -29,7 +29,6 @@ import ast
 import dataclasses
 import importlib
 import inspect
-import sys
 import textwrap
 
 import torch
@@ -38,6 +37,7 @@ from torch import nn
 
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.cross_entropy import fused_linear_cross_entropy
+from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["register_loaded"]
 
@@ -275,23 +275,18 @@ def register_loaded() -> list[type]:
     """Register every causal-LM class of an already imported transformers modeling module whose forward
     matches one of the known ones; returns the newly registered stock classes."""
     added = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith("transformers.models.") or ".modeling_" not in name:
+    for _, cls in loaded_transformers_classes():
+        if (cls in REPLACEMENTS or cls in _HEADS or cls in _REJECTED
+                or not (cls.__name__.endswith("ForCausalLM") or cls.__name__.endswith("LMHeadModel"))):
             continue
-        for cls in list(vars(mod).values()):
-            if (not isinstance(cls, type) or cls.__module__ != name or cls in REPLACEMENTS or cls in _HEADS
-                    or cls in _REJECTED
-                    or not (cls.__name__.endswith("ForCausalLM") or cls.__name__.endswith("LMHeadModel"))
-                    or not issubclass(cls, nn.Module)):
-                continue
-            head = _match(cls)
-            if head is None:
-                _REJECTED.add(cls)
-                continue
-            _HEADS[cls] = (head, inspect.signature(inspect.unwrap(cls.__dict__["forward"])))
-            register_forward(cls, _forward, module=__name__, unsupported_reason=_unsupported_reason,
-                             option="chunked_loss")
-            added.append(cls)
+        head = _match(cls)
+        if head is None:
+            _REJECTED.add(cls)
+            continue
+        _HEADS[cls] = (head, inspect.signature(inspect.unwrap(cls.__dict__["forward"])))
+        register_forward(cls, _forward, module=__name__, unsupported_reason=_unsupported_reason,
+                         option="chunked_loss")
+        added.append(cls)
     return added
 
 

@@ -20,7 +20,6 @@ import ast
 import functools
 import importlib
 import inspect
-import sys
 import textwrap
 
 from torch import nn
@@ -28,6 +27,7 @@ from torch import nn
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register, register_forward
 from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import gelu_new, gelu_python, quick_gelu
+from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["activation_kind", "register_loaded"]
 
@@ -267,12 +267,9 @@ def register_loaded() -> list[str]:
     """Register every MLP class with a known forward in the transformers modeling modules imported so
     far; returns the names of those newly registered."""
     added = []
-    for modname, mod in list(sys.modules.items()):
-        if not (modname.startswith("transformers.models.") and modname.rsplit(".", 1)[-1].startswith("modeling_")):
-            continue
-        for value in list(vars(mod).values()):
-            if isinstance(value, type) and value.__module__ == modname and _register_mlp(value):
-                added.append(value.__name__)
+    for _, cls in loaded_transformers_classes():
+        if _register_mlp(cls):
+            added.append(cls.__name__)
     return added
 
 

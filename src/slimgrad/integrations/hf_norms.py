@@ -11,13 +11,13 @@ keeps the list honest when transformers edits a copy, and covers new copies of a
 from __future__ import annotations
 
 import inspect
-import sys
 import textwrap
 
 from torch import nn
 
 from slimgrad._registry import REPLACEMENTS, register_forward
 from slimgrad.functional.norms import rms_norm_hf
+from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["REFERENCE_FORWARDS", "register_loaded"]
 
@@ -131,21 +131,17 @@ def register_loaded() -> list[type]:
     """Register every RMSNorm-like class of the transformers modeling modules imported so far whose
     forward matches a reference; returns the classes newly registered. Cheap to call again."""
     added = []
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("transformers.models.") or module is None:
+    for name, cls in loaded_transformers_classes():
+        if cls in _checked or not ("RMSNorm" in name or name == "T5LayerNorm"):
             continue
-        for name, cls in list(vars(module).items()):
-            if (not isinstance(cls, type) or cls in _checked or cls.__module__ != module_name
-                    or not issubclass(cls, nn.Module) or not ("RMSNorm" in name or name == "T5LayerNorm")):
-                continue
-            _checked.add(cls)
-            if cls in REPLACEMENTS:
-                continue
-            style = _style_of(cls)
-            if style is None:
-                continue
-            register_forward(cls, _FORWARDS[style], module=__name__, unsupported_reason=_unsupported_reason)
-            added.append(cls)
+        _checked.add(cls)
+        if cls in REPLACEMENTS:
+            continue
+        style = _style_of(cls)
+        if style is None:
+            continue
+        register_forward(cls, _FORWARDS[style], module=__name__, unsupported_reason=_unsupported_reason)
+        added.append(cls)
     return added
 
 
