@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["SavedTensors", "saved_bytes", "peak_bytes"]
+__all__ = ["SavedTensors", "saved_bytes", "saved_in_graph", "graph_saved_bytes", "peak_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,59 @@ def saved_bytes(fn: Callable, *args, exclude: Iterable = (), **kwargs) -> int:
     with SavedTensors(exclude=list(exclude) + extra) as counter:
         fn(*args, **kwargs)
     return counter.bytes
+
+
+def _physical(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under functorch's wrappers (grad levels, vmap's batched tensors): for a batched tensor
+    that is the whole batch, which is what memory holds."""
+    from torch._C._functorch import get_unwrapped, is_batchedtensor, is_gradtrackingtensor
+
+    while is_batchedtensor(t) or is_gradtrackingtensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+def saved_in_graph(*outputs: torch.Tensor, exclude: Iterable = ()) -> list[SavedRecord]:
+    """What the autograd graph behind ``outputs`` keeps for backward, read from the graph itself: one
+    :class:`SavedRecord` per distinct storage, parameters and ``exclude`` (modules or tensors) left out.
+
+    The counterpart of :class:`SavedTensors` under ``torch.func`` (``grad``, ``vmap(grad(...))``, ``jacrev``),
+    which refuses saved-tensor hooks: call it inside the transformed function on the tensors whose graph
+    matters (the model's output, say), before returning. Stock nodes expose what they saved as ``_saved_*``
+    attributes, custom Functions as ``saved_tensors``; functorch's wrappers are looked through, so under a
+    ``vmap`` a record is the whole batch's storage. Tensors kept as ctx attributes are not seen (slimgrad keeps
+    none). Outside transforms it agrees with :func:`saved_bytes` for the same forward.
+    """
+    excluded = _excluded_keys(exclude)
+    seen_nodes, seen, records = set(), set(), []
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        values = []
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                values.extend(value if isinstance(value, (tuple, list)) else (value,))
+        if hasattr(node, "saved_tensors"):
+            values.extend(node.saved_tensors)
+        for value in values:
+            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+                continue
+            t = _physical(value)
+            key, nbytes = _storage_key(t)
+            if key is not None and key not in seen and key not in excluded:
+                seen.add(key)
+                records.append(SavedRecord(tuple(t.shape), t.dtype, nbytes))
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return records
+
+
+def graph_saved_bytes(*outputs: torch.Tensor, exclude: Iterable = ()) -> int:
+    """Bytes of :func:`saved_in_graph` (``outputs``' autograd graph, under torch.func transforms too)."""
+    return sum(r.nbytes for r in saved_in_graph(*outputs, exclude=exclude))
 
 
 def peak_bytes(fn: Callable, *args, **kwargs) -> int:

@@ -103,11 +103,11 @@ def _is_torch_once_differentiable(backward) -> bool:
 class Function(torch.autograd.Function):
     """Base of slimgrad's autograd Functions.
 
-    Under a ``torch.func`` transform it runs the Function's stock computation instead
-    (:mod:`slimgrad.functional._func_stock`: same numbers, stock's memory): the Functions decide what to keep
-    inside ``forward`` from ``ctx.needs_input_grad`` and the tensors' values (masks, positions, seeds), which
-    functorch's split ``forward``/``setup_context`` protocol cannot express without returning those as extra
-    outputs. Functions without a stock computation there are refused with a message that says what to do.
+    Under a ``torch.func`` transform it runs the Function's twin in functorch's ``forward``/``setup_context``
+    form instead (:mod:`slimgrad.functional._func_twins`: the same saving decisions and backward), or, where no
+    twin serves, its stock computation (:mod:`slimgrad.functional._func_stock`: same numbers, stock's memory).
+    The eager Functions keep deciding inside ``forward``, the cheaper protocol per call. Functions with
+    neither are refused under transforms with a message that says what to do.
     Double-backward refusals (``once_differentiable``) get an error naming the layer.
     """
 
@@ -123,18 +123,12 @@ class Function(torch.autograd.Function):
     @classmethod
     def apply(cls, *args, **kwargs):
         if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-            # Under torch.func (grad, vmap, jacrev, ...): stock's ops, stock's numbers and memory (see
-            # ``_func_stock``). One C call decides it, so eager calls outside transforms pay nothing more.
-            from slimgrad.functional._func_stock import STOCK
+            # Under torch.func (grad, vmap, jacrev, ...): the Function's setup_context-style twin, which keeps
+            # what this Function keeps, or where none serves stock's computation (``_func_twins``). One C call
+            # decides it, so eager calls outside transforms pay nothing more.
+            from slimgrad.functional._func_twins import run_under_transform
 
-            stock = STOCK.get(cls.__name__)
-            if stock is None:
-                raise RuntimeError(
-                    f"slimgrad: {cls.__name__} does not support torch.func transforms (grad, vmap, jacrev, "
-                    f"functional_call under a transform, ...). Run this part with stock layers "
-                    f"(slimgrad.revert(model), or outside `with slimgrad.enabled():`)."
-                )
-            return stock(*args, **kwargs)
+            return run_under_transform(cls, args, kwargs)
         return super().apply(*args, **kwargs)
 
 

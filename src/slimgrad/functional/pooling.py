@@ -150,8 +150,12 @@ def _window_offsets(kernel, dilation, flat, device):
 _MAX_TABLE = 1 << 22  # entries of the offset -> position table; beyond that, decode by division
 
 
-def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype, in_place):
+def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype, in_place,
+                            vmappable=False):
     """Window-local position (row-major over the kernel) of each flat argmax index.
+
+    ``vmappable``: look the table up by indexing instead of ``torch.take`` (which vmap has no batching rule
+    for), as the torch.func twin (``_func_twins``) does.
 
     Large temporaries cost more than arithmetic here (each fresh big allocation is paid in page faults),
     so the common path allocates only the small result: the offset from the window origin is formed in
@@ -169,7 +173,7 @@ def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation
         table = torch.zeros(extent, dtype=dtype, device=indices.device)
         table[offsets] = torch.arange(offsets.numel(), device=indices.device).to(dtype)
         off = indices.sub_(base) if in_place else indices - base
-        return torch.take(table, off)
+        return table[off] if vmappable else torch.take(table, off)
     mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
     pos = None
     for i in range(nd):
