@@ -181,10 +181,9 @@ def test_offloading_hooks_see_only_what_slimgrad_keeps():
     assert totals[1] >= kept.bytes  # the hook sees each storage as often as it is saved
 
 
-# torch.func: the slimgrad Functions decide what to keep inside forward (old-style, no setup_context) and
-# carry no vmap rule. Until they do, torch.func must fail with slimgrad's message saying what to do, never
-# with wrong numbers or an obscure error. Layers that fall back to stock when nothing they see needs grad
-# still work under vmap.
+# torch.func: under a transform each slimgrad Function runs its setup_context-style twin
+# (functional/_func_twins.py; bytes in tests/test_func_bytes.py) or its stock computation; a Function with
+# neither must fail with slimgrad's message saying what to do, never with wrong numbers or an obscure error.
 FUNC_LAYERS = {
     "conv": lambda: nn.Conv2d(3, 4, 3),
     "bn-eval": lambda: nn.BatchNorm2d(3).eval(),
