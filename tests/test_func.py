@@ -68,14 +68,11 @@ def test_family_grad_vmap_jacrev(name):
         jac = jacrev(lambda xx, m=model: m(xx.unsqueeze(0)).sum(0))(x[0])
         results.append((per_sample, input_grad, jac))
     (ps_s, ig_s, j_s), (ps_m, ig_m, j_m) = results
-    # Stock group norm's backward under torch.func is its double-differentiable formula (functorch's grad runs
-    # backward with grad mode on), 1-2 ulp from the native kernel that slimgrad (and stock eager) runs.
-    exact = dict(exact=name != "group-norm", rtol=1e-6, atol=1e-5)
     assert ps_m.keys() == ps_s.keys()
     for k in ps_s:
-        assert_same(ps_m[k], ps_s[k], what=f"per-sample grad {k}", **exact)
-    assert_same(ig_m, ig_s, what="input grad", **exact)
-    assert_same(j_m, j_s, what="jacobian", **exact)
+        assert_same(ps_m[k], ps_s[k], what=f"per-sample grad {k}")
+    assert_same(ig_m, ig_s, what="input grad")
+    assert_same(j_m, j_s, what="jacobian")
 
 
 def test_functional_families_under_grad():

@@ -23,52 +23,75 @@ from slimgrad.functional.hf_activations import gelu_new
 from slimgrad.measure import graph_saved_bytes, saved_bytes, saved_in_graph
 
 # name -> (stock module factory, per-sample input shape, training cases: "params" (per-sample parameter
-# gradients, input constant) and/or "input" (input gradients, parameters frozen)). Per-sample sizes are
+# gradients, input constant), "bias" (the same for the bias alone, the weight frozen) and/or "input" (input
+# gradients, parameters frozen)). Per-sample sizes are
 # multiples of 8 so that a per-sample bit-packed mask takes what the batch's mask takes.
 FAMILIES = {
-    "conv": (lambda: nn.Conv2d(4, 4, 3, padding=1), (4, 6, 6), ("params", "input")),
+    "conv": (lambda: nn.Conv2d(4, 4, 3, padding=1), (4, 6, 6), ("params", "bias", "input")),
     "conv-reflect": (lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), (4, 6, 6), ("params", "input")),
     "conv-transpose": (lambda: nn.ConvTranspose2d(4, 4, 2, stride=2), (4, 6, 6), ("params", "input")),
     "conv1d": (lambda: nn.Conv1d(4, 4, 3), (4, 8), ("input",)),
-    "bn-eval": (lambda: nn.BatchNorm2d(4).eval(), (4, 6, 6), ("input",)),
+    "conv3d": (lambda: nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular"), (2, 4, 4, 4), ("params", "input")),
+    "bn-eval": (lambda: nn.BatchNorm2d(4).eval(), (4, 6, 6), ("bias", "input")),
     "relu": (lambda: nn.ReLU(), (4, 6, 6), ("input",)),
     "relu-inplace": (lambda: nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU(inplace=True)), (4, 6, 6), ("input",)),
     "leaky-relu": (lambda: nn.LeakyReLU(0.1), (4, 6, 6), ("input",)),
     "max-pool": (lambda: nn.MaxPool2d(3, 2, 1), (4, 6, 6), ("input",)),
+    "max-pool1d-indices": (lambda: _First(nn.MaxPool1d(2, return_indices=True)), (4, 8), ("input",)),
     "avg-pool": (lambda: nn.AvgPool2d(2), (4, 6, 6), ("input",)),
     "adaptive": (lambda: nn.AdaptiveAvgPool2d(2), (4, 6, 6), ("input",)),
-    "layer-norm": (lambda: nn.LayerNorm(8), (4, 8), ("params", "input")),
-    "group-norm": (lambda: nn.GroupNorm(2, 4), (4, 6, 6), ("params", "input")),
+    "layer-norm": (lambda: nn.LayerNorm(8), (4, 8), ("params", "bias", "input")),
+    "group-norm": (lambda: nn.GroupNorm(2, 4), (4, 6, 6), ("params", "bias", "input")),
     "rms-norm": (lambda: nn.RMSNorm(8), (4, 8), ("params", "input")),
+    "rms-norm-bf16": (lambda: nn.RMSNorm(8).bfloat16(), (4, 8), ("params", "input")),
+    "conv-cl": (lambda: nn.Conv2d(4, 4, 3, padding=1), (4, 6, 6), ("bias", "input")),
+    "bn-eval-cl": (lambda: nn.BatchNorm2d(4).eval(), (4, 6, 6), ("input",)),
+    "max-pool-cl": (lambda: nn.MaxPool2d(3, 2, 1), (4, 6, 6), ("input",)),
+    "avg-pool-cl": (lambda: nn.AvgPool2d(3, 2, 1), (4, 6, 6), ("input",)),
 }
 # Stock under torch.func runs group norm's backward as its double-differentiable formula (functorch's grad
 # runs backward with grad mode on), 1-2 ulp from the native kernel that stock eager and slimgrad run.
 NOT_BITWISE = {"group-norm"}
 
 
+class _First(nn.Module):
+    """A layer returning (output, indices), reduced to its output."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
 def _run(model, x, case, differentiate):
     """Per-sample gradients under vmap(grad) of ``model`` on each ``x[i:i+1]``: of the trainable parameters
-    ("params") or of the input ("input"). Returns (gradients, bytes the graph behind the output keeps)."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
+    ("params"), of the bias alone ("bias") or of the input ("input"). Returns (gradients, bytes the graph
+    behind the output keeps)."""
+    params = {k: v.detach() for k, v in model.named_parameters() if case != "bias" or k.endswith("bias")}
+    frozen = {k: v.detach() for k, v in model.named_parameters() if k not in params}
     buffers = dict(model.named_buffers())
     kept = []
 
     def loss(p, xi):
-        out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        out = functional_call(model, ({**p, **frozen}, buffers), (xi.unsqueeze(0),))
         kept.append(graph_saved_bytes(out, exclude=[model]))
         return out.square().sum()
 
     if differentiate == "vmap":
-        fn = vmap(grad(loss, argnums=0 if case == "params" else 1), in_dims=(None, 0))
+        fn = vmap(grad(loss, argnums=1 if case == "input" else 0), in_dims=(None, 0))
         out = fn(params, x)
     else:
-        out = grad(loss, argnums=0 if case == "params" else 1)(params, x[0].clone())
+        out = grad(loss, argnums=1 if case == "input" else 0)(params, x[0].clone())
     return out, kept[-1]
 
 
 def _eager_bytes(model, x, case):
     """What eager slimgrad (or stock) keeps for the same batch and the same requested gradients."""
     model = copy.deepcopy(model).requires_grad_(case == "params")
+    for name, p in model.named_parameters():
+        p.requires_grad_(case == "params" or (case == "bias" and name.endswith("bias")))
     x = x.clone().requires_grad_(case == "input")
     return saved_bytes(model, x)
 
@@ -80,16 +103,18 @@ def test_family_keeps_what_eager_keeps(name, case, transform):
     torch.manual_seed(0)
     stock = make()
     slim = slimgrad.convert(copy.deepcopy(stock))
-    x = torch.randn((4,) + shape)
+    x = torch.randn((4,) + shape, dtype=next(iter(stock.parameters()), torch.empty(0)).dtype)
+    if name.endswith("-cl"):  # a channels-last batch (per-sample views have no memory format under vmap)
+        x = x.contiguous(memory_format=torch.channels_last)
     (g_stock, b_stock), (g_slim, b_slim) = (_run(m, x, case, transform) for m in (stock, slim))
     exact = name not in NOT_BITWISE
-    if case == "params":
+    if case != "input":
         assert g_slim.keys() == g_stock.keys()
         for k in g_stock:
             assert_same(g_slim[k], g_stock[k], exact=exact, rtol=1e-6, atol=1e-5, what=k)
     else:
         assert_same(g_slim, g_stock, exact=exact, rtol=1e-6, atol=1e-5, what="input grad")
-    batch = x if transform == "vmap" else x[:1]
+    batch = x if transform == "vmap" else x[:1].clone()
     eager_slim, eager_stock = _eager_bytes(slim, batch, case), _eager_bytes(stock, batch, case)
     assert b_slim == eager_slim, f"{name}/{case}: {b_slim} bytes under {transform}, eager slimgrad keeps {eager_slim}"
     assert b_stock == eager_stock  # the graph walk reads what the hooks count
