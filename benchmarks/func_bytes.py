@@ -1,6 +1,6 @@
 """Bytes kept for backward under torch.func (per-sample gradients, ``vmap(grad(loss))`` over
 ``functional_call``, the DP-SGD recipe), stock vs slimgrad, and what slimgrad keeps in eager for the same
-batch; median step time of the vmap(grad) call.
+batch; median time of the vmap(grad) call (interleaved pairs).
 
 Saved-tensor hooks are refused inside ``torch.func.grad``, so the bytes are read from the autograd graph
 behind the model's output (``slimgrad.measure.saved_in_graph``: the whole batch's storages, parameters
@@ -31,8 +31,8 @@ from slimgrad.models.cnn import build_model
 
 
 def _per_sample(model, x, input_grad, loss_of):
-    """(MiB the graph keeps under vmap(grad), median ms of the call) for per-sample gradients of the trainable
-    parameters, or of the input when ``input_grad``."""
+    """(MiB the graph keeps under vmap(grad) on the first call, the call) for per-sample gradients of the
+    trainable parameters, or of the input when ``input_grad``."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
     frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
     buffers = dict(model.named_buffers())
@@ -49,22 +49,24 @@ def _per_sample(model, x, input_grad, loss_of):
             params, x)
 
     run(count=True)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return kept[-1] / 2**20, statistics.median(times) * 1e3
+    return kept[-1] / 2**20, run
 
 
 def _eager(model, x, input_grad):
-    m = copy.deepcopy(model)
-    return slimgrad.saved_bytes(m, x.clone().requires_grad_(input_grad)) / 2**20
+    """MiB eager slimgrad (or stock) keeps for the same batch, on a fresh copy (a first call, as above)."""
+    return slimgrad.saved_bytes(copy.deepcopy(model), x.clone().requires_grad_(input_grad)) / 2**20
 
 
 def _row(label, stock, slim, x, input_grad, loss_of):
-    (b0, t0), (b1, t1) = _per_sample(stock, x, input_grad, loss_of), _per_sample(slim, x, input_grad, loss_of)
     eager = _eager(slim, x, input_grad)
+    (b0, run0), (b1, run1) = _per_sample(stock, x, input_grad, loss_of), _per_sample(slim, x, input_grad, loss_of)
+    times = ([], [])
+    for i in range(6):  # interleaved pairs, alternating which runs first: the machine is shared and noisy
+        for k in ((0, 1) if i % 2 else (1, 0)):
+            t0 = time.perf_counter()
+            (run0, run1)[k]()
+            times[k].append(time.perf_counter() - t0)
+    t0, t1 = (statistics.median(t) * 1e3 for t in times)
     print(f"| {label} | {b0:.3f} | {b1:.3f} | {eager:.3f} | {b1 / b0:.2f} | {t0:.0f} | {t1:.0f} |", flush=True)
 
 

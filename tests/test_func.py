@@ -200,3 +200,45 @@ def test_eager_outside_transforms_still_runs_the_functions():
     slim = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2)).requires_grad_(False))
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     assert slimgrad.saved_bytes(slim, x) == 2 * 4 * 3 * 3  # max pool's 1-byte positions only
+
+
+def test_lora_conv_and_layer_norm_2d_run_stock_under_transforms(monkeypatch):
+    """peft LoRA on a convolution (bf16 base, fp32 adapters: slimgrad's LoRA-conv Function) and the Hugging Face
+    LayerNorm2d formula (VitDet's), which have no twin, run their stock computation under vmap(grad) (they were
+    refused before): per-sample gradients equal stock's."""
+    peft = pytest.importorskip("peft")
+    from transformers.models.vitdet.modeling_vitdet import VitDetLayerNorm
+
+    from slimgrad.functional import _func_stock
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(3, 4, 3), VitDetLayerNorm(4)
+
+        def forward(self, x):
+            return self.norm(self.conv(x))
+
+    torch.manual_seed(0)
+    stock = peft.get_peft_model(Net().bfloat16(), peft.LoraConfig(r=2, target_modules=["conv"],
+                                                                  init_lora_weights=False))
+    for n, p in stock.named_parameters():
+        p.requires_grad_("lora_" in n or "norm" in n)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    ran = []
+    for name in ("LoraConvFunction", "LayerNorm2dFormulaFunction"):
+        fn = _func_stock.STOCK[name]
+        monkeypatch.setitem(_func_stock.STOCK, name, lambda *a, fn=fn, name=name: (ran.append(name), fn(*a))[1])
+    x = torch.randn(3, 3, 6, 6, dtype=torch.bfloat16)
+    out = []
+    for model in (stock, slim):
+        params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+        frozen = {k: v for k, v in model.named_parameters() if not v.requires_grad}
+
+        def loss(p, xi, m=model, fz=frozen):
+            return functional_call(m, {**p, **fz}, (xi.unsqueeze(0),)).float().square().sum()
+
+        out.append(vmap(grad(loss), in_dims=(None, 0))(params, x))
+    assert set(ran) == {"LoraConvFunction", "LayerNorm2dFormulaFunction"}
+    for k in out[0]:
+        assert_same(out[1][k], out[0][k], what=k)

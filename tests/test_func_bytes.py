@@ -36,6 +36,11 @@ FAMILIES = {
     "relu": (lambda: nn.ReLU(), (4, 6, 6), ("input",)),
     "relu-inplace": (lambda: nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU(inplace=True)), (4, 6, 6), ("input",)),
     "leaky-relu": (lambda: nn.LeakyReLU(0.1), (4, 6, 6), ("input",)),
+    "relu6": (lambda: nn.ReLU6(), (4, 6, 6), ("input",)),
+    "hardtanh-inplace": (lambda: nn.Sequential(nn.Conv2d(4, 4, 1), nn.Hardtanh(-0.5, 0.5, inplace=True)), (4, 6, 6),
+                         ("input",)),
+    "hardsigmoid": (lambda: nn.Hardsigmoid(), (4, 6, 6), ("input",)),
+    "threshold": (lambda: nn.Threshold(0.1, 20.0), (4, 6, 6), ("input",)),
     "max-pool": (lambda: nn.MaxPool2d(3, 2, 1), (4, 6, 6), ("input",)),
     "max-pool1d-indices": (lambda: _First(nn.MaxPool1d(2, return_indices=True)), (4, 8), ("input",)),
     "avg-pool": (lambda: nn.AvgPool2d(2), (4, 6, 6), ("input",)),
@@ -275,3 +280,21 @@ def test_lora_cast_keeps_x_once_in_its_own_dtype():
     assert slim_bytes == x.numel() * 2 + t_bytes  # x once, bf16
     # x's fp32 copy, and the scaling 0.5, which stock's product keeps as a 0-d fp64 tensor
     assert stock_bytes == x.numel() * 4 + t_bytes + 8
+
+
+def test_func_policy_stock_keeps_what_stock_keeps():
+    """``func_policy("stock")`` trades the saving for stock's speed under transforms: stock's bytes and
+    numbers; the default policy is restored after the block; a wrong value is refused by name."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.MaxPool2d(2)).requires_grad_(False)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(3, 2, 6, 6)
+    (g_stock, b_stock), (g_save, b_save) = (_run(m, x, "input", "vmap") for m in (stock, slim))
+    with slimgrad.functional.func_policy("stock"):
+        g_slim, b_slim = _run(slim, x, "input", "vmap")
+    assert slimgrad.functional.get_func_policy() == "save"
+    assert_same(g_slim, g_stock)
+    assert_same(g_save, g_stock)
+    assert b_slim == b_stock and b_save < b_stock
+    with pytest.raises(ValueError, match="set_func_policy's argument 'value'.*slow"):
+        slimgrad.functional.set_func_policy("slow")

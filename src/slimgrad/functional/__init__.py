@@ -1,5 +1,6 @@
 """Functional forms of slimgrad's layers: the same signatures as ``torch.nn.functional``."""
 
+from ._func_twins import func_policy, get_func_policy, set_func_policy
 from .activation import leaky_relu, relu
 from .batch_norm import batch_norm
 from .clamp import hardsigmoid, hardtanh, hardtanh_, relu6, threshold, threshold_
@@ -30,6 +31,7 @@ __all__ = [
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "dropout", "dropout1d", "dropout2d", "dropout3d",
     "fused_linear_cross_entropy",
+    "func_policy", "get_func_policy", "set_func_policy",
     "gated_activation", "gelu_new", "gelu_python", "quick_gelu",
     "leaky_relu", "relu", "hardsigmoid", "hardtanh", "hardtanh_", "relu6", "threshold", "threshold_",
     "LoraAdapter", "lora_linear",

@@ -56,6 +56,12 @@ def _relu(input, negative_slope, inplace, keep_output, use):
     return F.leaky_relu(input, negative_slope, inplace=inplace)
 
 
+def _range_mask(input, kind, lo, hi, value, inplace, keep_output, use):
+    from slimgrad.functional.clamp import _stock
+
+    return _stock(input, kind, lo, hi, value, inplace)
+
+
 def _dropout(input, p, inplace, policy):
     return F.dropout(input, p, True, inplace)
 
@@ -121,6 +127,24 @@ def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters)
     return result.to(base_dtype) if scalings else result
 
 
+def _lora_conv(x, base_out, cast, meta, *adapters):
+    from slimgrad.functional.lora_conv import _conv as conv
+
+    xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
+    result = base_out
+    for i, (a, b, scaling, p) in enumerate(meta):
+        A, B, bias = adapters[3 * i: 3 * i + 3]
+        dropped = F.dropout(xa, p, True) if p > 0 else xa
+        result = result + conv(conv(dropped, A, None, a), B, bias, b) * scaling
+    return result.to(base_out.dtype)
+
+
+def _layer_norm_2d(x, weight, bias, eps):
+    from slimgrad.functional.layer_norm_2d import _formula
+
+    return _formula(x, weight, bias, eps)
+
+
 def _linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size,
                           softcap):
     logits = F.linear(hidden, weight, bias)
@@ -138,6 +162,9 @@ STOCK = {
     "BatchNormFunction": _batch_norm,
     "_ReLUFunction": _relu,
     "_DropoutFunction": _dropout,
+    "RangeMaskFunction": _range_mask,
+    "LoraConvFunction": _lora_conv,
+    "LayerNorm2dFormulaFunction": _layer_norm_2d,
     "RMSNormFunction": _rms_norm,
     "LayerNormFunction": _layer_norm,
     "GroupNormFunction": _group_norm,

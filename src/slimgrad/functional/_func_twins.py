@@ -29,12 +29,42 @@ no ``jvp``, which torch.compile's dynamo refuses) and nested ``grad`` levels (th
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from slimgrad.functional import _common
 
-__all__ = ["TWINS", "run_under_transform"]
+__all__ = ["TWINS", "func_policy", "get_func_policy", "run_under_transform", "set_func_policy"]
+
+_POLICIES = ("save", "stock")
+_POLICY = ["save"]
+
+
+def set_func_policy(value: str) -> None:
+    """What slimgrad's layers run under torch.func transforms, process-wide: ``"save"`` (default) the twins
+    here, which keep what the eager layers keep, at functorch's cost of a custom autograd Function (measured
+    ~0.35 ms of host time per layer call under ``grad``, ~0.7 ms under ``vmap(grad)``); ``"stock"`` stock's
+    computation, stock's memory and speed."""
+    if value not in _POLICIES:
+        raise ValueError(f"slimgrad: set_func_policy's argument 'value' must be one of {_POLICIES}, got {value!r}")
+    _POLICY[0] = value
+
+
+def get_func_policy() -> str:
+    return _POLICY[0]
+
+
+@contextlib.contextmanager
+def func_policy(value: str):
+    """Temporarily set :func:`set_func_policy`'s process-wide policy."""
+    old = _POLICY[0]
+    set_func_policy(value)
+    try:
+        yield
+    finally:
+        _POLICY[0] = old
 
 
 def _fmt(t: torch.Tensor) -> torch.memory_format:
@@ -186,6 +216,62 @@ def _relu(input, negative_slope, inplace, keep_output, use):
 
         return STOCK["_ReLUFunction"](input, negative_slope, inplace, keep_output, use)
     out = ReLUTwin.apply(input, negative_slope, keep_output)[0]
+    if use is not None and out.grad_fn is not None:
+        out.grad_fn.register_prehook(_LearnHook(use))
+    if inplace:
+        return input.copy_(out)
+    return out
+
+
+class RangeMaskTwin(_Twin):
+    """``RangeMaskFunction`` (hardtanh/ReLU6, threshold, hardsigmoid), out of place: keeps the bit-packed pass
+    mask, or the output where the module learned that a consumer keeps it (and the output can stand in)."""
+
+    @staticmethod
+    def forward(input, kind, lo, hi, value, keep_output):
+        from slimgrad.functional.clamp import _bounds, _rule, _stock
+        from slimgrad.kernels.range_mask import mask_torch
+
+        out = _stock(input, kind, lo, hi, value, False)
+        if keep_output:
+            return out, torch.empty(0, dtype=torch.uint8, device=input.device)
+        return out, _pack(mask_torch(input, _rule(kind), *_bounds(kind, lo, hi, input.dtype)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, kind, lo, hi, value, keep_output = inputs
+        out, packed = output
+        ctx.mark_non_differentiable(packed)
+        ctx.kind, ctx.lo, ctx.hi, ctx.keep_output, ctx.shape = kind, lo, hi, keep_output, tuple(input.shape)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(out if keep_output else packed)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_packed):
+        from slimgrad.functional.clamp import HARDSIGMOID, THRESHOLD, _bounds, _rule
+        from slimgrad.kernels.range_mask import mask_torch
+
+        (saved,) = ctx.saved_tensors
+        if ctx.keep_output and ctx.kind == THRESHOLD:
+            return torch.ops.aten.threshold_backward(grad, saved, ctx.lo), None, None, None, None, None
+        if ctx.kind == HARDSIGMOID:
+            # stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere)
+            zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+            grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
+        if ctx.keep_output:
+            mask = mask_torch(saved, _rule(ctx.kind), *_bounds(ctx.kind, ctx.lo, ctx.hi, saved.dtype))
+        else:
+            mask = _unpack(saved, ctx.shape)
+        return torch.where(mask, grad, 0), None, None, None, None, None
+
+
+def _range_mask(input, kind, lo, hi, value, inplace, keep_output, use):
+    if inplace and keep_output:
+        # Stock's in-place op keeps its result, the input's own memory, which is what keep_output keeps.
+        from slimgrad.functional._func_stock import STOCK
+
+        return STOCK["RangeMaskFunction"](input, kind, lo, hi, value, inplace, keep_output, use)
+    out = RangeMaskTwin.apply(input, kind, lo, hi, value, keep_output)[0]
     if use is not None and out.grad_fn is not None:
         out.grad_fn.register_prehook(_LearnHook(use))
     if inplace:
@@ -627,6 +713,7 @@ def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters)
 TWINS = {
     "_ConvFunction": _conv,
     "_ReLUFunction": _relu,
+    "RangeMaskFunction": _range_mask,
     "MaxPoolFunction": _max_pool,
     "AvgPoolFunction": _avg_pool,
     "BatchNormFunction": _batch_norm,
@@ -658,7 +745,7 @@ def _twins_serve_this_stack() -> bool:
 def run_under_transform(cls, args, kwargs):
     """What ``cls.apply(*args, **kwargs)`` runs under a torch.func transform: the twin where one serves,
     else the stock computation, else a clear refusal."""
-    twin = TWINS.get(cls.__name__)
+    twin = TWINS.get(cls.__name__) if _POLICY[0] == "save" else None
     if twin is not None and _twins_serve_this_stack():
         return twin(*args, **kwargs)
     from slimgrad.functional._func_stock import STOCK
