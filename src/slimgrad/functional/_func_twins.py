@@ -12,13 +12,20 @@ transform :meth:`slimgrad.functional._common.Function.apply` calls the twin here
 * ``setup_context`` saves, from ``ctx.needs_input_grad``, exactly what the eager Function saves for the same
   combination, and sets the same ctx attributes, so that
 * ``backward`` is the eager Function's own backward (same formulas, same kernels: the same numbers) wherever
-  that backward is plain torch code; ReLU's eager backward reads its mask through numba/Triton kernels, so
-  its twin unpacks the mask with torch ops.
+  that backward is plain torch code; ReLU's and the clamp family's eager backwards read their masks through
+  numba/Triton kernels, so their twins unpack the masks with torch ops. In-place calls of those run out of
+  place and copy into the input outside the twin (vmap's generated rule cannot return a dirtied input).
 
 Everything here is plain torch (no numpy, no ``.item()``, no ``data_ptr``), so ``generate_vmap_rule`` vmaps
 forward, ``setup_context`` and backward: under ``vmap(grad(f))`` the whole batch runs through one call.
 Under a ``vmap`` the saved tensors are the whole batch's (``save_for_backward`` unwraps the batched
 tensors), so per-sample gradients keep what the eager Function keeps for the same batch.
+
+Twins exist for conv, ReLU/LeakyReLU, the clamp family (ReLU6, Hardtanh, Threshold, Hardsigmoid), max and
+average pooling, batch norm, RMSNorm, LayerNorm/GroupNorm (bias-only: elsewhere stock keeps the same), the
+gated and formula activations and LoRA linear. They cost time: functorch runs a custom Function through
+Python machinery that builds classes per call (~0.35 ms under ``grad``, ~0.7 ms under ``vmap(grad)``,
+measured), so :func:`set_func_policy` can choose stock's computation instead.
 
 Where no twin fits, the stock computation of :mod:`slimgrad.functional._func_stock` runs (stock's numbers,
 stock's memory): dropout (vmap's randomness rules), LoRA with dropout, every Function without a twin, and any
@@ -67,14 +74,13 @@ def func_policy(value: str):
         _POLICY[0] = old
 
 
-def _fmt(t: torch.Tensor) -> torch.memory_format:
-    """The memory format the eager backwards lay gradients out in, to match stock: contiguous under torch.func,
-    whatever the input's layout. Stock's gradients come out contiguous there (functorch's backward hands
-    the kernels contiguous output gradients), a per-sample view under vmap has no memory format of its own
-    (vmap answers ``is_contiguous`` only for the contiguous format), and vmap's batching rules refuse the
-    channels-last ``out=`` buffers the eager backwards would pass. Measured: bitwise stock's for channels-last
-    batches under grad and vmap(grad) (tests/test_func_bytes.py)."""
-    return torch.contiguous_format
+# The layout the eager backwards give gradients (they follow the input's memory format in eager, as stock does):
+# contiguous under torch.func, whatever the input's layout. Stock's gradients come out contiguous there
+# (measured: a channels-last conv input's gradient under grad), a per-sample view under vmap has
+# no memory format of its own (vmap answers ``is_contiguous`` only for the contiguous format), and vmap's
+# batching rules refuse the channels-last ``out=`` buffers the eager backwards would pass. Bitwise stock's for
+# channels-last batches under grad and vmap(grad) (tests/test_func_bytes.py).
+_LAYOUT = torch.contiguous_format
 
 
 class _Twin(torch.autograd.Function):
@@ -111,11 +117,11 @@ class ConvTwin(_Twin):
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
+        ctx.xp_format = _LAYOUT
         if pad is None:
-            ctx.xp_shape, ctx.xp_format = tuple(x.shape), _fmt(x)
-        else:  # the padded input's shape and layout, from a data-less copy of the pad
-            xp = F.pad(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), pad, mode=pad_mode)
-            ctx.xp_shape, ctx.xp_format = tuple(xp.shape), _fmt(xp)
+            ctx.xp_shape = tuple(x.shape)
+        else:  # the padded input's shape, from a data-less copy of the pad
+            ctx.xp_shape = tuple(F.pad(torch.empty(x.shape, dtype=x.dtype, device="meta"), pad, mode=pad_mode).shape)
         ctx.w_shape = tuple(weight.shape)
         ctx.has_bias = bias is not None
 
@@ -294,7 +300,7 @@ class MaxPoolTwin(_Twin):
         fn = f"max_pool{nd}d"
         kernel = P._tuple(kernel_size, nd, "kernel_size", fn)
         stride_t = kernel if P._is_default(stride) else P._tuple(stride, nd, "stride", fn)
-        dtype = P.position_dtype(_common_prod(kernel))
+        dtype = P.position_dtype(_prod(kernel))
         pos = P._positions_from_indices(indices, tuple(x.shape[-nd:]), kernel, stride_t,
                                         P._tuple(padding, nd, "padding", fn), P._tuple(dilation, nd, "dilation", fn),
                                         dtype, in_place=False, vmappable=True)
@@ -312,7 +318,7 @@ class MaxPoolTwin(_Twin):
         stride_t = kernel if P._is_default(stride) else P._tuple(stride, nd, "stride", fn)
         ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, P._tuple(padding, nd, "padding", fn),
                         P._tuple(dilation, nd, "dilation", fn), bool(ceil_mode))
-        ctx.grad_format = _fmt(x.unsqueeze(-2) if nd == 1 else x)
+        ctx.grad_format = _LAYOUT
         ctx.family = ctx.kept_indices = False
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(pos)
@@ -324,7 +330,7 @@ class MaxPoolTwin(_Twin):
         return MaxPoolFunction.backward(ctx, grad_out)
 
 
-def _common_prod(values) -> int:
+def _prod(values) -> int:
     n = 1
     for v in values:
         n *= v
@@ -355,7 +361,7 @@ class AvgPoolTwin(_Twin):
 
         x, nd, adaptive, *options = inputs
         ctx.adaptive, ctx.nd, ctx.shape = adaptive, nd, tuple(x.shape)
-        ctx.grad_format = torch.contiguous_format if nd == 3 else _fmt(x.unsqueeze(-2) if nd == 1 else x)
+        ctx.grad_format = _LAYOUT
         if not adaptive:
             fn = f"avg_pool{nd}d"
             kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = options
@@ -400,8 +406,7 @@ class BatchNormTwin(_Twin):
         ctx.mask = (need_x, need_w, need_b)
         ctx.training, ctx.eps = training, eps
         ctx.x_shape, ctx.x_stride, ctx.x_dense = input.shape, input.stride(), _dense(input)
-        fmt = _fmt(input)
-        ctx.x_format = fmt if fmt != torch.contiguous_format else None
+        ctx.x_format = None  # the contiguous _LAYOUT
         ctx.stat_dtype = save_mean.dtype
         if not (need_x or need_w or need_b):
             return
