@@ -79,11 +79,16 @@ def _bounds(kind: str, lo: float, hi: float | None, dtype: torch.dtype) -> tuple
 def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor:
     """The packed pass mask of x, in x's memory order (a dense layout goes to the kernel as its contiguous
     permuted view; a non-dense one, a slice, as a contiguous copy)."""
+    lo, hi = _bounds(kind, lo, hi, x.dtype)
+    ctx.planar = torch.compiler.is_compiling()
+    if ctx.planar:
+        # Traced: the planar format in logical order, which Inductor fuses into the producing kernel.
+        ctx.perm, ctx.packed_shape = None, tuple(x.shape)
+        return _bitmask.pack_planar(range_mask.mask_torch(x, _rule(kind), lo, hi))
     perm = _memory_order(x)
     ctx.perm = perm
     xc = x.permute(perm) if perm is not None else x.contiguous()
     ctx.packed_shape = tuple(xc.shape)
-    lo, hi = _bounds(kind, lo, hi, x.dtype)
     return range_mask.choose(xc).pack(xc, _rule(kind), lo, hi)
 
 
@@ -103,6 +108,8 @@ def _inverse(perm):
 
 
 def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
+    if ctx.planar:
+        return _bitmask.unpack_planar(packed, ctx.packed_shape)
     mask = _bitmask.unpack(packed, ctx.packed_shape)
     return mask if ctx.perm is None else mask.permute(_inverse(ctx.perm))
 
@@ -113,6 +120,21 @@ def _stock(input, kind, lo, hi, value, inplace):
     if kind == THRESHOLD:
         return torch.threshold_(input, lo, value) if inplace else torch.threshold(input, lo, value)
     return torch._C._nn.hardsigmoid_(input) if inplace else torch._C._nn.hardsigmoid(input)
+
+
+def _from_packed(input, packed, kind, lo, hi, value, inplace):
+    """Under torch.compile: stock's values, read through the packed pass mask (inside the pass region the
+    output is the input itself), so that the pack is a forward node AOTAutograd's partitioner saves instead
+    of rebuilding it inside the gradient kernels (see ``activation._traced_masked_forward``)."""
+    kept = _bitmask.unpack_planar(packed, input.shape)
+    if kind == HARDTANH:
+        out = torch.where(kept, input, torch._C._nn.hardtanh(input, lo, hi))
+    else:  # threshold (fp32/fp64: mask and forward compare alike): stock's x <= lo ? value : x, NaN kept
+        out = torch.where(kept, input, value)
+    if inplace:
+        input.copy_(out)
+        return input
+    return out
 
 
 class RangeMaskFunction(_common.Function):
@@ -130,7 +152,11 @@ class RangeMaskFunction(_common.Function):
         packed = None
         if need and not keep_output:
             packed = _pack(input, kind, lo, hi, ctx)  # before an in-place op overwrites the input
-        out = _stock(input, kind, lo, hi, value, inplace)
+        if packed is not None and ctx.planar and (
+                kind == HARDTANH or (kind == THRESHOLD and input.dtype in (torch.float32, torch.float64))):
+            out = _from_packed(input, packed, kind, lo, hi, value, inplace)
+        else:
+            out = _stock(input, kind, lo, hi, value, inplace)
         if inplace:
             ctx.mark_dirty(input)
             out = input  # torch.compile checks that a dirty tensor is returned as the same object
@@ -156,6 +182,8 @@ class RangeMaskFunction(_common.Function):
             # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
             zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
             grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
+        if ctx.mode == _MASK and ctx.planar:
+            return torch.where(_unpack(saved, ctx), grad, 0), None, None, None, None, None, None, None
         if ctx.mode == _OUTPUT or grad.requires_grad:
             # Output kept (not stock's hardtanh_backward: its NaN rule depends on the element's position,
             # see the module doc), or double backward (stay differentiable in grad): a torch mask.

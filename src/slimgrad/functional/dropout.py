@@ -25,8 +25,8 @@ The mask is the same whether or not a gradient is requested (reentrant checkpoin
 without grad and recomputes it with grad). Feature dropout (``dropout1d/2d/3d``) is stock's own: it keeps
 one value per (sample, channel), nothing worth saving.
 
-Under ``torch.compile`` the mask is drawn from the default generator (Inductor's RNG) and kept as a bool
-tensor (1 byte per element).
+Under ``torch.compile`` the mask is drawn from the default generator (Inductor's RNG) and kept packed, one
+bit per element (``_bitmask.pack_planar``, the layout Inductor fuses into the dropout kernel).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from slimgrad.functional import _common
+from slimgrad.functional import _bitmask, _common
 from slimgrad.functional._common import check_tensor
 from slimgrad.kernels import dropout as kernels
 
@@ -48,7 +48,7 @@ _LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place
 POLICIES = ("auto", "bits", "seed")
 _POLICY = "auto"
 
-# What backward was left: packed bits, the seed, a bool mask (under torch.compile), or nothing (p == 1).
+# What backward was left: packed bits, the seed, planar-packed bits (under torch.compile), or nothing (p == 1).
 _BITS, _SEED, _MASK, _ZERO = "bits", "seed", "mask", "zero"
 
 
@@ -169,7 +169,8 @@ class _DropoutFunction(_common.Function):
         elif torch.compiler.is_compiling():
             ctx.mode = _MASK
             noise = torch.empty_like(input).bernoulli_(1 - p)
-            ctx.save_for_backward(noise.to(torch.bool))
+            ctx.shape = tuple(input.shape)
+            ctx.save_for_backward(_bitmask.pack_planar(noise != 0))
             out = _apply_noise(input, noise.div_(1 - p), inplace)
         elif policy == "bits":
             ctx.mode = _BITS
@@ -194,11 +195,10 @@ class _DropoutFunction(_common.Function):
             return grad * torch.zeros((), dtype=grad.dtype, device=grad.device), None, None, None
         (saved,) = ctx.saved_tensors
         if ctx.mode == _MASK:
-            return grad * saved.to(grad.dtype).div_(1 - ctx.p), None, None, None
+            mask = _bitmask.unpack_planar(saved, ctx.shape)
+            return grad * mask.to(grad.dtype).div_(1 - ctx.p), None, None, None
         if ctx.mode == _BITS:
             if grad.requires_grad:  # double backward: stay differentiable in grad
-                from slimgrad.functional import _bitmask
-
                 g = _canonical(grad, ctx.perm)
                 noise = _bitmask.unpack(saved, g.shape).to(grad.dtype).mul_(ctx.scale)
                 gi = g * noise
