@@ -132,3 +132,28 @@ def test_partitioner_saves_the_pack(act):
     fw_ops, bw_ops = _backward_graph_ops(model, torch.randn(4, 3, 8, 8, requires_grad=True))
     assert "aten.__lshift__.Tensor" in fw_ops  # the pack
     assert "aten.__lshift__.Tensor" not in bw_ops and "aten.__rshift__.Tensor" in bw_ops, sorted(bw_ops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act", [nn.ReLU, nn.ReLU6, nn.LeakyReLU])
+def test_compiled_keeps_the_packed_bits(act):
+    """Frozen conv, batch norm in eval and the activation, x needing grad: compiled, the step keeps the packed
+    mask (1 bit per element) and the frozen weights' nothing, as eager slimgrad does; not the bool mask the
+    forward unpacks for its output (CSE would hand that one to backward)."""
+    from slimgrad.measure import SavedTensors
+
+    torch.manual_seed(0)
+    model = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
+                                           nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
+                                           nn.Conv2d(8, 4, 3, padding=1)).eval().requires_grad_(False))
+    x = torch.randn(2, 3, 8, 8)
+    kept = {}
+    for name, run in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
+        run(x.clone().requires_grad_()).sum().backward()
+        with SavedTensors(exclude=[model]) as counter:
+            out = run(x.clone().requires_grad_())
+        out.sum().backward()
+        kept[name] = counter.bytes
+    torch._dynamo.reset()
+    assert kept["eager"] == 2 * (2 * 8 * 8 * 8 // 8)  # the activations' bits; nothing else is needed
+    assert kept["compiled"] == kept["eager"], kept

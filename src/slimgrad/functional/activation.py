@@ -160,7 +160,9 @@ class _ReLUFunction(_common.Function):
                 return torch.ops.aten.threshold_backward(grad, saved, 0), None, None, None, None
             return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True), None, None, None, None
         if ctx.planar:
-            mask = _bitmask.unpack_planar(saved, grad.shape)
+            # A view of its own: unpacked from ``saved`` itself, CSE would merge this with the forward's unpack
+            # (the output reads it) and the partitioner would save that bool mask, 8x the packed bits.
+            mask = _bitmask.unpack_planar(_common.compile_distinct(saved), grad.shape)
             return torch.where(mask, grad, 0 if slope is None else grad * slope), None, None, None, None
         perm = ctx.perm
         g = grad if perm is None else grad.permute(perm)

@@ -108,8 +108,8 @@ def _inverse(perm):
 
 
 def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
-    if ctx.planar:
-        return _bitmask.unpack_planar(packed, ctx.packed_shape)
+    if ctx.planar:  # a view of its own, not merged with the forward's unpack by CSE (see activation.py)
+        return _bitmask.unpack_planar(_common.compile_distinct(packed), ctx.packed_shape)
     mask = _bitmask.unpack(packed, ctx.packed_shape)
     return mask if ctx.perm is None else mask.permute(_inverse(ctx.perm))
 

@@ -1,0 +1,98 @@
+"""Step time under torch.compile (Inductor, default layout): compiled slimgrad against compiled stock on the
+in-repo CNNs, per memsave case, interleaved steps (stock, slimgrad, stock, ...) so that load on a shared
+machine hits both alike; median and the ratio, with the bytes each compiled step keeps.
+
+    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py --model resnet18 --width-scale 0.125 --batch-size 4
+    python benchmarks/compile_speed.py --device cuda --width-scale 1 --batch-size 32 --image-size 224
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import slimgrad
+from slimgrad.cases import apply_case
+from slimgrad.measure import SavedTensors
+from slimgrad.models.cnn import build_model
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - tqdm ships with the dev extra
+    def tqdm(it, **_):
+        return it
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(base, x, case, args):
+    model = copy.deepcopy(base)
+    needs_x = apply_case(model, case)
+    compiled = {}
+    for name, slim in (("stock", False), ("slimgrad", True)):
+        m = copy.deepcopy(model)
+        compiled[name] = torch.compile(slimgrad.convert(m) if slim else m, fullgraph=True)
+
+    def step(run):
+        xi = x.clone().requires_grad_(needs_x)
+        run(xi).sum().backward()
+
+    kept = {}
+    for name, run in compiled.items():
+        step(run)  # compile
+        step(run)
+        with SavedTensors(exclude=[run]) as counter:
+            out = run(x.clone().requires_grad_(needs_x))
+        out.sum().backward()
+        kept[name] = counter.bytes / 2**20
+    times = {name: [] for name in compiled}
+    for _ in tqdm(range(args.steps), desc=case, leave=False, file=sys.stderr):
+        for name, run in compiled.items():
+            _sync(x.device)
+            t0 = time.perf_counter()
+            step(run)
+            _sync(x.device)
+            times[name].append(time.perf_counter() - t0)
+    torch._dynamo.reset()
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return med, kept
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--cases", default="input-bn-eval,input,all,norm,surgical")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--width-scale", type=float, default=0.125)
+    parser.add_argument("--steps", type=int, default=15, help="interleaved timed steps per provider")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    base = build_model(args.model, width_scale=args.width_scale, num_classes=10).to(device)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, {device.type} ({where}), threads {torch.get_num_threads()}; "
+          f"{args.model} width {args.width_scale}, {args.batch_size}x3x{args.image_size}^2, "
+          f"median of {args.steps} interleaved steps")
+    print("| case | stock compiled ms | slimgrad compiled ms | ratio | stock compiled MiB kept | "
+          "slimgrad compiled MiB kept |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for case in args.cases.split(","):
+        med, kept = run_case(base, x, case, args)
+        print(f"| {case} | {med['stock']:.2f} | {med['slimgrad']:.2f} | {med['slimgrad'] / med['stock']:.2f} | "
+              f"{kept['stock']:.3f} | {kept['slimgrad']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
