@@ -43,7 +43,7 @@ def run_case(base, x, case, args):
         compiled[name] = torch.compile(slimgrad.convert(m) if slim else m, fullgraph=True)
 
     def step(run):
-        xi = x.clone().requires_grad_(needs_x)
+        xi = x.clone(memory_format=torch.preserve_format).requires_grad_(needs_x)
         run(xi).sum().backward()
 
     kept = {}
@@ -51,7 +51,7 @@ def run_case(base, x, case, args):
         step(run)  # compile
         step(run)
         with SavedTensors(exclude=[run]) as counter:
-            out = run(x.clone().requires_grad_(needs_x))
+            out = run(x.clone(memory_format=torch.preserve_format).requires_grad_(needs_x))
         out.sum().backward()
         kept[name] = counter.bytes / 2**20
     times = {name: [] for name in compiled}
@@ -76,14 +76,19 @@ def main():
     parser.add_argument("--width-scale", type=float, default=0.125)
     parser.add_argument("--steps", type=int, default=15, help="interleaved timed steps per provider")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--channels-last", action="store_true", help="model and input in channels_last")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
     base = build_model(args.model, width_scale=args.width_scale, num_classes=10).to(device)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    if args.channels_last:
+        base = base.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"torch {torch.__version__}, {device.type} ({where}), threads {torch.get_num_threads()}; "
-          f"{args.model} width {args.width_scale}, {args.batch_size}x3x{args.image_size}^2, "
+          f"{args.model} width {args.width_scale}, {args.batch_size}x3x{args.image_size}^2"
+          f"{' channels_last' if args.channels_last else ''}, "
           f"median of {args.steps} interleaved steps")
     print("| case | stock compiled ms | slimgrad compiled ms | ratio | stock compiled MiB kept | "
           "slimgrad compiled MiB kept |")

@@ -30,6 +30,20 @@ def test_planar_round_trip(shape):
         assert torch.equal(_bitmask.pack_planar(cl), packed)
 
 
+def test_planar_in_memory_order():
+    """A channels-last mask packs in its memory order (planes contiguous in memory) and unpacks to a
+    channels-last mask with the same values; the bytes are those of the NHWC-flattened mask."""
+    torch.manual_seed(0)
+    mask = torch.rand(2, 3, 4, 5) > 0.5
+    cl = mask.to(torch.uint8).contiguous(memory_format=torch.channels_last).to(torch.bool)
+    order = _bitmask.memory_order(cl)
+    assert order == (0, 2, 3, 1) and _bitmask.memory_order(mask) is None
+    packed = _bitmask.pack_planar(cl, order)
+    assert torch.equal(packed, _bitmask.pack_planar(mask.permute(0, 2, 3, 1).contiguous()))
+    back = _bitmask.unpack_planar(packed, mask.shape, order)
+    assert torch.equal(back, mask) and back.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_planar_layout_and_errors():
     """Element k * M + j is bit k of byte j (M = ceil(numel / 8)); a wrong byte count is refused."""
     mask = torch.zeros(17, dtype=torch.bool)  # M = 3

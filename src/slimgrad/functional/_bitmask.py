@@ -120,14 +120,25 @@ def unpack(packed: torch.Tensor, shape, *, impl: str = "auto") -> torch.Tensor:
     return _unpack_torch(packed, numel).view(shape)
 
 
-def pack_planar(mask: torch.Tensor) -> torch.Tensor:
-    """Pack a bool ``mask`` of any shape, in its logical order, into ``ceil(numel / 8)`` uint8 bytes, plane
-    ``k`` (elements ``k * M`` to ``k * M + M - 1``) in bit ``k``. The format for traced graphs (see the module
-    doc); torch ops only, so it also runs in eager and on any device.
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation that makes ``t`` contiguous (channels_last, say), or None when it already is or none
+    does: the order :func:`pack_planar` packs in, so that its planes follow the memory."""
+    if t.is_contiguous():
+        return None
+    perm = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def pack_planar(mask: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Pack a bool ``mask`` of any shape into ``ceil(numel / 8)`` uint8 bytes, plane ``k`` (elements ``k * M``
+    to ``k * M + M - 1`` of the mask flattened in ``order``, a permutation of its dimensions, by default the
+    logical order) in bit ``k``. Packing in the memory order the traced tensor has (:func:`memory_order`:
+    channels-last activations) keeps the planes contiguous in memory. The format for traced graphs (see the
+    module doc); torch ops only, so it also runs in eager and on any device.
 
     (Planes along dim 2 of a 4-D map, an outer loop in both layouts Inductor may choose, measured slower on
     the width-8 ResNet-18 step: the zero padding of small maps and the reductions' layouts cost more.)"""
-    flat = mask.reshape(-1)
+    flat = (mask if order is None else mask.permute(order)).reshape(-1)
     numel = flat.numel()
     planes = packed_numel(numel)
     if planes * 8 != numel:
@@ -135,11 +146,18 @@ def pack_planar(mask: torch.Tensor) -> torch.Tensor:
     return (flat.view(8, planes).to(torch.uint8) << _shifts(mask.device).view(8, 1)).sum(0, dtype=torch.uint8)
 
 
-def unpack_planar(packed: torch.Tensor, shape) -> torch.Tensor:
-    """The bool mask of ``shape`` (contiguous) that :func:`pack_planar` packed into ``packed``."""
+def unpack_planar(packed: torch.Tensor, shape, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The bool mask of ``shape`` that :func:`pack_planar` packed into ``packed`` in ``order`` (laid out in
+    that order: a channels-last mask comes back channels-last)."""
     numel = math.prod(shape)
     if packed.dtype != torch.uint8 or packed.numel() != packed_numel(numel):
         raise ValueError(f"unpack_planar: 'packed' must hold {packed_numel(numel)} uint8 bytes for shape "
                          f"{tuple(shape)}, got {packed.numel()} of {packed.dtype}")
     bits = (packed.view(1, -1) >> _shifts(packed.device).view(8, 1)) & 1
-    return bits.view(-1)[:numel].view(shape).to(torch.bool)
+    if order is None:
+        return bits.view(-1)[:numel].view(shape).to(torch.bool)
+    stored = bits.view(-1)[:numel].view([shape[d] for d in order]).to(torch.bool)
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return stored.permute(inverse)

@@ -83,7 +83,7 @@ def _masked_forward(ctx, input, slope, inplace):
 
 def _traced_masked_forward(input, slope, inplace):
     """Under torch.compile: the planar-packed mask (``_bitmask.pack_planar``) and the output computed from
-    it; returns (out, packed mask).
+    it, packed in the input's memory order; returns (out, packed mask, that order).
 
     The output reads the packed mask instead of comparing the input again so that the pack is part of the
     forward: AOTAutograd's partitioner moves every node that only backward reads into the backward graph,
@@ -94,16 +94,17 @@ def _traced_masked_forward(input, slope, inplace):
     mask = ~(input <= 0)  # NaN passes, as in stock's relu and its backward
     if slope is not None:
         mask = input > 0  # leaky_relu's backward takes grad where the input is > 0 (NaN: the slope)
-    packed = _bitmask.pack_planar(mask)
-    kept = _bitmask.unpack_planar(packed, input.shape)
+    order = _bitmask.memory_order(input)
+    packed = _bitmask.pack_planar(mask, order)
+    kept = _bitmask.unpack_planar(packed, input.shape, order)
     if slope is None:
         value = torch.where(kept, input, 0) if slope is None else None
     else:
         value = torch.where(kept | input.isnan(), input, input * slope)
     if inplace:
         input.copy_(value)
-        return input, packed  # dynamo checks that a dirty tensor is returned as the same object
-    return value, packed
+        return input, packed, order  # dynamo checks that a dirty tensor is returned as the same object
+    return value, packed, order
 
 
 class _ReLUFunction(_common.Function):
@@ -125,7 +126,7 @@ class _ReLUFunction(_common.Function):
         if ctx.mode == _MASK:
             ctx.planar = torch.compiler.is_compiling()
             if ctx.planar:
-                out, packed = _traced_masked_forward(input, negative_slope, inplace)
+                out, packed, ctx.order = _traced_masked_forward(input, negative_slope, inplace)
             else:
                 out, packed = _masked_forward(ctx, input, negative_slope, inplace)
             ctx.save_for_backward(packed)
@@ -162,7 +163,7 @@ class _ReLUFunction(_common.Function):
         if ctx.planar:
             # A view of its own: unpacked from ``saved`` itself, CSE would merge this with the forward's unpack
             # (the output reads it) and the partitioner would save that bool mask, 8x the packed bits.
-            mask = _bitmask.unpack_planar(_common.compile_distinct(saved), grad.shape)
+            mask = _bitmask.unpack_planar(_common.compile_distinct(saved), grad.shape, ctx.order)
             return torch.where(mask, grad, 0 if slope is None else grad * slope), None, None, None, None
         perm = ctx.perm
         g = grad if perm is None else grad.permute(perm)

@@ -83,8 +83,8 @@ def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor
     ctx.planar = torch.compiler.is_compiling()
     if ctx.planar:
         # Traced: the planar format in logical order, which Inductor fuses into the producing kernel.
-        ctx.perm, ctx.packed_shape = None, tuple(x.shape)
-        return _bitmask.pack_planar(range_mask.mask_torch(x, _rule(kind), lo, hi))
+        ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.memory_order(x)
+        return _bitmask.pack_planar(range_mask.mask_torch(x, _rule(kind), lo, hi), ctx.order)
     perm = _memory_order(x)
     ctx.perm = perm
     xc = x.permute(perm) if perm is not None else x.contiguous()
@@ -109,7 +109,7 @@ def _inverse(perm):
 
 def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
     if ctx.planar:  # a view of its own, not merged with the forward's unpack by CSE (see activation.py)
-        return _bitmask.unpack_planar(_common.compile_distinct(packed), ctx.packed_shape)
+        return _bitmask.unpack_planar(_common.compile_distinct(packed), ctx.packed_shape, ctx.order)
     mask = _bitmask.unpack(packed, ctx.packed_shape)
     return mask if ctx.perm is None else mask.permute(_inverse(ctx.perm))
 
@@ -122,11 +122,11 @@ def _stock(input, kind, lo, hi, value, inplace):
     return torch._C._nn.hardsigmoid_(input) if inplace else torch._C._nn.hardsigmoid(input)
 
 
-def _from_packed(input, packed, kind, lo, hi, value, inplace):
+def _from_packed(input, packed, order, kind, lo, hi, value, inplace):
     """Under torch.compile: stock's values, read through the packed pass mask (inside the pass region the
     output is the input itself), so that the pack is a forward node AOTAutograd's partitioner saves instead
     of rebuilding it inside the gradient kernels (see ``activation._traced_masked_forward``)."""
-    kept = _bitmask.unpack_planar(packed, input.shape)
+    kept = _bitmask.unpack_planar(packed, input.shape, order)
     if kind == HARDTANH:
         out = torch.where(kept, input, torch._C._nn.hardtanh(input, lo, hi))
     else:  # threshold (fp32/fp64: mask and forward compare alike): stock's x <= lo ? value : x, NaN kept
@@ -154,7 +154,7 @@ class RangeMaskFunction(_common.Function):
             packed = _pack(input, kind, lo, hi, ctx)  # before an in-place op overwrites the input
         if packed is not None and ctx.planar and (
                 kind == HARDTANH or (kind == THRESHOLD and input.dtype in (torch.float32, torch.float64))):
-            out = _from_packed(input, packed, kind, lo, hi, value, inplace)
+            out = _from_packed(input, packed, ctx.order, kind, lo, hi, value, inplace)
         else:
             out = _stock(input, kind, lo, hi, value, inplace)
         if inplace:

@@ -169,8 +169,8 @@ class _DropoutFunction(_common.Function):
         elif torch.compiler.is_compiling():
             ctx.mode = _MASK
             noise = torch.empty_like(input).bernoulli_(1 - p)
-            ctx.shape = tuple(input.shape)
-            ctx.save_for_backward(_bitmask.pack_planar(noise != 0))
+            ctx.shape, ctx.order = tuple(input.shape), _bitmask.memory_order(input)
+            ctx.save_for_backward(_bitmask.pack_planar(noise != 0, ctx.order))
             out = _apply_noise(input, noise.div_(1 - p), inplace)
         elif policy == "bits":
             ctx.mode = _BITS
@@ -195,7 +195,7 @@ class _DropoutFunction(_common.Function):
             return grad * torch.zeros((), dtype=grad.dtype, device=grad.device), None, None, None
         (saved,) = ctx.saved_tensors
         if ctx.mode == _MASK:
-            mask = _bitmask.unpack_planar(saved, ctx.shape)
+            mask = _bitmask.unpack_planar(saved, ctx.shape, ctx.order)
             return grad * mask.to(grad.dtype).div_(1 - ctx.p), None, None, None
         if ctx.mode == _BITS:
             if grad.requires_grad:  # double backward: stay differentiable in grad
