@@ -19,16 +19,9 @@ __all__ = ["STOCK"]
 
 
 def _conv(x, weight, bias, cfg):
-    from slimgrad.functional.conv import _CONV, _CONV_T
+    from slimgrad.functional.conv import conv_forward
 
-    nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = cfg
-    if pad is not None:
-        x = F.pad(x, pad, mode=pad_mode)
-    if cast_dtype is not None:
-        x = x.to(cast_dtype)
-    if transposed:
-        return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
-    return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
+    return conv_forward(x, weight, bias, cfg)
 
 
 def _max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
@@ -90,15 +83,9 @@ def _fused_add_rms_norm(input, residual, weight, eps, style):
 
 
 def _poly_norm(input, weight, bias, eps):
-    from slimgrad.functional.norms import _opmath
+    from slimgrad.functional.norms import poly_norm_forward
 
-    xf = input.to(_opmath(input.dtype))
-    r3, r2, r1 = (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) for u in (xf.pow(3), xf.pow(2), xf))
-    w = weight.to(xf.dtype)
-    out = w[0] * (xf.pow(3) * r3) + w[1] * (xf.pow(2) * r2) + w[2] * (xf * r1)
-    if bias is not None:
-        out = out + bias.to(xf.dtype)
-    return out.to(input.dtype)
+    return poly_norm_forward(input, weight, bias, eps)[0].to(input.dtype)
 
 
 def _gated(gate, up, kind):

@@ -95,17 +95,9 @@ class ConvTwin(_Twin):
 
     @staticmethod
     def forward(x, weight, bias, cfg):
-        from slimgrad.functional.conv import _CONV, _CONV_T
+        from slimgrad.functional.conv import conv_forward
 
-        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = cfg
-        xp = x
-        if pad is not None:
-            xp = F.pad(xp, pad, mode=pad_mode)
-        if cast_dtype is not None:
-            xp = xp.to(cast_dtype)
-        if transposed:
-            return _CONV_T[nd](xp, weight, bias, stride, padding, output_padding, groups, dilation)
-        return _CONV[nd](xp, weight, bias, stride, padding, dilation, groups)
+        return conv_forward(x, weight, bias, cfg)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -464,15 +456,9 @@ class RMSNormTwin(_Twin):
         ctx.style, ctx.x_dtype = style, input.dtype
         if not (need_x or need_w):
             return
-        ctx.w_meta = None if weight is None else (weight.shape, weight.dtype)
-        narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
-        kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
-        if not need_x and normed is not None and (
-                normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
-            ctx.save_for_backward(None, None, None, normed)
-        else:
-            _common.note_input_kept(input)
-            ctx.save_for_backward(input.to(rstd.dtype) if narrow else input, rstd, weight if need_x else None, None)
+        from slimgrad.functional.norms import save_rms
+
+        save_rms(ctx, input, weight, rstd, normed, need_x, style, fused=False)
 
     @staticmethod
     def backward(ctx, grad_out, *_grad_stats):

@@ -81,6 +81,19 @@ def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Te
     return g.contiguous(memory_format=_common.suggest_memory_format(grad))
 
 
+def conv_forward(x, weight, bias, cfg):
+    """The convolution ``cfg`` describes, with stock's ops: explicit pad, autocast's cast, then the (transposed)
+    convolution. What the Function, its torch.func twin and its stock fallback compute."""
+    nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = cfg
+    if pad is not None:
+        x = F.pad(x, pad, mode=pad_mode)
+    if cast_dtype is not None:
+        x = x.to(cast_dtype)
+    if transposed:
+        return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
+    return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
+
+
 class _ConvFunction(_common.Function):
     """One Function for every convolution kind; ``cfg`` carries the non-tensor options:
     (nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype).

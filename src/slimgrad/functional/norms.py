@@ -79,6 +79,28 @@ def _variance_path_grad(d_rstd, rstd, up, n):
     return (d_var / n) * (2.0 * up.pow(1))
 
 
+def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
+    """What ``RMSNormFunction``'s torch code keeps for backward (x and rstd, or only the normalised input), shared
+    with its torch.func twin; ``normed``: the normalised input when it was computed, else None."""
+    ctx.w_meta = None if weight is None else (weight.shape, weight.dtype)
+    # The weight is a parameter (not an activation): keeping it costs nothing.
+    # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
+    # and half its size.
+    narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
+    kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
+    if not need_x and normed is not None and (
+            normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
+        # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
+        # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there. The
+        # weight's shape and dtype are all dW reads of it: a plain-tensor weight is not kept (stock's
+        # product keeps only the normalised input when x needs no grad).
+        ctx.save_for_backward(None, None, None, normed)
+    else:
+        _common.note_input_kept(input)
+        kept = input.to(rstd.dtype) if narrow else input
+        ctx.save_for_backward(kept, rstd, weight if (need_x or fused) else None, None)
+
+
 class RMSNormFunction(_common.Function):
     """RMSNorm in one of :data:`RMS_STYLES`; keeps x and the per-row rstd, nothing else."""
 
@@ -110,23 +132,7 @@ class RMSNormFunction(_common.Function):
         ctx.dims, ctx.style, ctx.fused, ctx.x_dtype = dims, style, fused, input.dtype
         if not (need_x or need_w):
             return out
-        ctx.w_meta = None if weight is None else (weight.shape, weight.dtype)
-        # The weight is a parameter (not an activation): keeping it costs nothing.
-        # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
-        # and half its size.
-        narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
-        kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
-        if not need_x and normed is not None and (
-                normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
-            # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
-            # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there. The
-            # weight's shape and dtype are all dW reads of it: a plain-tensor weight is not kept (stock's
-            # product keeps only the normalised input when x needs no grad).
-            ctx.save_for_backward(None, None, None, normed)
-        else:
-            _common.note_input_kept(input)
-            kept = input.to(rstd.dtype) if narrow else input
-            ctx.save_for_backward(kept, rstd, weight if (need_x or fused) else None, None)
+        save_rms(ctx, input, weight, rstd, normed, need_x, style, fused)
         return out
 
     @staticmethod
@@ -521,19 +527,25 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
     return FusedAddRMSNormFunction.apply(input, residual, weight, float(eps), style)
 
 
+def poly_norm_forward(input, weight, bias, eps):
+    """PolyNorm's output in opmath (fp32, fp64 for fp64; not yet cast to x's dtype) and its three per-row rstds;
+    shared by the Function and its stock computation under torch.func."""
+    xf = input.to(_opmath(input.dtype))
+    r3, r2, r1 = (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) for u in (xf.pow(3), xf.pow(2), xf))
+    w = weight.to(xf.dtype)
+    out = w[0] * (xf.pow(3) * r3) + w[1] * (xf.pow(2) * r2) + w[2] * (xf * r1)
+    if bias is not None:
+        out = out + bias.to(xf.dtype)
+    return out, (r3, r2, r1)
+
+
 class PolyNormFunction(_common.Function):
     """``y = w0·norm(x³) + w1·norm(x²) + w2·norm(x) + b`` with ``norm(u) = u·rsqrt(mean(u²)+eps)`` over the
     last dim, computed in fp32 (fp64 for fp64) and cast to x's dtype. Keeps x and the three per-row rstds (fp32)."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, eps):
-        xf = input.to(_opmath(input.dtype))
-        r3, r2, r1 = (torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) for u in (xf.pow(3), xf.pow(2), xf))
-        w = weight.to(xf.dtype)
-        out = w[0] * (xf.pow(3) * r3) + w[1] * (xf.pow(2) * r2) + w[2] * (xf * r1)
-        if bias is not None:
-            out = out + bias.to(xf.dtype)
-        rstds = (r3, r2, r1)
+        out, rstds = poly_norm_forward(input, weight, bias, eps)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.mask = (need_x, need_w, need_b and bias is not None)
         ctx.bias_dtype = None if bias is None else bias.dtype
