@@ -140,36 +140,30 @@ def test_saved_in_graph_agrees_with_hooks_in_eager():
         assert hooks > 0
 
 
-def test_relu_mask_bytes_are_one_bit_per_element():
-    """An analytical count: per-sample input gradients through ReLU keep one bit per element (the mask),
-    against the float output stock keeps."""
-    slim = slimgrad.convert(nn.Sequential(nn.ReLU()))
-    x = torch.randn(5, 16, 8)
+def _only_record_per_sample(module, x):
+    """The one tensor ``module``'s graph saves under ``vmap(grad(...))`` over x's first dimension."""
     kept = []
 
     def f(xi):
-        out = slim(xi)
+        out = module(xi)
         kept.append(saved_in_graph(out))
         return out.sum()
 
     vmap(grad(f))(x)
     (record,) = kept[-1]
+    return record
+
+
+def test_relu_mask_bytes_are_one_bit_per_element():
+    """An analytical count: per-sample input gradients through ReLU keep one bit per element (the mask),
+    against the float output stock keeps."""
+    record = _only_record_per_sample(slimgrad.convert(nn.Sequential(nn.ReLU())), torch.randn(5, 16, 8))
     assert record.dtype == torch.uint8 and record.nbytes == 5 * 16 * 8 // 8
 
 
 def test_max_pool_keeps_positions():
     """Per-sample max pooling keeps one uint8 window position per output, not the input and int64 indices."""
-    slim = slimgrad.convert(nn.MaxPool2d(2))
-    x = torch.randn(3, 2, 8, 8)
-    kept = []
-
-    def f(xi):
-        out = slim(xi)
-        kept.append(saved_in_graph(out))
-        return out.sum()
-
-    vmap(grad(f))(x)
-    (record,) = kept[-1]
+    record = _only_record_per_sample(slimgrad.convert(nn.MaxPool2d(2)), torch.randn(3, 2, 8, 8))
     assert record.dtype == torch.uint8 and record.nbytes == 3 * 2 * 4 * 4
 
 
