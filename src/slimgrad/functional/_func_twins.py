@@ -213,7 +213,12 @@ def _relu(input, negative_slope, inplace, keep_output, use):
         from slimgrad.functional._func_stock import STOCK
 
         return STOCK["_ReLUFunction"](input, negative_slope, inplace, keep_output, use)
-    out = ReLUTwin.apply(input, negative_slope, keep_output)[0]
+    return _finish_activation(input, ReLUTwin.apply(input, negative_slope, keep_output)[0], inplace, use)
+
+
+def _finish_activation(input, out, inplace, use):
+    """After an activation twin: the producer/consumer hook on the output (``use``: (module, UseCell)), and
+    the in-place form written back into ``input``."""
     if use is not None and out.grad_fn is not None:
         out.grad_fn.register_prehook(_LearnHook(use))
     if inplace:
@@ -269,12 +274,7 @@ def _range_mask(input, kind, lo, hi, value, inplace, keep_output, use):
         from slimgrad.functional._func_stock import STOCK
 
         return STOCK["RangeMaskFunction"](input, kind, lo, hi, value, inplace, keep_output, use)
-    out = RangeMaskTwin.apply(input, kind, lo, hi, value, keep_output)[0]
-    if use is not None and out.grad_fn is not None:
-        out.grad_fn.register_prehook(_LearnHook(use))
-    if inplace:
-        return input.copy_(out)
-    return out
+    return _finish_activation(input, RangeMaskTwin.apply(input, kind, lo, hi, value, keep_output)[0], inplace, use)
 
 
 # -------------------------------------------------------------------------------------------- pooling
