@@ -91,14 +91,14 @@ def _traced_masked_forward(input, slope, inplace):
     rebuild the packed mask there, eight inputs per byte, inside the gradient kernel (measured: the width-8
     ResNet-18 step 1.2-1.3x compiled stock's). Read by the output, the pack is a forward node the partitioner
     may not recompute (a reduction) and is saved, 1 bit per element."""
-    mask = ~(input <= 0)  # NaN passes, as in stock's relu and its backward
-    if slope is not None:
-        mask = input > 0  # leaky_relu's backward takes grad where the input is > 0 (NaN: the slope)
+    # relu: NaN passes, as in stock's relu and its backward; leaky_relu's backward takes grad where the input
+    # is > 0 (NaN: the slope)
+    mask = ~(input <= 0) if slope is None else input > 0
     order = _bitmask.memory_order(input)
     packed = _bitmask.pack_planar(mask, order)
     kept = _bitmask.unpack_planar(packed, input.shape, order)
     if slope is None:
-        value = torch.where(kept, input, 0) if slope is None else None
+        value = torch.where(kept, input, 0)
     else:
         value = torch.where(kept | input.isnan(), input, input * slope)
     if inplace:
