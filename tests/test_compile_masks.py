@@ -53,6 +53,40 @@ def test_planar_layout_and_errors():
         _bitmask.unpack_planar(torch.zeros(4, dtype=torch.uint8), (17,))
 
 
+@pytest.mark.parametrize("shape", [(4, 8, 16, 16), (2, 3, 4, 4), (8, 5, 7, 7), (2, 16, 2, 2, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pixel_planes_round_trip(shape, channels_last):
+    """CPU feature maps with a pixel count divisible by 8 pack in pixel planes ((pixels / 8, C) bytes), in
+    either memory layout, and unpack to the same mask."""
+    torch.manual_seed(0)
+    mask = torch.rand(shape) > 0.4
+    if channels_last:
+        fmt = torch.channels_last if mask.dim() == 4 else torch.channels_last_3d
+        mask = mask.to(torch.uint8).contiguous(memory_format=fmt).to(torch.bool)
+    layout = _bitmask.planar_layout(mask)
+    assert layout == _bitmask.PIXEL_PLANES
+    packed = _bitmask.pack_planar(mask, layout)
+    pixels = mask.numel() // shape[1]
+    assert packed.dtype == torch.uint8 and packed.shape == (pixels // 8, shape[1])
+    assert torch.equal(_bitmask.unpack_planar(packed, mask.shape, layout), mask)
+
+
+def test_pixel_planes_bit_placement():
+    """Pixel p (channels-last order: n, then spatial positions) of channel c is bit p // (P / 8) of byte
+    (p % (P / 8), c); maps whose pixel count is not a multiple of 8, other ranks and other devices than the
+    CPU keep the flat planes."""
+    mask = torch.zeros(2, 3, 2, 4, dtype=torch.bool)  # P = 16 pixels, 2 per plane
+    mask[1, 2, 0, 3] = True  # pixel 1 * 8 + 0 * 4 + 3 = 11: plane 5, row 1
+    packed = _bitmask.pack_planar(mask, _bitmask.planar_layout(mask))
+    expected = torch.zeros(2, 3, dtype=torch.uint8)
+    expected[1, 2] = 1 << 5
+    assert torch.equal(packed, expected)
+    assert _bitmask.planar_layout(torch.zeros(2, 3, 3, 3)) is None  # 18 pixels
+    assert _bitmask.planar_layout(torch.zeros(8, 3, 8)) is None
+    assert _bitmask.planar_layout(torch.zeros(0, 3, 4, 4)) is None
+    assert _bitmask.planar_layout(torch.zeros(2, 3, 4, 4, device="meta")) is None
+
+
 def _special(shape):
     """Values with the cases masks get wrong: NaN, +-0, the bounds themselves."""
     torch.manual_seed(1)

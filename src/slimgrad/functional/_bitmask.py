@@ -32,7 +32,8 @@ import sys
 import numpy as np
 import torch
 
-__all__ = ["packed_numel", "new_padded_mask", "pack", "unpack", "pack_planar", "unpack_planar"]
+__all__ = ["packed_numel", "new_padded_mask", "pack", "unpack", "pack_planar", "unpack_planar", "planar_layout",
+           "PIXEL_PLANES"]
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("slimgrad's bit-packed masks read bytes through an int64 view and need a "
@@ -71,8 +72,8 @@ def use_numpy(t: torch.Tensor) -> bool:
     )
 
 
-def _shifts(device) -> torch.Tensor:
-    return torch.arange(8, dtype=torch.uint8, device=device)
+def _shifts(device, dtype=torch.uint8) -> torch.Tensor:
+    return torch.arange(8, dtype=dtype, device=device)
 
 
 def _pack_torch(flat: torch.Tensor) -> torch.Tensor:
@@ -129,31 +130,75 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return perm if t.permute(perm).is_contiguous() else None
 
 
-def pack_planar(mask: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Pack a bool ``mask`` of any shape into ``ceil(numel / 8)`` uint8 bytes, plane ``k`` (elements ``k * M``
-    to ``k * M + M - 1`` of the mask flattened in ``order``, a permutation of its dimensions, by default the
-    logical order) in bit ``k``. Packing in the memory order the traced tensor has (:func:`memory_order`:
-    channels-last activations) keeps the planes contiguous in memory. The format for traced graphs (see the
-    module doc); torch ops only, so it also runs in eager and on any device.
+# The planar layout of a feature map on the CPU (see planar_layout): the map read as (pixels, C) rows in
+# channels-last order, plane k = rows k*P/8 .. (k+1)*P/8 - 1, so byte (p, c) carries pixel p + k*P/8 in bit k.
+PIXEL_PLANES = "pixels"
+
+
+def planar_layout(t: torch.Tensor):
+    """How :func:`pack_planar` lays out the planes of a mask shaped like ``t``: :data:`PIXEL_PLANES` for a
+    4-D or 5-D CPU feature map whose pixel count (numel / C) is a multiple of 8, else the permutation that
+    makes ``t`` contiguous (:func:`memory_order`: None for contiguous tensors).
+
+    Why pixels on the CPU: Inductor's layout optimisation turns CNN activations channels-last after the graph
+    is traced (always on the CPU with mkldnn), so the memory order the trace sees is not the one the kernels
+    run on, and flat planes in the traced order index across the real layout (a div/mod gather per element;
+    measured on the width-8 ResNet-18 step, 1.1-1.2x compiled stock). Pixel planes in channels-last order are
+    affine rows in that layout: the pack and unpack vectorise over channels, fused into the producing and
+    consuming kernels (the same step: 0.95-1.04x stock where slimgrad saves). Other devices keep the flat
+    planes in the traced memory order, the format measured there (H100, 1.05-1.14x; pixel planes are not
+    measured on a GPU)."""
+    if (t.device.type == "cpu" and t.dim() in (4, 5) and t.numel() > 0
+            and (t.numel() // t.shape[1]) % 8 == 0):
+        return PIXEL_PLANES
+    return memory_order(t)
+
+
+def _pixel_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (N, C, *spatial) as (pixels, C) rows in channels-last order (a view when ``t`` is channels-last)."""
+    return t.permute(0, *range(2, t.dim()), 1).reshape(-1, t.shape[1])
+
+
+def pack_planar(mask: torch.Tensor, order=None) -> torch.Tensor:
+    """Pack a bool ``mask`` of any shape into ``ceil(numel / 8)`` uint8 bytes, in planes: with ``order``
+    :data:`PIXEL_PLANES` (see :func:`planar_layout`), into a ``(pixels / 8, C)`` tensor whose bit ``k`` holds
+    the ``k``-th eighth of the pixels; otherwise plane ``k`` is elements ``k * M`` to ``k * M + M - 1`` of the mask
+    flattened in ``order`` (a permutation of its dimensions, by default the logical order), in bit ``k``.
+    Packing in the memory order the traced tensor has (:func:`memory_order`: channels-last activations)
+    keeps the planes contiguous in memory. The format for traced graphs (see the module doc); torch ops only,
+    so it also runs in eager and on any device.
+
+    The bit arithmetic runs in int32: Inductor's CPU vector code has no native 8-bit shifts (at::vec falls
+    back to a scalar loop per vector), which made the mask kernels ~10x the batch-norm kernel they fuse into.
 
     (Planes along dim 2 of a 4-D map, an outer loop in both layouts Inductor may choose, measured slower on
     the width-8 ResNet-18 step: the zero padding of small maps and the reductions' layouts cost more.)"""
+    if order == PIXEL_PLANES:
+        rows = _pixel_rows(mask).view(8, -1, mask.shape[1]).to(torch.int32)
+        shifts = _shifts(mask.device, torch.int32).view(8, 1, 1)
+        return (rows << shifts).sum(0, dtype=torch.int32).to(torch.uint8)
     flat = (mask if order is None else mask.permute(order)).reshape(-1)
     numel = flat.numel()
     planes = packed_numel(numel)
     if planes * 8 != numel:
         flat = torch.cat([flat, flat.new_zeros(planes * 8 - numel)])
-    return (flat.view(8, planes).to(torch.uint8) << _shifts(mask.device).view(8, 1)).sum(0, dtype=torch.uint8)
+    shifts = _shifts(mask.device, torch.int32).view(8, 1)
+    return (flat.view(8, planes).to(torch.int32) << shifts).sum(0, dtype=torch.int32).to(torch.uint8)
 
 
-def unpack_planar(packed: torch.Tensor, shape, order: tuple[int, ...] | None = None) -> torch.Tensor:
+def unpack_planar(packed: torch.Tensor, shape, order=None) -> torch.Tensor:
     """The bool mask of ``shape`` that :func:`pack_planar` packed into ``packed`` in ``order`` (laid out in
     that order: a channels-last mask comes back channels-last)."""
     numel = math.prod(shape)
     if packed.dtype != torch.uint8 or packed.numel() != packed_numel(numel):
         raise ValueError(f"unpack_planar: 'packed' must hold {packed_numel(numel)} uint8 bytes for shape "
                          f"{tuple(shape)}, got {packed.numel()} of {packed.dtype}")
-    bits = (packed.view(1, -1) >> _shifts(packed.device).view(8, 1)) & 1
+    if order == PIXEL_PLANES:
+        shifts = _shifts(packed.device, torch.int32).view(8, 1, 1)
+        rows = ((packed.to(torch.int32).unsqueeze(0) >> shifts) & 1 != 0).view(-1, shape[1])
+        cl = [shape[0], *shape[2:], shape[1]]
+        return rows.view(cl).permute(0, len(shape) - 1, *range(1, len(shape) - 1))
+    bits = (packed.to(torch.int32).view(1, -1) >> _shifts(packed.device, torch.int32).view(8, 1)) & 1
     if order is None:
         return bits.view(-1)[:numel].view(shape).to(torch.bool)
     stored = bits.view(-1)[:numel].view([shape[d] for d in order]).to(torch.bool)

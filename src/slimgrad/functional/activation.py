@@ -94,7 +94,7 @@ def _traced_masked_forward(input, slope, inplace):
     # relu: NaN passes, as in stock's relu and its backward; leaky_relu's backward takes grad where the input
     # is > 0 (NaN: the slope)
     mask = ~(input <= 0) if slope is None else input > 0
-    order = _bitmask.memory_order(input)
+    order = _bitmask.planar_layout(input)
     packed = _bitmask.pack_planar(mask, order)
     kept = _bitmask.unpack_planar(packed, input.shape, order)
     if slope is None:

@@ -169,7 +169,7 @@ class _DropoutFunction(_common.Function):
         elif torch.compiler.is_compiling():
             ctx.mode = _MASK
             noise = torch.empty_like(input).bernoulli_(1 - p)
-            ctx.shape, ctx.order = tuple(input.shape), _bitmask.memory_order(input)
+            ctx.shape, ctx.order = tuple(input.shape), _bitmask.planar_layout(input)
             ctx.save_for_backward(_bitmask.pack_planar(noise != 0, ctx.order))
             out = _apply_noise(input, noise.div_(1 - p), inplace)
         elif policy == "bits":
