@@ -194,9 +194,13 @@ def _convolution_backward(ctx, grad, x, weight, output_mask):
     """aten's convolution_backward for the gradients ``output_mask`` names, from the saved X, as stock's
     autograd calls it (X padded and cast as the forward did)."""
     nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = ctx.cfg
-    # Under torch.compile, pad/cast a view of x: nodes CSE cannot merge with forward's, which the partitioner
-    # would then save (the padded or cast copy) instead of redoing them from x.
-    xp = _common.compile_distinct(x)
+    xp = x
+    if pad is not None or cast_dtype is not None:
+        # Under torch.compile, pad/cast a view of x: nodes CSE cannot merge with forward's, which the
+        # partitioner would then save (the padded or cast copy) instead of redoing them from x. Only then:
+        # the view pins x to the layout the trace saw, and a plain activation would lose the channels-last
+        # layout Inductor gives it (a transposed copy per conv, measured on the compiled "all" step).
+        xp = _common.compile_distinct(x)
     if pad is not None:
         xp = F.pad(xp, pad, mode=pad_mode)
     if cast_dtype is not None:
