@@ -59,7 +59,9 @@ def cnn(args):
         print(f"| {args.model} | {case} | " + " | ".join(f"{b:.3f}" for b, _ in row.values()) + " |", flush=True)
 
 
-def lora(args):
+def lora_model(dropout):
+    """The LoRA step's model and token batch: Llama-like, hidden 128, 2 layers, bf16, fp32 rank-8 adapters on
+    all seven projections, 2x64 tokens (shared with compile_speed.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,8 +70,12 @@ def lora(args):
                       vocab_size=1024)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(LlamaForCausalLM(cfg).to(torch.bfloat16),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=args.lora_dropout))
-    ids = torch.randint(0, 1024, (2, 64))
+                           LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=dropout))
+    return model, torch.randint(0, 1024, (2, 64))
+
+
+def lora(args):
+    model, ids = lora_model(args.lora_dropout)
     row = {}
     for name, slim, compiled in PROVIDERS:
         m = copy.deepcopy(model).train()

@@ -4,6 +4,7 @@ machine hits both alike; median and the ratio, with the bytes each compiled step
 
     OMP_NUM_THREADS=1 python benchmarks/compile_speed.py --model resnet18 --width-scale 0.125 --batch-size 4
     python benchmarks/compile_speed.py --device cuda --width-scale 1 --batch-size 32 --image-size 224
+    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py --lora [--lora-dropout 0.1]
 """
 
 from __future__ import annotations
@@ -67,6 +68,35 @@ def run_case(base, x, case, args):
     return med, kept
 
 
+def run_lora(args):
+    """The LoRA step of compile_bytes.py (peft on a Llama-like bf16 model), stock and slimgrad compiled
+    (HF's forward has graph breaks: not fullgraph), interleaved."""
+    from compile_bytes import lora_model
+
+    model, ids = lora_model(args.lora_dropout)
+    compiled = {"stock": torch.compile(copy.deepcopy(model).train()),
+                "slimgrad": torch.compile(slimgrad.convert(copy.deepcopy(model).train()))}
+
+    def step(run):
+        run(input_ids=ids, labels=ids).loss.backward()
+
+    kept = {}
+    for name, run in compiled.items():
+        step(run)
+        step(run)
+        with SavedTensors(exclude=[run]) as counter:
+            out = run(input_ids=ids, labels=ids)
+        out.loss.backward()
+        kept[name] = counter.bytes / 2**20
+    times = {name: [] for name in compiled}
+    for _ in tqdm(range(args.steps), desc="lora", leave=False, file=sys.stderr):
+        for name, run in compiled.items():
+            t0 = time.perf_counter()
+            step(run)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, kept
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18")
@@ -77,7 +107,19 @@ def main():
     parser.add_argument("--steps", type=int, default=15, help="interleaved timed steps per provider")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--channels-last", action="store_true", help="model and input in channels_last")
+    parser.add_argument("--lora", action="store_true", help="the LoRA step of compile_bytes.py instead (CPU)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
     args = parser.parse_args()
+    if args.lora:
+        med, kept = run_lora(args)
+        print(f"torch {torch.__version__}, cpu, threads {torch.get_num_threads()}; LoRA step "
+              f"(lora_dropout={args.lora_dropout}), median of {args.steps} interleaved steps")
+        print("| case | stock compiled ms | slimgrad compiled ms | ratio | stock compiled MiB kept | "
+              "slimgrad compiled MiB kept |")
+        print("|---|---:|---:|---:|---:|---:|")
+        print(f"| lora | {med['stock']:.2f} | {med['slimgrad']:.2f} | {med['slimgrad'] / med['stock']:.2f} | "
+              f"{kept['stock']:.3f} | {kept['slimgrad']:.3f} |")
+        return
     device = torch.device(args.device)
     torch.manual_seed(0)
     base = build_model(args.model, width_scale=args.width_scale, num_classes=10).to(device)

@@ -14,14 +14,16 @@ Two implementations:
 * numpy's ``packbits``/``unpackbits`` for CPU tensors in eager mode: one pass each instead of several
   full-size torch temporaries, measured faster on CPU (see the report in ``activation.py``).
 
-Under ``torch.compile`` the Functions use a second format instead, :func:`pack_planar` /
-:func:`unpack_planar`: the flat mask split into eight equal planes, element ``k * M + j`` in bit ``k`` of
-byte ``j`` (``M = ceil(numel / 8)``). Both sides of it are pointwise-with-a-constant-shift over contiguous
-rows, which Inductor vectorizes and fuses into the producing and consuming kernels; the format above needs
-``byte[i // 8] >> (i % 8)``, which it compiles to element-wise scalar code (measured on the width-8
-ResNet-18 step: the fused unpack + batch-norm backward kernels took 0.2-0.9 ms each, ~20% of the step). A
-Function records which format it packed (``ctx``) and unpacks with the same one, so a backward traced by
-compiled autograd after an eager forward still reads the eager format.
+Under ``torch.compile`` the Functions use planar formats instead, :func:`pack_planar` /
+:func:`unpack_planar`, eight equal planes, plane ``k`` in bit ``k``: on the CPU a feature map's pixels in
+channels-last order (byte ``(p, c)`` holds pixel ``p + k * P / 8`` of channel ``c``, see
+:func:`planar_layout`), elsewhere the flat mask in its traced memory order (element ``k * M + j`` in byte
+``j``, ``M = ceil(numel / 8)``). Both sides are affine row operations that Inductor vectorizes and fuses into
+the producing and consuming kernels; the format above needs ``byte[i // 8] >> (i % 8)``, which it compiles
+to element-wise scalar code (measured on the width-8 ResNet-18 step: the fused unpack + batch-norm backward
+kernels took 0.2-0.9 ms each, ~20% of the step). A Function records which format it packed (``ctx``) and
+unpacks with the same one, so a backward traced by compiled autograd after an eager forward still reads the
+eager format.
 """
 
 from __future__ import annotations
