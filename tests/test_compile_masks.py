@@ -56,15 +56,15 @@ def test_planar_layout_and_errors():
 @pytest.mark.parametrize("shape", [(4, 8, 16, 16), (2, 3, 4, 4), (8, 5, 7, 7), (2, 16, 2, 2, 2)])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_pixel_planes_round_trip(shape, channels_last):
-    """CPU feature maps with a pixel count divisible by 8 pack in pixel planes ((pixels / 8, C) bytes), in
-    either memory layout, and unpack to the same mask."""
+    """Feature maps with a pixel count divisible by 8 pack in pixel planes ((pixels / 8, C) bytes), in either
+    memory layout, and unpack to the same mask; planar_layout picks them for 4-D CPU maps only."""
     torch.manual_seed(0)
     mask = torch.rand(shape) > 0.4
     if channels_last:
         fmt = torch.channels_last if mask.dim() == 4 else torch.channels_last_3d
         mask = mask.to(torch.uint8).contiguous(memory_format=fmt).to(torch.bool)
-    layout = _bitmask.planar_layout(mask)
-    assert layout == _bitmask.PIXEL_PLANES
+    layout = _bitmask.PIXEL_PLANES
+    assert _bitmask.planar_layout(mask) == (layout if mask.dim() == 4 else _bitmask.memory_order(mask))
     packed = _bitmask.pack_planar(mask, layout)
     pixels = mask.numel() // shape[1]
     assert packed.dtype == torch.uint8 and packed.shape == (pixels // 8, shape[1])

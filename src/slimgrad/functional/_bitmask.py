@@ -139,8 +139,9 @@ PIXEL_PLANES = "pixels"
 
 def planar_layout(t: torch.Tensor):
     """How :func:`pack_planar` lays out the planes of a mask shaped like ``t``: :data:`PIXEL_PLANES` for a
-    4-D or 5-D CPU feature map whose pixel count (numel / C) is a multiple of 8, else the permutation that
-    makes ``t`` contiguous (:func:`memory_order`: None for contiguous tensors).
+    4-D CPU feature map whose pixel count (numel / C) is a multiple of 8, else the permutation that makes
+    ``t`` contiguous (:func:`memory_order`: None for contiguous tensors). (5-D maps keep the flat planes:
+    Inductor's channels-last choice for 3-D convolutions was not measured.)
 
     Why pixels on the CPU: Inductor's layout optimisation turns CNN activations channels-last after the graph
     is traced (always on the CPU with mkldnn), so the memory order the trace sees is not the one the kernels
@@ -150,7 +151,7 @@ def planar_layout(t: torch.Tensor):
     consuming kernels (the same step: 0.95-1.04x stock where slimgrad saves). Other devices keep the flat
     planes in the traced memory order, the format measured there (H100, 1.05-1.14x; pixel planes are not
     measured on a GPU)."""
-    if (t.device.type == "cpu" and t.dim() in (4, 5) and t.numel() > 0
+    if (t.device.type == "cpu" and t.dim() == 4 and t.numel() > 0
             and (t.numel() // t.shape[1]) % 8 == 0):
         return PIXEL_PLANES
     return memory_order(t)
