@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import slimgrad
 from slimgrad.cases import apply_case
+from slimgrad.functional import _common
 from slimgrad.mode import enabled
 from slimgrad.models.cnn import resnet18
 
@@ -247,6 +248,36 @@ def test_compile_fullgraph_resnet(case):
         stock_err = (ref - expected).abs().max().item()
         assert (got - expected).abs().max().item() <= 2 * stock_err + 1e-5, what
     assert 0 < slim_compiled <= stock_compiled
+
+
+class _BreakingFunction(_common.Function):
+    """A slimgrad Function whose forward dynamo cannot trace (a graph break inside it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        torch._dynamo.graph_break()
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.slow
+def test_graph_break_inside_a_function_falls_back_to_eager():
+    """Without fullgraph, a graph break inside a slimgrad Function's forward runs that Function eagerly, as
+    dynamo does for torch's own Functions (it crashed on the base class's ``super().apply``: "is not a
+    constant")."""
+    torch._dynamo.reset()
+
+    def f(x):
+        return _BreakingFunction.apply(x).sin()
+
+    x = torch.randn(5)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.compile(f, backend="aot_eager")(a).sum().backward()
+    (b * 2).sin().sum().backward()
+    assert_same(a.grad, b.grad)
 
 
 @pytest.mark.slow

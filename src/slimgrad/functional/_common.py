@@ -100,6 +100,12 @@ def _is_torch_once_differentiable(backward) -> bool:
     )
 
 
+# torch's Function.apply, called with the class explicitly rather than through ``super()``: when a graph break
+# falls inside a Function's forward, dynamo resumes in this frame and cannot rebuild a ``super()`` object
+# ("AutogradFunctionVariable() is not a constant", an internal error instead of running the Function eagerly).
+_AUTOGRAD_APPLY = torch.autograd.Function.apply.__func__
+
+
 class Function(torch.autograd.Function):
     """Base of slimgrad's autograd Functions.
 
@@ -129,7 +135,7 @@ class Function(torch.autograd.Function):
             from slimgrad.functional._func_twins import run_under_transform
 
             return run_under_transform(cls, args, kwargs)
-        return super().apply(*args, **kwargs)
+        return _AUTOGRAD_APPLY(cls, *args, **kwargs)
 
 
 def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
