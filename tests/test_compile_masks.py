@@ -205,3 +205,27 @@ def test_compiled_keeps_the_packed_bits(act):
     torch._dynamo.reset()
     assert kept["eager"] == 2 * (2 * 8 * 8 * 8 // 8)  # the activations' bits; nothing else is needed
     assert kept["compiled"] == kept["eager"], kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_dynamic_shapes(channels_last):
+    """``torch.compile(dynamic=True)``: the planar formats trace with symbolic shapes and strides (pixel planes
+    and the memory-order fallback for pixel counts not divisible by 8; sorting symbolic strides was a graph
+    break), one graph serving every batch and map size, values and gradients within rounding of stock."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.LeakyReLU(0.1), nn.Dropout(0.0))
+    compiled = torch.compile(slimgrad.convert(copy.deepcopy(stock)), dynamic=True, fullgraph=True,
+                             backend="aot_eager")
+    for shape in ((4, 3, 8, 8), (2, 3, 6, 6), (3, 3, 5, 7)):
+        x = torch.randn(shape)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = stock(a), compiled(b)
+        ya.sum().backward()
+        yb.sum().backward()
+        torch.testing.assert_close(yb, ya)
+        torch.testing.assert_close(b.grad, a.grad)

@@ -128,7 +128,14 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     does: the order :func:`pack_planar` packs in, so that its planes follow the memory."""
     if t.is_contiguous():
         return None
-    perm = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return (0, 2, 3, 1)
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return (0, 2, 3, 4, 1)
+    strides = t.stride()
+    if not all(isinstance(s, int) for s in strides):
+        return None  # symbolic strides (dynamic shapes under compile) cannot be sorted: the logical order
+    perm = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
     return perm if t.permute(perm).is_contiguous() else None
 
 
