@@ -242,7 +242,8 @@ class MaxPoolFunction(_common.Function):
         out, indices = _MAX_FORWARD[nd](x, kernel_size, stride, padding, dilation, ceil_mode)
         # Under torch.compile, inductor fuses the index rebuild into its own scatter backward and then
         # trips its bounds check on the unused lanes of a vector tail ("index out of bounds"); there the
-        # int64 indices are kept as stock keeps them (still never the input).
+        # int64 indices are saved as stock saves them (never the input), and Inductor's low-memory max-pool
+        # lowering keeps 1-byte window offsets in their place (measured, tests/test_compile_bytes.py).
         ctx.kept_indices = torch.compiler.is_compiling()
         if ctx.needs_input_grad[0] and ctx.kept_indices:
             ctx.save_for_backward(indices)
