@@ -83,8 +83,8 @@ def lora(args):
     print("| LoRA step | " + " | ".join(f"{b:.3f} MiB, {t:.0f} ms" for b, t in row.values()) + " |")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser):
+    """The CNN and LoRA-step options, shared with compile_speed.py."""
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--cases", default="input-bn-eval,input,all,norm,surgical")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -92,6 +92,11 @@ def main():
     parser.add_argument("--width-scale", type=float, default=0.125)
     parser.add_argument("--lora", action="store_true", help="the LoRA step instead of a CNN")
     parser.add_argument("--lora-dropout", type=float, default=0.0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| model | case | " + " | ".join(name for name, *_ in PROVIDERS) + " |")

@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from compile_bytes import add_arguments, lora_model  # benchmarks/ is on sys.path when run as a script
 
 import slimgrad
 from slimgrad.cases import apply_case
@@ -71,7 +72,6 @@ def run_case(base, x, case, args):
 def run_lora(args):
     """The LoRA step of compile_bytes.py (peft on a Llama-like bf16 model), stock and slimgrad compiled
     (HF's forward has graph breaks: not fullgraph), interleaved."""
-    from compile_bytes import lora_model
 
     model, ids = lora_model(args.lora_dropout)
     compiled = {"stock": torch.compile(copy.deepcopy(model).train()),
@@ -99,16 +99,10 @@ def run_lora(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="resnet18")
-    parser.add_argument("--cases", default="input-bn-eval,input,all,norm,surgical")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--width-scale", type=float, default=0.125)
+    add_arguments(parser)  # the model and case options of compile_bytes.py (--lora: its LoRA step, on CPU)
     parser.add_argument("--steps", type=int, default=15, help="interleaved timed steps per provider")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--channels-last", action="store_true", help="model and input in channels_last")
-    parser.add_argument("--lora", action="store_true", help="the LoRA step of compile_bytes.py instead (CPU)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0)
     args = parser.parse_args()
     if args.lora:
         med, kept = run_lora(args)

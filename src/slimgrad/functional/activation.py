@@ -83,7 +83,7 @@ def _masked_forward(ctx, input, slope, inplace):
 
 def _traced_masked_forward(input, slope, inplace):
     """Under torch.compile: the planar-packed mask (``_bitmask.pack_planar``) and the output computed from
-    it, packed in the input's memory order; returns (out, packed mask, that order).
+    it, in the planar layout ``_bitmask.planar_layout`` picks; returns (out, packed mask, that layout).
 
     The output reads the packed mask instead of comparing the input again so that the pack is part of the
     forward: AOTAutograd's partitioner moves every node that only backward reads into the backward graph,

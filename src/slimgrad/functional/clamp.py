@@ -82,7 +82,7 @@ def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor
     lo, hi = _bounds(kind, lo, hi, x.dtype)
     ctx.planar = torch.compiler.is_compiling()
     if ctx.planar:
-        # Traced: the planar format in logical order, which Inductor fuses into the producing kernel.
+        # Traced: the planar format (_bitmask.planar_layout), which Inductor fuses into the producing kernel.
         ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.planar_layout(x)
         return _bitmask.pack_planar(range_mask.mask_torch(x, _rule(kind), lo, hi), ctx.order)
     perm = _memory_order(x)

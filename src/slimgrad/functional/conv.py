@@ -143,11 +143,7 @@ class _ConvFunction(_common.Function):
             # Both: stock's own single call (one backend pass that shares the work; measured under compile on
             # the width-8 ResNet-18 "all" case, two calls cost ~0.1x of the step).
             dx, dw, db = _convolution_backward(ctx, grad, x, weight, (True, True, need_b))
-            if cast_dtype is not None:
-                dx = dx.to(ctx.x_dtype)
-            if pad is not None:
-                dx = _pad_backward(dx, pad, pad_mode, nd)
-            return dx, dw, db if need_b else None, None
+            return _unpad_uncast(ctx, dx), dw, db if need_b else None, None
 
         if need_x:
             w = weight
@@ -177,10 +173,7 @@ class _ConvFunction(_common.Function):
                 )
                 dx = _CONV_T[nd](g, w, None, stride, padding, extra, groups, dilation)
             del w, g
-            if cast_dtype is not None:
-                dx = dx.to(ctx.x_dtype)
-            if pad is not None:
-                dx = _pad_backward(dx, pad, pad_mode, nd)
+            dx = _unpad_uncast(ctx, dx)
 
         if need_w or need_b:
             if need_w:
@@ -188,6 +181,17 @@ class _ConvFunction(_common.Function):
             else:
                 db = grad.sum([0] + list(range(2, grad.dim())))
         return dx, dw, db if need_b else None, None
+
+
+def _unpad_uncast(ctx, dxp):
+    """dX from the gradient of the padded, cast X the convolution saw: back to X's dtype, then the pad's
+    backward (the reverse of the forward's pad-then-cast)."""
+    nd, *_, pad_mode, pad, cast_dtype = ctx.cfg
+    if cast_dtype is not None:
+        dxp = dxp.to(ctx.x_dtype)
+    if pad is not None:
+        dxp = _pad_backward(dxp, pad, pad_mode, nd)
+    return dxp
 
 
 def _convolution_backward(ctx, grad, x, weight, output_mask):
