@@ -229,3 +229,44 @@ def test_dynamic_shapes(channels_last):
         yb.sum().backward()
         torch.testing.assert_close(yb, ya)
         torch.testing.assert_close(b.grad, a.grad)
+
+
+class _Bounded(nn.Module):
+    """Three clamp-family layers, one on each slice of the input (no gradient sums, whose rounding Inductor may
+    change), bounds that fp32/bf16 cannot hold exactly among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Hardtanh(-0.1, 0.3), nn.ReLU6(), nn.Threshold(0.1, 2.0)])
+
+    def forward(self, x):
+        return torch.stack([layer(part) for layer, part in zip(self.layers, x)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dynamic_bounds(backend, dtype):
+    """``torch.compile(dynamic=True)`` makes the clamp family's float bounds symbolic: rounding them in Python
+    was an unbacked ``.item()`` that stopped dynamo. Values and gradients are stock's bit for bit, inputs on
+    and beside the rounded bounds included (the rounding now happens in the graph)."""
+    torch._dynamo.reset()
+    stock = _Bounded()
+    compiled = torch.compile(slimgrad.convert(copy.deepcopy(stock)), dynamic=True, fullgraph=True, backend=backend)
+    edges = []
+    for v in (-0.1, 0.3, 0.1, 6.0, 0.0):
+        r = torch.tensor(v, dtype=dtype)
+        below, above = torch.tensor(-9.0, dtype=dtype), torch.tensor(9.0, dtype=dtype)
+        edges += [r, torch.nextafter(r, below), torch.nextafter(r, above)]
+        edges.append(torch.tensor(v, dtype=torch.float32).to(dtype))
+    edge = torch.stack(edges)
+    for n in (64, 40):
+        x = torch.cat([edge, torch.randn(n, dtype=dtype) * 4]).reshape(1, -1, 4).repeat(3, 1, 1)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = stock(a), compiled(b)
+        g = torch.randn_like(ya)
+        ya.backward(g)
+        yb.backward(g)
+        assert_same(yb, ya)
+        assert_same(b.grad, a.grad)
+    torch._dynamo.reset()

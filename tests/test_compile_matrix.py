@@ -44,18 +44,19 @@ class Branches(nn.Module):
 
 
 def run_family(stock, inputs, backend="aot_eager", *, exact=True, grad_seed=0, check=None, param_tol=None,
-               prepare=None):
+               prepare=None, dynamic=False):
     """Compile a converted copy of ``stock`` (a :class:`Branches`) with ``fullgraph=True`` and compare one
     training step's outputs, input gradients and parameter gradients with stock eager on independent copies.
 
     ``inputs``: one tensor per branch; its ``requires_grad`` is the branch's input flag. ``check``: a
     replacement comparison ``check(out_stock, out_compiled, grad_stock, grad_compiled)`` for random families.
+    ``dynamic``: passed to torch.compile (True makes shapes and float arguments symbolic).
     """
     torch._dynamo.reset()
     slim = slimgrad.convert(copy.deepcopy(stock))
     if prepare is not None:
         prepare(slim)
-    compiled = torch.compile(slim, fullgraph=True, backend=backend, dynamic=False)
+    compiled = torch.compile(slim, fullgraph=True, backend=backend, dynamic=dynamic)
     xs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     xc = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     out_s, out_c = stock(xs), compiled(xc)
@@ -226,11 +227,11 @@ def test_norms():
                                         torch.randn(2, 3, 8).requires_grad_()])
 
 
-def _compare_with_eager_slim(module, inputs):
+def _compare_with_eager_slim(module, inputs, dynamic=False):
     """For modules with no stock counterpart: compiled vs eager, both slimgrad, same aten ops (bitwise)."""
     torch._dynamo.reset()
     eager, other = module, copy.deepcopy(module)
-    compiled = torch.compile(other, fullgraph=True, backend="aot_eager", dynamic=False)
+    compiled = torch.compile(other, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     xe = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     xc = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     out_e, out_c = eager(xe), compiled(xc)
@@ -249,10 +250,12 @@ def _compare_with_eager_slim(module, inputs):
 # ------------------------------------------------------------------------------------- activations, dropout
 
 
-def test_activations():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_activations(dynamic):
     """ReLU and LeakyReLU (every slope of tests/test_activation.py, in place and not, contiguous and
     channels_last, the mask and the keep-output paths), the Hugging Face formula activations and the gated
-    MLP activation for every activation name and (gate, up) requires_grad case."""
+    MLP activation for every activation name and (gate, up) requires_grad case. ``dynamic=True`` as well: the
+    slopes become symbolic floats, and two gated Functions reading one ``math.sqrt`` constant stopped dynamo."""
     from tests.test_activation import SLOPES
 
     from slimgrad.functional import gated_activation
@@ -278,7 +281,7 @@ def test_activations():
     def keep_output(slim):  # what a previous eager step teaches the ReLU (compiled steps learn nothing)
         slim.branches[-1][0]._slimgrad_output_kept = True
 
-    run_family(Branches(modules, calls), inputs, prepare=keep_output)
+    run_family(Branches(modules, calls), inputs, prepare=keep_output, dynamic=dynamic)
 
     class Formulas(nn.Module):
         def forward(self, inputs):
@@ -292,7 +295,7 @@ def test_activations():
     xs = [torch.randn(2, 8).requires_grad_()]
     for rg_gate, rg_up in [(True, True), (True, False), (False, True)]:
         xs += [torch.randn(2, 8).requires_grad_(rg_gate), torch.randn(2, 8).requires_grad_(rg_up)]
-    _compare_with_eager_slim(Formulas(), xs)
+    _compare_with_eager_slim(Formulas(), xs, dynamic=dynamic)
 
 
 def test_dropout():

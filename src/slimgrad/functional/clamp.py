@@ -71,7 +71,11 @@ def _round(v: float | None, dtype: torch.dtype) -> float | None:
 def _bounds(kind: str, lo: float, hi: float | None, dtype: torch.dtype) -> tuple[float, float | None]:
     """The bounds as stock's backward compares them (measured, in place too): in x's dtype for fp32/fp64,
     in fp32 for half-precision x (so for bf16 x and ``max_val=0.1`` the bound is 0.1f, not bf16's
-    0.10009765625; an input equal to fp16's 0.0999755859375 passes, a larger one clamped to it does not)."""
+    0.10009765625; an input equal to fp16's 0.0999755859375 passes, a larger one clamped to it does not).
+    Traced, the bounds stay as given: under ``dynamic=True`` they are symbolic floats, which a Python-side
+    rounding would turn into an unbacked ``.item()``; ``range_mask.mask_torch`` rounds them in the graph."""
+    if torch.compiler.is_compiling():
+        return lo, hi
     target = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     return _round(lo, target), _round(hi, target)
 
@@ -206,8 +210,24 @@ def output_can_stand_in(kind: str, lo: float, hi: float | None, value: float | N
     """Whether the pass test on the output gives stock's gradient (see the module doc). For hardtanh that
     needs bounds exact in x's dtype (else a clamped result, rounded, can land inside them)."""
     if kind == HARDTANH:
+        if torch.compiler.is_compiling():
+            return _plainly_exact(lo, dtype) and _plainly_exact(hi, dtype)
         return _round(lo, dtype) == lo and _round(hi, dtype) == hi
     return kind == THRESHOLD and value <= lo
+
+
+_SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def _plainly_exact(v: float, dtype: torch.dtype) -> bool:
+    """A sufficient test that ``v`` is exact in ``dtype``, in arithmetic a symbolic float (``dynamic=True``)
+    can guard on: a multiple of 2**-f below 2**(m-f) in magnitude has at most m significant bits. It covers
+    the bounds people use (0, 6, +-1, halves); a bound it misses only keeps the mask instead of the output."""
+    bits = _SIGNIFICAND_BITS.get(dtype)
+    if bits is None:
+        return False
+    scaled = v * float(2 ** (bits // 2))
+    return abs(scaled) < float(2 ** bits) and float(int(scaled)) == scaled
 
 
 def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False, use=None, fn=None):

@@ -24,8 +24,6 @@ stock). This torch code is the family's ``torch`` implementation and the fallbac
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
@@ -43,10 +41,10 @@ _aten = torch.ops.aten
 #: formula), quick_gelu (``QuickGELUActivation``).
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_python", "quick_gelu")
 
-# Constants exactly as transformers/activations.py writes them (same Python floats, same rounding).
-_TANH_C = math.sqrt(2.0 / math.pi)
-_SQRT2 = math.sqrt(2.0)
-_ERF_C = 2.0 / math.sqrt(math.pi)  # derivatives.yaml's erf: 2.0 / sqrt(M_PI) * exp(-(self.pow(2))) * grad
+# Constants exactly as transformers/activations.py computes them (math.sqrt(2.0 / math.pi), math.sqrt(2.0), and
+# derivatives.yaml's erf factor 2.0 / sqrt(M_PI)), written as their literal Python floats: under
+# ``torch.compile(dynamic=True)`` dynamo turns a ``math.sqrt`` result into a symbolic float, and two Functions
+# using one stopped it with an internal error (lift_tracked_freevar_to_input); a literal stays a constant.
 
 _common.register_torch_kernel("gated_activation")
 
@@ -60,9 +58,9 @@ def activation_forward(kind: str, x: torch.Tensor) -> torch.Tensor:
     if kind == "gelu_pytorch_tanh":
         return F.gelu(x, approximate="tanh")
     if kind == "gelu_new":
-        return 0.5 * x * (1.0 + torch.tanh(_TANH_C * (x + 0.044715 * torch.pow(x, 3.0))))
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
     if kind == "gelu_python":
-        return x * 0.5 * (1.0 + torch.erf(x / _SQRT2))
+        return x * 0.5 * (1.0 + torch.erf(x / 1.4142135623730951))
     if kind == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
@@ -84,19 +82,19 @@ def activation_backward(kind: str, grad: torch.Tensor, x: torch.Tensor, need_out
         # y = a * v, a = 0.5 x, v = 1 + tanh(c * (x + 0.044715 x^3)). Autograd's engine runs the node
         # created last first, so x receives d(x + b) first, then d(pow), then d(0.5 x).
         a = 0.5 * x
-        t = torch.tanh(_TANH_C * (x + 0.044715 * torch.pow(x, 3.0)))
+        t = torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0)))
         v = 1.0 + t
-        gs = _aten.tanh_backward(grad * a, t) * _TANH_C
+        gs = _aten.tanh_backward(grad * a, t) * 0.7978845608028654
         g_pow = (gs * 0.044715) * (x.pow(2.0) * 3.0)
         dx = (gs + g_pow) + (grad * v) * 0.5
         return dx, (a * v if need_out else None)
     if kind == "gelu_python":
         # y = a * v, a = x * 0.5, v = 1 + erf(d), d = x / sqrt(2): x receives d(d) first, then d(a).
         a = x * 0.5
-        d = x / _SQRT2
+        d = x / 1.4142135623730951
         v = 1.0 + torch.erf(d)
-        g_d = (torch.exp(-(d.pow(2))) * _ERF_C) * (grad * a)
-        dx = g_d / _SQRT2 + (grad * v) * 0.5
+        g_d = (torch.exp(-(d.pow(2))) * 1.1283791670955126) * (grad * a)
+        dx = g_d / 1.4142135623730951 + (grad * v) * 0.5
         return dx, (a * v if need_out else None)
     if kind == "quick_gelu":
         # y = x * s, s = sigmoid(1.702 x): x receives d(x * s) first, then d(1.702 x).

@@ -43,6 +43,11 @@ def mask_torch(x: torch.Tensor, rule: str, lo: float, hi: float) -> torch.Tensor
     """The bool mask of ``rule`` with torch ops (also what the Functions use under torch.compile)."""
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()  # exact values; the bounds are fp32 numbers
+    if torch.compiler.is_compiling():
+        # Bounds as given (symbolic under dynamic=True, see clamp._bounds): rounded to x's dtype here, in
+        # the graph, as the eager path rounds them before the call.
+        lo = torch.full((), lo, dtype=x.dtype, device=x.device)
+        hi = None if hi is None else torch.full((), hi, dtype=x.dtype, device=x.device)
     if rule == "above":
         return ~(x <= lo)
     return (x > lo) & (x < hi)
