@@ -112,8 +112,8 @@ def _inverse(perm):
 
 
 def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
-    if ctx.planar:  # a view of its own, not merged with the forward's unpack by CSE (see activation.py)
-        return _bitmask.unpack_planar(_common.compile_distinct(packed), ctx.packed_shape, ctx.order)
+    if ctx.planar:
+        return _bitmask.unpack_planar(packed, ctx.packed_shape, ctx.order)
     mask = _bitmask.unpack(packed, ctx.packed_shape)
     return mask if ctx.perm is None else mask.permute(_inverse(ctx.perm))
 
@@ -124,21 +124,6 @@ def _stock(input, kind, lo, hi, value, inplace):
     if kind == THRESHOLD:
         return torch.threshold_(input, lo, value) if inplace else torch.threshold(input, lo, value)
     return torch._C._nn.hardsigmoid_(input) if inplace else torch._C._nn.hardsigmoid(input)
-
-
-def _from_packed(input, packed, order, kind, lo, hi, value, inplace):
-    """Under torch.compile: stock's values, read through the packed pass mask (inside the pass region the
-    output is the input itself), so that the pack is a forward node AOTAutograd's partitioner saves instead
-    of rebuilding it inside the gradient kernels (see ``activation._traced_masked_forward``)."""
-    kept = _bitmask.unpack_planar(packed, input.shape, order)
-    if kind == HARDTANH:
-        out = torch.where(kept, input, torch._C._nn.hardtanh(input, lo, hi))
-    else:  # threshold (fp32/fp64: mask and forward compare alike): stock's x <= lo ? value : x, NaN kept
-        out = torch.where(kept, input, value)
-    if inplace:
-        input.copy_(out)
-        return input
-    return out
 
 
 class RangeMaskFunction(_common.Function):
@@ -154,12 +139,17 @@ class RangeMaskFunction(_common.Function):
         ctx.kind, ctx.lo, ctx.hi = kind, lo, hi
         need = ctx.needs_input_grad[0]
         packed = None
-        if need and not keep_output:
-            packed = _pack(input, kind, lo, hi, ctx)  # before an in-place op overwrites the input
-        if packed is not None and ctx.planar and (
-                kind == HARDTANH or (kind == THRESHOLD and input.dtype in (torch.float32, torch.float64))):
-            out = _from_packed(input, packed, ctx.order, kind, lo, hi, value, inplace)
+        if need and not keep_output and torch.compiler.is_compiling() and output_can_stand_in(
+                kind, lo, hi, value, input.dtype):
+            # Traced: stock's op, then the pack read from its output (same pass region), which Inductor has
+            # materialized for the next kernel anyway; nothing in the forward reads the pack, so the
+            # partitioner rebuilds it in backward where the producer keeps a tensor it can be rebuilt from
+            # (see activation._traced_masked_forward).
+            out = _stock(input, kind, lo, hi, value, inplace)
+            packed = _pack(out, kind, lo, hi, ctx)
         else:
+            if need and not keep_output:
+                packed = _pack(input, kind, lo, hi, ctx)  # before an in-place op overwrites the input
             out = _stock(input, kind, lo, hi, value, inplace)
         if inplace:
             ctx.mark_dirty(input)
