@@ -286,6 +286,31 @@ def test_several_adapters_bits_policy_is_peft_bitwise(dtype):
     assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=True, kept_xa=[R, 2 * R], masks=2)
 
 
+@pytest.mark.parametrize("module_policy, global_policy", [("seed", "bits"), ("bits", "seed")])
+def test_convert_dropout_option_reaches_lora(module_policy, global_policy):
+    """``convert(model, dropout=...)`` sets the LoRA layers' dropout policy as it sets the dropout modules'
+    (it was read by nn.Dropout only; the LoRA Function followed the process-wide policy): the bytes kept are
+    the module policy's, whatever the process-wide one; "bits" still draws PEFT's very masks."""
+    stock = _two_adapters(torch.float32, 0.1)
+    slim, report = slimgrad.convert(stock, include=[LoraLinear], report=True, dropout=module_policy)
+    assert report.converted and not report.skipped, str(report)
+    xs, xk = x_for(torch.float32), x_for(torch.float32)
+    torch.manual_seed(5)
+    with dropout_policy(global_policy), SavedTensors(exclude=[slim]) as kept:
+        out_k, gx_k = step(slim, xk)
+    expect = dict(seeds=2) if module_policy == "seed" else dict(masks=2)
+    assert kept.bytes == minimum_bytes(xk, torch.float32, keep_x=True, kept_xa=[R, 2 * R], **expect)
+    if module_policy == "bits":
+        torch.manual_seed(5)
+        out_s, gx_s = step(stock, xs)
+        assert_same(out_k, out_s, what="output")
+        assert_same(gx_k, gx_s, what="x.grad")
+        compare_grads(stock, slim)
+    with pytest.raises(ValueError, match="lora_linear's argument 'dropout_policy'"):
+        lora_linear(xk, torch.randn(OUT, IN), None, [LoraAdapter(torch.randn(R, IN), torch.randn(OUT, R))],
+                    dropout_policy="mask")
+
+
 # ------------------------------------------------------------------------------ whole Hugging Face models
 
 def tiny_llama(dtype, r=R, dropout=0.0, targets=("q_proj", "k_proj", "v_proj", "o_proj")):

@@ -127,6 +127,27 @@ def test_matches_peft_and_keeps_the_minimum(dtype, adapter_dtype, rg_x, rg_a, rg
     assert kept_slim <= kept_stock
 
 
+@pytest.mark.parametrize("module_policy, global_policy", [("seed", "bits"), ("bits", "seed")])
+def test_convert_dropout_option_reaches_lora_conv(module_policy, global_policy):
+    """``convert(model, dropout=...)`` sets the LoRA conv layers' dropout policy (they followed the
+    process-wide one): the bytes kept are the module policy's; "bits" still draws peft's very mask."""
+    stock = peft_net(torch.float32, None, dropout=0.1)
+    slim = slimgrad.convert(stock, dropout=module_policy)
+    xs, xm = _x(torch.float32), _x(torch.float32)
+    torch.manual_seed(7)
+    with dropout_policy(global_policy):
+        ym, kept_slim = run(slim, xm)
+    t_numel = 2 * R * 5 * 4
+    mask = 8 if module_policy == "seed" else (xs.numel() + 7) // 8
+    assert kept_slim == _bytes(xs.numel(), torch.float32) + _bytes(t_numel, torch.float32) + mask
+    if module_policy == "bits":
+        torch.manual_seed(7)
+        ys, _ = run(stock, xs)
+        assert_same(ym, ys, what="output")
+        assert_same(xm.grad, xs.grad, what="x.grad")
+        compare_grads(stock, slim)
+
+
 @pytest.mark.parametrize("nd,groups", [(1, 1), (2, 2)])
 def test_conv1d_and_grouped(nd, groups):
     stock = peft_net(torch.bfloat16, torch.float32, nd=nd, groups=groups)

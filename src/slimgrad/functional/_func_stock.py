@@ -100,7 +100,7 @@ def _formula(input, kind):
     return activation_forward(kind, input)
 
 
-def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters):
+def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
     from slimgrad.functional.lora import _base_forward
 
     result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
@@ -114,7 +114,7 @@ def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters)
     return result.to(base_dtype) if scalings else result
 
 
-def _lora_conv(x, base_out, cast, meta, *adapters):
+def _lora_conv(x, base_out, cast, meta, policy, *adapters):
     from slimgrad.functional.lora_conv import _conv as conv
 
     xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x

@@ -641,7 +641,7 @@ class LoraTwin(_Twin):
     requested) and each adapter's ``A(x)`` only when its B trains."""
 
     @staticmethod
-    def forward(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters):
+    def forward(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
         from slimgrad.functional.lora import _base_forward
 
         n = len(scalings)
@@ -661,14 +661,16 @@ class LoraTwin(_Twin):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters = inputs
+        from slimgrad.functional.lora import _ADAPTERS_AT
+
+        x, weight, bias, fan_in_fan_out, cast, scalings, ps, _policy, *adapters = inputs
         result, *kept_t = output
         ctx.mark_non_differentiable(*kept_t)
         n = len(scalings)
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[1]
-        need_a = [need[7 + 3 * i] for i in range(n)]
-        need_b = [need[8 + 3 * i] for i in range(n)]
+        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
+        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
         base_dtype = result.dtype
         # The dtype the eager forward summed in: the base result's, promoted with each adapter's.
         u_dtypes = tuple(t.dtype for t in kept_t)
@@ -690,13 +692,13 @@ class LoraTwin(_Twin):
         return LoraLinearFunction.backward(ctx, grad)
 
 
-def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters):
+def _lora_linear(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
     if any(p > 0 for p in ps):
         # Dropout under vmap follows vmap's randomness rules, which stock's dropout implements.
         from slimgrad.functional._func_stock import STOCK
 
-        return STOCK["LoraLinearFunction"](x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters)
-    return LoraTwin.apply(x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters)[0]
+        return STOCK["LoraLinearFunction"](x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters)
+    return LoraTwin.apply(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters)[0]
 
 
 #: Function class name -> its twin, taking exactly the arguments of the Function's ``apply`` and returning

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.functional import _common
-from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, resolve_policy
+from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, check_policy, resolve_policy
 from slimgrad.kernels import dropout as dropout_kernels
 
 __all__ = ["LoraAdapter", "LoraLinearFunction", "lora_linear"]
@@ -56,27 +56,32 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
 
 
+#: LoraLinearFunction's argument index of A_0 (x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy first)
+_ADAPTERS_AT = 8
+
+
 class LoraLinearFunction(_common.Function):
     """``base(x) + sum_i B_i(A_i(drop_i(x'))) * s_i`` cast back to the base result's dtype, x' = x cast to
     the adapters' dtype (when ``cast``).
 
     ``adapters`` is the flat tuple ``(A_0, B_0, bias_0, A_1, ...)``; ``scalings`` and ``ps`` hold each
-    adapter's scaling and (effective) dropout probability. Double backward is refused: stock's would need
-    the very tensors this Function exists not to keep.
+    adapter's scaling and (effective) dropout probability; ``policy`` is the dropout policy ("auto", "bits",
+    "seed"; None: the process-wide one), the converted module's ``convert(dropout=)``. Double backward is
+    refused: stock's would need the very tensors this Function exists not to keep.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fan_in_fan_out, cast, scalings, ps, *adapters):
+    def forward(ctx, x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
         n = len(scalings)
         # weight=None: adapters only (the caller adds its own base, e.g. a quantized one), cast to x's dtype.
         result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
         base_dtype = result.dtype if result is not None else x.dtype
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[1]
-        need_a = [need[7 + 3 * i] for i in range(n)]
-        need_b = [need[8 + 3 * i] for i in range(n)]
-        # The process-wide dropout policy (slimgrad.functional.dropout.set_dropout_policy), as dropout's.
-        policy = resolve_policy(None, x.device)
+        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
+        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
+        # The module's dropout policy, else the process-wide one (set_dropout_policy), as dropout's.
+        policy = resolve_policy(policy, x.device)
         compiling = torch.compiler.is_compiling()
         xa = x
         if n and cast and x.dtype != adapters[0].dtype:
@@ -151,7 +156,7 @@ class LoraLinearFunction(_common.Function):
         adapters = saved[3 + 2 * n:]
         need = ctx.needs_input_grad
         need_x, need_w, need_bias = need[0], need[1], need[2]
-        grads = [None] * (7 + 3 * n)
+        grads = [None] * (_ADAPTERS_AT + 3 * n)
 
         g = grad.to(sum_dtype)
         g_base = _rows(g.to(base_dtype))
@@ -161,7 +166,7 @@ class LoraLinearFunction(_common.Function):
 
         last_g = -1  # the first adapter needing g (a loop: dynamo cannot trace min() over a generator)
         for i in range(n):
-            if need_x or any(need[7 + 3 * i: 10 + 3 * i]):
+            if need_x or any(need[_ADAPTERS_AT + 3 * i: _ADAPTERS_AT + 3 + 3 * i]):
                 last_g = i
                 break
         xa = None
@@ -175,16 +180,16 @@ class LoraLinearFunction(_common.Function):
         # Autograd runs the adapters' nodes last-created first, so their input gradients add up in reverse.
         for i in reversed(range(n)):
             A, B, _ = adapters[3 * i: 3 * i + 3]
-            need_a, need_b, need_bb = need[7 + 3 * i], need[8 + 3 * i], need[9 + 3 * i]
+            need_a, need_b, need_bb = need[_ADAPTERS_AT + 3 * i: _ADAPTERS_AT + 3 + 3 * i]
             if not (need_x or need_a or need_b or need_bb):
                 continue
             g_u = _rows(g.to(u_dtypes[i]) * scalings[i])
             if i == last_g:
                 g = None
             if need_bb:
-                grads[9 + 3 * i] = g_u.sum(0)
+                grads[_ADAPTERS_AT + 2 + 3 * i] = g_u.sum(0)
             if need_b:
-                grads[8 + 3 * i] = g_u.t().mm(_rows(kept_t[i]))
+                grads[_ADAPTERS_AT + 1 + 3 * i] = g_u.t().mm(_rows(kept_t[i]))
             if not (need_x or need_a):
                 continue
             p = ps[i]
@@ -218,7 +223,7 @@ class LoraLinearFunction(_common.Function):
                     dropped = bits_backward(xa, masks[i], *noise)  # xa * noise, as in forward
                 else:
                     dropped = xa * noise
-                grads[7 + 3 * i] = dt.t().mm(_rows(dropped))
+                grads[_ADAPTERS_AT + 3 * i] = dt.t().mm(_rows(dropped))
                 del dropped
             if need_x:
                 dd = dt.mm(A)
@@ -288,7 +293,7 @@ def _stock_keeps_what_we_keep(x, adapters, training, cast_input) -> bool:
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 adapters: Sequence[LoraAdapter] = (), *, fan_in_fan_out: bool = False, training: bool = True,
-                cast_input: bool = True) -> torch.Tensor:
+                cast_input: bool = True, dropout_policy: str | None = None) -> torch.Tensor:
     """PEFT's ``lora.Linear`` forward, keeping x once in its own dtype (only when dW or some dA is
     requested), each adapter's ``A(dropout(x))`` only when its B trains, and dropout seeds, not masks.
 
@@ -296,8 +301,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``Conv1D``). ``training=False`` turns the adapters' dropout off, as ``model.eval()`` does. With
     ``cast_input`` x is cast to the adapters' dtype before them, as PEFT does; the sum is cast back to
     the base result's dtype. Under autocast the tensors are cast as autocast casts ``F.linear``'s.
+    ``dropout_policy``: how the adapters' dropout masks are kept ("auto", "bits", "seed", see
+    :func:`slimgrad.functional.dropout.set_dropout_policy`; None: the process-wide policy).
     """
     _check(x, weight, bias, adapters)
+    if dropout_policy is not None:
+        check_policy(dropout_policy, source="lora_linear's argument 'dropout_policy'")
     if _stock_keeps_what_we_keep(x, adapters, training, cast_input):
         # No dropout, no cast: PEFT's autograd graph keeps x (once, shared) and each A(x), as we would.
         # Run PEFT's ops directly: no Function, PEFT's peak and bits by construction.
@@ -318,4 +327,4 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ps = tuple(float(a.dropout) if training else 0.0 for a in adapters)
     with _common.autocast_off(x.device.type):
         return LoraLinearFunction.apply(tensors[0], tensors[1], tensors[2], bool(fan_in_fan_out), bool(cast_input),
-                                        scalings, ps, *flat)
+                                        scalings, ps, dropout_policy, *flat)

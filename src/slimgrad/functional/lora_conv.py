@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
 from slimgrad.functional import _common
-from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, resolve_policy
+from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, check_policy, resolve_policy
 
 __all__ = ["ConvOptions", "LoraConvAdapter", "LoraConvFunction", "lora_conv"]
 
@@ -90,6 +90,10 @@ def _backward(grad, x, w, o: ConvOptions, need_x, need_w, need_b, in_shape, in_f
     return dx, None, db
 
 
+#: LoraConvFunction's argument index of A_0 (x, base_out, cast, meta, policy first)
+_ADAPTERS_AT = 5
+
+
 class LoraConvFunction(_common.Function):
     """``base_out + sum_i conv(conv(drop_i(x'), A_i), B_i, bias_i) * s_i`` cast to base_out's dtype.
 
@@ -98,17 +102,17 @@ class LoraConvFunction(_common.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, base_out, cast, meta, *adapters):
+    def forward(ctx, x, base_out, cast, meta, policy, *adapters):
         n = len(meta)
         need = ctx.needs_input_grad
         need_x = need[0]
-        need_a = [need[4 + 3 * i] for i in range(n)]
-        need_b = [need[5 + 3 * i] for i in range(n)]
+        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
+        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
         xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
         x_meta = (tuple(xa.shape), suggest_memory_format(xa))
         n_drop = sum(1 for m in meta if 0 < m[3] < 1)
         compiling = torch.compiler.is_compiling()
-        policy = resolve_policy(None, x.device)  # the process-wide dropout policy, as peft-linear LoRA's
+        policy = resolve_policy(policy, x.device)  # the module's dropout policy, else the process-wide one
         seeds = None
         bits = {}  # adapter -> (perm, scale) of its packed mask (policy "bits")
         if n_drop and not compiling and policy == "seed":
@@ -164,7 +168,7 @@ class LoraConvFunction(_common.Function):
         adapters = saved[2 + 2 * n:]
         need = ctx.needs_input_grad
         need_x = need[0]
-        grads = [None] * (4 + 3 * n)
+        grads = [None] * (_ADAPTERS_AT + 3 * n)
         g = grad.to(sum_dtype)
         if need[1]:
             # grad.to(sum_dtype).to(base_dtype), as autograd computes it, is grad itself: the sum's dtype is
@@ -174,7 +178,7 @@ class LoraConvFunction(_common.Function):
         g_own = g is not grad  # .to returns grad itself when the dtype is already right
         last = None  # the adapter the reversed loop below processes last
         for i in range(n - 1, -1, -1):
-            if need_x or need[4 + 3 * i] or need[5 + 3 * i] or need[6 + 3 * i]:
+            if need_x or need[_ADAPTERS_AT + 3 * i] or need[_ADAPTERS_AT + 1 + 3 * i] or need[_ADAPTERS_AT + 2 + 3 * i]:
                 last = i
         seed_index, j = [0] * n, 0
         for i in range(n):
@@ -185,7 +189,7 @@ class LoraConvFunction(_common.Function):
             A, B, bias = adapters[3 * i: 3 * i + 3]
             a, b, s, p = meta[i]
             u_dtype, t_shape, t_format = shapes[i]
-            need_a, need_b, need_bb = need[4 + 3 * i], need[5 + 3 * i], need[6 + 3 * i]
+            need_a, need_b, need_bb = need[_ADAPTERS_AT + 3 * i: _ADAPTERS_AT + 3 + 3 * i]
             if not (need_x or need_a or need_b or need_bb):
                 continue
             if i == last and g_own and g.dtype == u_dtype:
@@ -195,8 +199,8 @@ class LoraConvFunction(_common.Function):
             if i == last:
                 del g
             need_t = need_x or need_a
-            dt, grads[5 + 3 * i], grads[6 + 3 * i] = _backward(g_u, kept_t[i], B, b, need_t, need_b,
-                                                               need_bb and bias is not None, t_shape, t_format)
+            dt, grads[_ADAPTERS_AT + 1 + 3 * i], grads[_ADAPTERS_AT + 2 + 3 * i] = _backward(
+                g_u, kept_t[i], B, b, need_t, need_b, need_bb and bias is not None, t_shape, t_format)
             del g_u
             if not need_t:
                 continue
@@ -218,7 +222,7 @@ class LoraConvFunction(_common.Function):
                 else:
                     dropped = xa if noise is None else xa * noise
                 del xa
-                _, grads[4 + 3 * i], _ = _backward(dt, dropped, A, a, False, True, False, x_shape, x_format)
+                _, grads[_ADAPTERS_AT + 3 * i], _ = _backward(dt, dropped, A, a, False, True, False, x_shape, x_format)
                 del dropped
             if need_x:
                 dd = _input_grad(dt, A, a, x_shape, x_format)
@@ -254,17 +258,21 @@ def _check(x, base_out, adapters):
 
 
 def lora_conv(x: torch.Tensor, base_out: torch.Tensor, adapters: Sequence[LoraConvAdapter], *,
-              training: bool = True, cast_input: bool = True) -> torch.Tensor:
+              training: bool = True, cast_input: bool = True, dropout_policy: str | None = None) -> torch.Tensor:
     """peft's LoRA-on-convolution sum ``base_out + Σ B(A(dropout(x'))) * scaling``, cast to base_out's dtype,
     keeping x once in its own dtype (only when some A trains), each ``A(dropout(x'))`` only when its B
     trains, and dropout seeds instead of masks. ``x`` is batched (N, C, *spatial); ``base_out`` is the base
     convolution's output, computed by the caller. Not for autocast regions (peft's forward handles those).
+    ``dropout_policy``: how the adapters' dropout masks are kept ("auto", "bits", "seed"; None: the
+    process-wide policy, :func:`slimgrad.functional.dropout.set_dropout_policy`).
     """
     _check(x, base_out, adapters)
+    if dropout_policy is not None:
+        check_policy(dropout_policy, source="lora_conv's argument 'dropout_policy'")
     if x.dim() < 3:
         raise ValueError(f"lora_conv: argument 'x' must be batched (N, C, ...), got shape {tuple(x.shape)}")
     meta = tuple((ad.a, ad.b, float(ad.scaling), float(ad.dropout) if training else 0.0) for ad in adapters)
     flat = []
     for ad in adapters:
         flat += [ad.A, ad.B, ad.bias]
-    return LoraConvFunction.apply(x, base_out, bool(cast_input), meta, *flat)
+    return LoraConvFunction.apply(x, base_out, bool(cast_input), meta, dropout_policy, *flat)

@@ -87,7 +87,8 @@ def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor
     if adapters is None:
         return LoraLinear.forward(self, x, *args, **kwargs)
     return lora_linear(x, base.weight, base.bias, adapters, fan_in_fan_out=_stock_type(base) is Conv1D,
-                       cast_input=getattr(self, "cast_input_dtype_enabled", True))
+                       cast_input=getattr(self, "cast_input_dtype_enabled", True),
+                       dropout_policy=self.__dict__.get("_slimgrad_dropout_policy"))
 
 
 SlimLinear = register_forward(LoraLinear, _forward, module=__name__, unsupported_reason=_unsupported)

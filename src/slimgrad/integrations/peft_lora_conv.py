@@ -87,7 +87,8 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     adapters = _adapters(self, x)
     if adapters is None:
         return stock(self, x, *args, **kwargs)
-    return lora_conv(x, self.base_layer(x), adapters, cast_input=getattr(self, "cast_input_dtype_enabled", True))
+    return lora_conv(x, self.base_layer(x), adapters, cast_input=getattr(self, "cast_input_dtype_enabled", True),
+                     dropout_policy=self.__dict__.get("_slimgrad_dropout_policy"))
 
 
 SlimConv1d = register_forward(LoraConv1d, _forward, module=__name__, unsupported_reason=_unsupported)
