@@ -143,8 +143,8 @@ class RangeMaskFunction(_common.Function):
                 kind, lo, hi, value, input.dtype):
             # Traced: stock's op, then the pack read from its output (same pass region), which Inductor has
             # materialized for the next kernel anyway; nothing in the forward reads the pack, so the
-            # partitioner rebuilds it in backward where the producer keeps a tensor it can be rebuilt from
-            # (see activation._traced_masked_forward).
+            # partitioner saves it or, where the producer keeps a tensor it can be rebuilt from, may rebuild
+            # it in backward (see activation._traced_masked_forward).
             out = _stock(input, kind, lo, hi, value, inplace)
             packed = _pack(out, kind, lo, hi, ctx)
         else:
