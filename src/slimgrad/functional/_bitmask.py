@@ -186,7 +186,14 @@ def pack_planar(mask: torch.Tensor, order=None) -> torch.Tensor:
     if order == PIXEL_PLANES:
         rows = _pixel_rows(mask).view(8, -1, mask.shape[1]).to(torch.int32)
         shifts = _shifts(mask.device, torch.int32).view(8, 1, 1)
-        return (rows << shifts).sum(0, dtype=torch.int32).to(torch.uint8)
+        packed = (rows << shifts).sum(0, dtype=torch.int32).to(torch.uint8)
+        if torch.compiler.is_compiling():
+            # Pinned to its (pixels / 8, C) row-major strides: a pack rebuilt in backward otherwise got a
+            # channel-major buffer from Inductor, and the batch-norm backward reading it beside channels-last
+            # activations ran scalar (measured A/B, compile_speed.py --steps 31: ResNet-18 "all" 1.07 ->
+            # 1.03-1.04x compiled stock, "surgical" 1.04-1.05 -> 1.00, VGG-11 "all" 1.09-1.10 -> 1.03-1.04).
+            packed = packed.as_strided(packed.shape, packed.stride())
+        return packed
     flat = (mask if order is None else mask.permute(order)).reshape(-1)
     numel = flat.numel()
     planes = packed_numel(numel)
