@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import statistics
 import sys
 import time
 
 import torch
-from compile_bytes import add_arguments, lora_model  # benchmarks/ is on sys.path when run as a script
+from _docs import write_section  # benchmarks/ is on sys.path when run as a script
+from compile_bytes import add_arguments, lora_model
 
 import slimgrad
 from slimgrad.cases import apply_case
@@ -104,35 +106,46 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--channels-last", action="store_true", help="model and input in channels_last")
     args = parser.parse_args()
+    lines = []
+
+    def emit(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    header = ("| case | stock compiled ms | slimgrad compiled ms | ratio | stock compiled MiB kept | "
+              "slimgrad compiled MiB kept |\n|---|---:|---:|---:|---:|---:|")
     if args.lora:
         med, kept = run_lora(args)
-        print(f"torch {torch.__version__}, cpu, threads {torch.get_num_threads()}; LoRA step "
-              f"(lora_dropout={args.lora_dropout}), median of {args.steps} interleaved steps")
-        print("| case | stock compiled ms | slimgrad compiled ms | ratio | stock compiled MiB kept | "
-              "slimgrad compiled MiB kept |")
-        print("|---|---:|---:|---:|---:|---:|")
-        print(f"| lora | {med['stock']:.2f} | {med['slimgrad']:.2f} | {med['slimgrad'] / med['stock']:.2f} | "
-              f"{kept['stock']:.3f} | {kept['slimgrad']:.3f} |")
-        return
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    base = build_model(args.model, width_scale=args.width_scale, num_classes=10).to(device)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
-    if args.channels_last:
-        base = base.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, {device.type} ({where}), threads {torch.get_num_threads()}; "
-          f"{args.model} width {args.width_scale}, {args.batch_size}x3x{args.image_size}^2"
-          f"{' channels_last' if args.channels_last else ''}, "
-          f"median of {args.steps} interleaved steps")
-    print("| case | stock compiled ms | slimgrad compiled ms | ratio | stock compiled MiB kept | "
-          "slimgrad compiled MiB kept |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for case in args.cases.split(","):
-        med, kept = run_case(base, x, case, args)
-        print(f"| {case} | {med['stock']:.2f} | {med['slimgrad']:.2f} | {med['slimgrad'] / med['stock']:.2f} | "
-              f"{kept['stock']:.3f} | {kept['slimgrad']:.3f} |", flush=True)
+        key = f"lora_dropout{args.lora_dropout:g}"
+        emit(f"torch {torch.__version__}, cpu, threads {torch.get_num_threads()}; LoRA step "
+             f"(lora_dropout={args.lora_dropout}), median of {args.steps} interleaved steps")
+        emit(header)
+        emit(f"| lora | {med['stock']:.2f} | {med['slimgrad']:.2f} | {med['slimgrad'] / med['stock']:.2f} | "
+             f"{kept['stock']:.3f} | {kept['slimgrad']:.3f} |")
+    else:
+        device = torch.device(args.device)
+        torch.manual_seed(0)
+        base = build_model(args.model, width_scale=args.width_scale, num_classes=10).to(device)
+        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+        if args.channels_last:
+            base = base.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        where = (torch.cuda.get_device_name() if device.type == "cuda"
+                 else platform.processor() or platform.machine())
+        key = f"{args.model}_{device.type}{'_cl' if args.channels_last else ''}"
+        emit(f"torch {torch.__version__}, {device.type} ({where}), threads {torch.get_num_threads()}; "
+             f"{args.model} width {args.width_scale}, {args.batch_size}x3x{args.image_size}^2"
+             f"{' channels_last' if args.channels_last else ''}, "
+             f"median of {args.steps} interleaved steps")
+        emit(header)
+        for case in args.cases.split(","):
+            med, kept = run_case(base, x, case, args)
+            emit(f"| {case} | {med['stock']:.2f} | {med['slimgrad']:.2f} | {med['slimgrad'] / med['stock']:.2f} | "
+                 f"{kept['stock']:.3f} | {kept['slimgrad']:.3f} |")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    command = (f"{'OMP_NUM_THREADS=' + threads + ' ' if threads else ''}python benchmarks/compile_speed.py "
+               f"{' '.join(sys.argv[1:])}").strip()
+    write_section(f"compile_speed_{key}", f"## Compiled step time: {key}\n\n`{command}`\n\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":
