@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import platform
 import statistics
+import sys
 import time
 
 import torch
+from _docs import write_section  # benchmarks/ is on sys.path when run as a script
 
 import slimgrad
 from slimgrad.cases import apply_case
@@ -56,7 +59,7 @@ def cnn(args):
         for name, slim, compiled in PROVIDERS:
             m = copy.deepcopy(model)
             row[name] = _kept(slimgrad.convert(m) if slim else m, x, compiled)
-        print(f"| {args.model} | {case} | " + " | ".join(f"{b:.3f}" for b, _ in row.values()) + " |", flush=True)
+        _emit(f"| {args.model} | {case} | " + " | ".join(f"{b:.3f}" for b, _ in row.values()) + " |")
 
 
 def lora_model(dropout):
@@ -80,7 +83,7 @@ def lora(args):
     for name, slim, compiled in PROVIDERS:
         m = copy.deepcopy(model).train()
         row[name] = _kept(slimgrad.convert(m) if slim else m, ({"input_ids": ids, "labels": ids},), compiled)
-    print("| LoRA step | " + " | ".join(f"{b:.3f} MiB, {t:.0f} ms" for b, t in row.values()) + " |")
+    _emit("| Llama + LoRA | step | " + " | ".join(f"{b:.3f} MiB, {t:.0f} ms" for b, t in row.values()) + " |")
 
 
 def add_arguments(parser):
@@ -99,8 +102,22 @@ def main():
     add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| model | case | " + " | ".join(name for name, *_ in PROVIDERS) + " |")
+    _emit(f"torch {torch.__version__}, cpu ({platform.processor() or platform.machine()}), MiB kept by one step")
+    _emit("| model | case | " + " | ".join(name for name, *_ in PROVIDERS) + " |")
+    _emit("|---|---|" + "---:|" * len(PROVIDERS))
     lora(args) if args.lora else cnn(args)
+    key = f"lora_dropout{args.lora_dropout:g}" if args.lora else args.model
+    command = f"python benchmarks/compile_bytes.py {' '.join(sys.argv[1:])}".strip()
+    write_section(f"compile_bytes_{key}", f"## Bytes kept under torch.compile: {key}\n\n`{command}`\n\n"
+                  + "\n".join(_LINES))
+
+
+_LINES = []
+
+
+def _emit(line: str) -> None:
+    print(line, flush=True)
+    _LINES.append(line)
 
 
 if __name__ == "__main__":
