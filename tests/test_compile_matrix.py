@@ -250,6 +250,41 @@ def _compare_with_eager_slim(module, inputs, dynamic=False):
 # ------------------------------------------------------------------------------------- activations, dropout
 
 
+def _clamp_input(bounds, layout, seed):
+    """Random values, each bound exactly and one step either side of it (no NaN: stock's hardtanh gradient at
+    NaN depends on the element's position, tests/test_clamp.py compares that apart)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 4, 5, generator=gen) * 4
+    flat = x.view(-1)
+    k = 0
+    for b in bounds:
+        v = torch.tensor(b)
+        for e in (v, torch.nextafter(v, torch.tensor(-9.0)), torch.nextafter(v, torch.tensor(9.0))):
+            flat[k] = e
+            k += 1
+    return x.contiguous(memory_format=torch.channels_last) if layout else x
+
+
+def test_clamp():
+    """ReLU6, Hardtanh, Threshold and Hardsigmoid with the bounds of tests/test_clamp.py (exact in fp32 and not,
+    threshold values on both sides of the threshold, so both the output-reading and the
+    input-reading pack), in place and not, contiguous and channels_last. (Under ``dynamic=True`` the bounds are
+    symbolic floats: tests/test_compile_masks.py::test_dynamic_bounds, 49 s here for this whole matrix.)"""
+    factories = [(lambda ip: nn.ReLU6(ip), (0.0, 6.0)), (lambda ip: nn.Hardtanh(-1.0, 1.0, ip), (-1.0, 1.0)),
+                 (lambda ip: nn.Hardtanh(-0.5, 2.5, ip), (-0.5, 2.5)),
+                 (lambda ip: nn.Threshold(0.5, 2.0, ip), (0.5, 2.0)),
+                 (lambda ip: nn.Threshold(0.5, -2.0, ip), (0.5, -2.0)),
+                 (lambda ip: nn.Hardsigmoid(ip), (-3.0, 3.0)), (lambda ip: nn.Hardtanh(-0.1, 0.1, ip), (-0.1, 0.1)),
+                 (lambda ip: nn.Threshold(0.1, -1.0, ip), (0.1,))]
+    modules, inputs, calls = [], [], []
+    for k, ((factory, bounds), inplace, layout) in enumerate(itertools.product(factories, (False, True),
+                                                                                 (False, True))):
+        modules.append(factory(inplace))
+        calls.append((lambda m, x: m(x * 1)) if inplace else None)  # in place needs a non-leaf input
+        inputs.append(_clamp_input(bounds, layout, k).requires_grad_())
+    run_family(Branches(modules, calls), inputs)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_activations(dynamic):
     """ReLU and LeakyReLU (every slope of tests/test_activation.py, in place and not, contiguous and
