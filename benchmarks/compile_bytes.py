@@ -109,7 +109,7 @@ def main():
     key = f"lora_dropout{args.lora_dropout:g}" if args.lora else args.model
     command = f"python benchmarks/compile_bytes.py {' '.join(sys.argv[1:])}".strip()
     write_section(f"compile_bytes_{key}", f"## Bytes kept under torch.compile: {key}\n\n`{command}`\n\n"
-                  + "\n".join(_LINES))
+                  f"{_LINES[0]}\n\n" + "\n".join(_LINES[1:]))
 
 
 _LINES = []

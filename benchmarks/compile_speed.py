@@ -145,7 +145,8 @@ def main():
     threads = os.environ.get("OMP_NUM_THREADS")
     command = (f"{'OMP_NUM_THREADS=' + threads + ' ' if threads else ''}python benchmarks/compile_speed.py "
                f"{' '.join(sys.argv[1:])}").strip()
-    write_section(f"compile_speed_{key}", f"## Compiled step time: {key}\n\n`{command}`\n\n" + "\n".join(lines))
+    write_section(f"compile_speed_{key}", f"## Compiled step time: {key}\n\n`{command}`\n\n{lines[0]}\n\n"
+                  + "\n".join(lines[1:]))
 
 
 if __name__ == "__main__":
