@@ -164,6 +164,21 @@ def _forward_graph(model, x):
     return graphs["fw"]
 
 
+def _kept_eager_and_compiled(model, x):
+    """Bytes one step keeps for backward, eager and under torch.compile (Inductor), after a warm-up step each."""
+    from slimgrad.measure import SavedTensors
+
+    kept = {}
+    for name, run in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
+        run(x.clone().requires_grad_()).sum().backward()
+        with SavedTensors(exclude=[model]) as counter:
+            out = run(x.clone().requires_grad_())
+        out.sum().backward()
+        kept[name] = counter.bytes
+    torch._dynamo.reset()
+    return kept
+
+
 def _ancestors(node):
     seen, todo = set(), [node]
     while todo:
@@ -182,8 +197,6 @@ def test_forward_output_does_not_wait_for_the_pack(act):
     without). Nothing in the forward reads the pack, so the partitioner chooses between saving it and
     rebuilding it in backward from what batch norm keeps; either way the step keeps at most what eager
     slimgrad keeps, values and gradients as stock's."""
-    from slimgrad.measure import SavedTensors
-
     torch.manual_seed(0)
     stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), act(), nn.Conv2d(8, 8, 3, padding=1),
                           nn.BatchNorm2d(8), act(inplace=True), nn.Conv2d(8, 8, 3, padding=1)).requires_grad_(False)
@@ -195,14 +208,7 @@ def test_forward_output_does_not_wait_for_the_pack(act):
                       if str(n.target) == "aten.convolution.default" and set(n.users) == {end}]
     shifts = [n for n in _ancestors(user_output) if str(n.target) == "aten.__lshift__.Tensor"]
     assert not shifts, shifts
-    kept = {}
-    for name, run in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
-        run(x.clone().requires_grad_()).sum().backward()
-        with SavedTensors(exclude=[model]) as counter:
-            out = run(x.clone().requires_grad_())
-        out.sum().backward()
-        kept[name] = counter.bytes
-    torch._dynamo.reset()
+    kept = _kept_eager_and_compiled(model, x)
     assert kept["compiled"] <= kept["eager"], kept
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = stock(a), torch.compile(model, fullgraph=True)(b)
@@ -217,23 +223,14 @@ def test_forward_output_does_not_wait_for_the_pack(act):
 @pytest.mark.parametrize("act", [nn.ReLU, nn.ReLU6, nn.LeakyReLU])
 def test_compiled_keeps_the_packed_bits(act):
     """Frozen conv, batch norm in eval and the activation, x needing grad: compiled, the step keeps the packed
-    mask (1 bit per element) and the frozen weights' nothing, as eager slimgrad does; not the bool mask the
-    forward unpacks for its output (CSE would hand that one to backward)."""
-    from slimgrad.measure import SavedTensors
-
+    mask (1 bit per element) and the frozen weights' nothing, as eager slimgrad does (nothing here can
+    rebuild the mask in backward, so the partitioner must save the pack, not a bool mask or the input)."""
     torch.manual_seed(0)
     model = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
                                            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
                                            nn.Conv2d(8, 4, 3, padding=1)).eval().requires_grad_(False))
     x = torch.randn(2, 3, 8, 8)
-    kept = {}
-    for name, run in (("eager", model), ("compiled", torch.compile(model, fullgraph=True))):
-        run(x.clone().requires_grad_()).sum().backward()
-        with SavedTensors(exclude=[model]) as counter:
-            out = run(x.clone().requires_grad_())
-        out.sum().backward()
-        kept[name] = counter.bytes
-    torch._dynamo.reset()
+    kept = _kept_eager_and_compiled(model, x)
     assert kept["eager"] == 2 * (2 * 8 * 8 * 8 // 8)  # the activations' bits; nothing else is needed
     assert kept["compiled"] == kept["eager"], kept
 
