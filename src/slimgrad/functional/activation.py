@@ -27,7 +27,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from slimgrad.functional import _bitmask, _common
+from slimgrad.functional import _bitmask, _common, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.kernels import relu_mask
 
@@ -81,6 +81,14 @@ def _masked_forward(ctx, input, slope, inplace):
     return out, packed
 
 
+def _relu_sign(value):
+    return ~(value <= 0)
+
+
+def _positive(t):
+    return t > 0
+
+
 def _traced_masked_forward(input, slope, inplace):
     """Under torch.compile: the output, computed from the input as stock computes it, and the planar-packed mask
     (``_bitmask.pack_planar``) in the layout ``_bitmask.planar_layout`` picks; returns (out, packed, layout).
@@ -102,13 +110,15 @@ def _traced_masked_forward(input, slope, inplace):
         value = torch.where(mask | input.isnan(), input, input * slope)
     order = _bitmask.planar_layout(input)
     # relu: value is input (> 0 or NaN) or +0; slope >= 0: value > 0 exactly where input > 0 (x * slope <= 0
-    # for x <= 0, NaN stays NaN)
-    sign = ~(value <= 0) if slope is None else (value > 0 if slope >= 0 else mask)
-    packed = _bitmask.pack_planar(sign, order)
+    # for x <= 0, NaN stays NaN). Tagged for _shared_masks, which reads the mask from the output instead
+    # of a pack where backward reads the output anyway; in place, from the written tensor, which is what the
+    # other readers read (functionalized, a copy of value).
+    if slope is not None and slope < 0:  # never in place (refused above)
+        return value, _shared_masks.pack(_positive, input, order), order
     if inplace:
         input.copy_(value)
-        return input, packed, order  # dynamo checks that a dirty tensor is returned as the same object
-    return value, packed, order
+        value = input  # dynamo checks that a dirty tensor is returned as the same object
+    return value, _shared_masks.pack(_relu_sign if slope is None else _positive, value, order), order
 
 
 class _ReLUFunction(_common.Function):
@@ -165,7 +175,7 @@ class _ReLUFunction(_common.Function):
                 return torch.ops.aten.threshold_backward(grad, saved, 0), None, None, None, None
             return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True), None, None, None, None
         if ctx.planar:
-            mask = _bitmask.unpack_planar(saved, grad.shape, ctx.order)
+            mask = _shared_masks.unpack(saved, grad.shape, ctx.order)
             return torch.where(mask, grad, 0 if slope is None else grad * slope), None, None, None, None
         perm = ctx.perm
         g = grad if perm is None else grad.permute(perm)

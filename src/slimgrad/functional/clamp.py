@@ -38,7 +38,7 @@ import numbers
 
 import torch
 
-from slimgrad.functional import _bitmask, _common
+from slimgrad.functional import _bitmask, _common, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.kernels import range_mask
 
@@ -88,7 +88,8 @@ def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor
     if ctx.planar:
         # Traced: the planar format (_bitmask.planar_layout), which Inductor fuses into the producing kernel.
         ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.planar_layout(x)
-        return _bitmask.pack_planar(range_mask.mask_torch(x, _rule(kind), lo, hi), ctx.order)
+        rule = _rule(kind)
+        return _shared_masks.pack(lambda t: range_mask.mask_torch(t, rule, lo, hi), x, ctx.order)
     perm = _memory_order(x)
     ctx.perm = perm
     xc = x.permute(perm) if perm is not None else x.contiguous()
@@ -113,7 +114,7 @@ def _inverse(perm):
 
 def _unpack(packed: torch.Tensor, ctx) -> torch.Tensor:
     if ctx.planar:
-        return _bitmask.unpack_planar(packed, ctx.packed_shape, ctx.order)
+        return _shared_masks.unpack(packed, ctx.packed_shape, ctx.order)
     mask = _bitmask.unpack(packed, ctx.packed_shape)
     return mask if ctx.perm is None else mask.permute(_inverse(ctx.perm))
 
