@@ -362,8 +362,40 @@ def test_mask_read_from_what_backward_keeps(name, consumer_trains):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["relu", "relu-inplace", "relu6"])
+def test_mask_rebuilt_in_backward_is_read_unpacked(name, monkeypatch):
+    """Batch norm, the activation, then a max pool (which reads its window positions, not the activation's
+    output): the partitioner rebuilds the pack in backward from batch norm's saved input rather than save it,
+    and the post-grad pass reads the rebuilt mask without packing and unpacking it. The bytes are the
+    partitioner's with and without the pass; values and gradients bitwise compiled stock's."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    from slimgrad.functional import _shared_masks
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), SHARING[name](), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 4, 3, padding=1))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 16, 16)
+    expected = _compiled_step(stock, x)
+    with config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        before = _shared_masks.stats["rebuilt"]
+        actual = _compiled_step(copy.deepcopy(slim), x)
+        assert _shared_masks.stats["rebuilt"] == before + 1
+        monkeypatch.setattr(_shared_masks, "skip_rebuilt_packs", lambda graph: 0)
+        without = _compiled_step(copy.deepcopy(slim), x)
+        assert _shared_masks.stats["rebuilt"] == before + 1
+    assert actual[3] == without[3] < expected[3], (actual[3], without[3], expected[3])
+    for what, a, e in zip(("output", "input grad"), actual[:2], expected[:2]):
+        assert_same(a, e, what=what)
+    for i, (a, e) in enumerate(zip(actual[2], expected[2])):
+        assert_same(a, e, what=f"parameter {i} grad")
+
+
+@pytest.mark.slow
 def test_mask_sharing_beside_a_users_joint_pass():
-    """The pass is added beside a joint pre-pass the user set, not instead of it: both run."""
+    """The passes are added beside a joint pre-pass the user set, not instead of it: both run."""
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
