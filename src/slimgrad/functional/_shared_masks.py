@@ -91,9 +91,9 @@ def _variable_nodes(graph) -> set:
 
 
 def _walk_up(node, role, variable):
-    """The nodes tagged ``role`` that ``node`` (tagged so) is computed from, itself included, and the inputs of
-    that group from outside it that depend on graph inputs (constants shared with other groups, as CSE makes
-    them, are left out)."""
+    """The nodes tagged ``role`` that ``node`` (tagged so) is computed from, itself included, and the tensor
+    inputs of that group from outside it that depend on graph inputs (left out: constants shared with other
+    groups, as CSE makes them, and sizes, symbolic under dynamic shapes)."""
     members, frontier, todo = {node}, set(), [node]
     while todo:
         for i in todo.pop().all_input_nodes:
@@ -102,7 +102,7 @@ def _walk_up(node, role, variable):
             if _role(i) == role and i.op != "placeholder":
                 members.add(i)
                 todo.append(i)
-            elif i in variable:
+            elif i in variable and isinstance(i.meta.get("val"), torch.Tensor):
                 frontier.add(i)
     return members, frontier
 
