@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-__all__ = ["tagged", "pack", "unpack", "share_masks", "install", "stats"]
+__all__ = ["tagged", "pack", "unpack", "share_masks", "skip_rebuilt_packs", "install", "stats"]
 
 _KEY = "slimgrad_mask"  # the key in a node's meta["custom"]
 SIGN, PACK, UNPACK = "sign", "pack", "unpack"
