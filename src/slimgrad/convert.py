@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
+from .functional.dropout import POLICY_ATTRIBUTE
 from .integrations import load_available
 
 __all__ = ["ConversionReport", "convert", "qualified_name", "revert"]
@@ -26,7 +27,7 @@ __all__ = ["ConversionReport", "convert", "qualified_name", "revert"]
 log = logging.getLogger("slimgrad")
 
 #: Attributes a replacement may set on a module at run time; revert removes them.
-_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept", "_slimgrad_dropout_policy")
+_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept", POLICY_ATTRIBUTE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             continue
         module.__class__ = replacement
         if dropout is not None:
-            module._slimgrad_dropout_policy = dropout  # read by the dropout and LoRA forwards
+            setattr(module, POLICY_ATTRIBUTE, dropout)  # read by the dropout and LoRA forwards (module_policy)
         result.converted.append((path, kind.__name__))
         result.converted_types[name] = result.converted_types.get(name, 0) + 1
 

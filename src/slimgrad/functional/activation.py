@@ -103,7 +103,7 @@ def _traced_masked_forward(input, slope, inplace):
     materialises the output for the next kernel anyway, while the input would be written out only for it."""
     # relu: NaN passes, as in stock's relu and its backward; leaky_relu's backward takes grad where the input
     # is > 0 (NaN: the slope)
-    mask = ~(input <= 0) if slope is None else input > 0
+    mask = _relu_sign(input) if slope is None else _positive(input)
     if slope is None:
         value = torch.where(mask, input, 0)
     else:

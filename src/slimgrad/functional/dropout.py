@@ -58,6 +58,15 @@ def check_policy(value, *, source: str) -> str:
     return value
 
 
+#: The attribute ``convert(model, dropout=...)`` sets on each converted module (dropout and LoRA layers).
+POLICY_ATTRIBUTE = "_slimgrad_dropout_policy"
+
+
+def module_policy(module) -> str | None:
+    """The policy ``convert(dropout=...)`` gave ``module``, or None (then the process-wide one applies)."""
+    return module.__dict__.get(POLICY_ATTRIBUTE)  # no nn.Module.__getattr__ miss
+
+
 def set_dropout_policy(value: str) -> None:
     """The process-wide dropout policy ("auto", "bits", "seed"), used where no module or call sets one."""
     global _POLICY

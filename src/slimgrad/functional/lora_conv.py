@@ -178,7 +178,7 @@ class LoraConvFunction(_common.Function):
         g_own = g is not grad  # .to returns grad itself when the dtype is already right
         last = None  # the adapter the reversed loop below processes last
         for i in range(n - 1, -1, -1):
-            if need_x or need[_ADAPTERS_AT + 3 * i] or need[_ADAPTERS_AT + 1 + 3 * i] or need[_ADAPTERS_AT + 2 + 3 * i]:
+            if need_x or any(need[_ADAPTERS_AT + 3 * i: _ADAPTERS_AT + 3 + 3 * i]):
                 last = i
         seed_index, j = [0] * n, 0
         for i in range(n):

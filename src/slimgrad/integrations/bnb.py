@@ -22,6 +22,7 @@ from bitsandbytes.nn.modules import Linear4bit, Linear8bitLt, LinearFP4, LinearN
 from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module as _fix_quant_state
 
 from slimgrad._registry import register, register_forward
+from slimgrad.functional.dropout import module_policy
 from slimgrad.functional.lora import LoraLinearFunction
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
 
@@ -112,7 +113,7 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     cast = bool(getattr(self, "cast_input_dtype_enabled", True))
     for a in adapters:
         out = LoraLinearFunction.apply(x, None, None, False, cast, (float(a.scaling),), (float(a.dropout),),
-                                       self.__dict__.get("_slimgrad_dropout_policy"), a.A, a.B, a.bias)
+                                       module_policy(self), a.A, a.B, a.bias)
         result = result + out.to(result.dtype)
     return result
 

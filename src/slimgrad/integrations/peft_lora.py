@@ -19,6 +19,7 @@ from transformers.pytorch_utils import Conv1D
 
 from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional._common import autocast_enabled
+from slimgrad.functional.dropout import module_policy
 from slimgrad.functional.lora import LoraAdapter, lora_linear
 
 __all__ = ["SlimLinear"]
@@ -88,7 +89,7 @@ def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor
         return LoraLinear.forward(self, x, *args, **kwargs)
     return lora_linear(x, base.weight, base.bias, adapters, fan_in_fan_out=_stock_type(base) is Conv1D,
                        cast_input=getattr(self, "cast_input_dtype_enabled", True),
-                       dropout_policy=self.__dict__.get("_slimgrad_dropout_policy"))
+                       dropout_policy=module_policy(self))
 
 
 SlimLinear = register_forward(LoraLinear, _forward, module=__name__, unsupported_reason=_unsupported)

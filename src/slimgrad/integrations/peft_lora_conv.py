@@ -24,6 +24,7 @@ from torch import nn
 
 from slimgrad._registry import register_forward
 from slimgrad.functional._common import autocast_enabled
+from slimgrad.functional.dropout import module_policy
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.integrations.peft_lora import _dropout_p, _has_hooks, _stock_type
 
@@ -88,7 +89,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if adapters is None:
         return stock(self, x, *args, **kwargs)
     return lora_conv(x, self.base_layer(x), adapters, cast_input=getattr(self, "cast_input_dtype_enabled", True),
-                     dropout_policy=self.__dict__.get("_slimgrad_dropout_policy"))
+                     dropout_policy=module_policy(self))
 
 
 SlimConv1d = register_forward(LoraConv1d, _forward, module=__name__, unsupported_reason=_unsupported)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from slimgrad._registry import register
-from slimgrad.functional.dropout import dropout, dropout1d, dropout2d, dropout3d
+from slimgrad.functional.dropout import dropout, dropout1d, dropout2d, dropout3d, module_policy
 
 __all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d"]
 
@@ -16,7 +16,7 @@ class Dropout(nn.Dropout):
     def forward(self, input):
         # convert(model, dropout=...) sets the policy per module; otherwise the process-wide one.
         return dropout(input, self.p, self.training, self.inplace,
-                       policy=self.__dict__.get("_slimgrad_dropout_policy"))
+                       policy=module_policy(self))
 
 
 @register(nn.Dropout1d)
