@@ -5,6 +5,7 @@ left the partitioner free to save the pack or rebuild it in backward), and the b
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -326,19 +327,39 @@ def _compiled_step(model, x, dynamic=False):
     return out.detach(), xi.grad, grads, counter.bytes
 
 
+def _without_caches():
+    """Inductor's FX graph cache and AOTAutograd's cache off: a compile with a pass patched out must not reuse
+    the graph compiled with it (the passes' uuid does not change when a test patches them)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(config.patch(fx_graph_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def _assert_same_step(actual, expected):
+    for what, a, e in zip(("output", "input grad"), actual[:2], expected[:2]):
+        assert_same(a, e, what=what)
+    for i, (a, e) in enumerate(zip(actual[2], expected[2])):
+        assert_same(a, e, what=f"parameter {i} grad")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "dynamic", "size"), [*((name, False, 8) for name in SHARING), ("relu", True, 8),
                                                       ("relu6", True, 8), ("relu", False, 7), ("relu6", False, 7)])
 @pytest.mark.parametrize("consumer_trains", [True, False])
-def test_mask_read_from_what_backward_keeps(name, dynamic, size, consumer_trains):
-    """Batch norm, the activation, then a conv. Where the conv's weight trains, its backward reads the
-    activation's output anyway: the joint-graph pass (``_shared_masks``) reads the mask from that output, no
-    pack is made (it cost a pass over the map: VGG-11 'all' 1.04-1.05x compiled stock's step, 0.99-1.02x
-    without), and the step keeps at most what compiled stock keeps. Where the conv is frozen, the pack stays
-    (the output is read by nothing else in backward) and the step keeps less than stock. Values and every
-    gradient bitwise compiled stock's. Under dynamic shapes too (the unpack then reads symbolic sizes, which
-    are not inputs to match), and in the flat planes (7x7 maps: a pixel count that is not a multiple of 8; the
-    format CUDA uses)."""
+def test_mask_read_from_what_backward_keeps(name, dynamic, size, consumer_trains, monkeypatch):
+    """Batch norm (training), the activation, then a conv. Where the conv's weight trains, its backward reads
+    the activation's output anyway: the joint-graph pass (``_shared_masks``) reads the mask from that output,
+    no pack is made (it cost a pass over the map: VGG-11 'all' 1.04-1.05x compiled stock's step, 0.99-1.02x
+    without), and the step keeps at most what compiled stock keeps. Where the conv is frozen, nothing in
+    backward reads the output, but batch norm's backward needs its input: the mask is rebuilt in backward from
+    it (the pass marks the chain for recomputation), no pack is kept, and the step keeps no more than with the
+    pack (the pass patched out) and less than stock. Values and every gradient bitwise compiled stock's. Under
+    dynamic shapes too (the unpack then reads symbolic sizes, which are not inputs to match), and in the flat
+    planes (7x7 maps: a pixel count that is not a multiple of 8; the format CUDA uses)."""
     from slimgrad.functional import _shared_masks
 
     torch.manual_seed(0)
@@ -349,31 +370,54 @@ def test_mask_read_from_what_backward_keeps(name, dynamic, size, consumer_trains
     x = torch.randn(2, 3, size, size)
     expected = _compiled_step(stock, x, dynamic)
     before = dict(_shared_masks.stats)
-    actual = _compiled_step(slim, x, dynamic)
-    shared = _shared_masks.stats["shared"] - before["shared"]
-    kept = _shared_masks.stats["kept"] - before["kept"]
-    if consumer_trains:
-        assert (shared, kept) == (1, 0)
-        assert actual[3] <= expected[3], (actual[3], expected[3])
-    else:
-        assert shared == 0 and kept >= 1
-        assert actual[3] < expected[3] - 2 * 8 * size * size * 3, (actual[3], expected[3])  # no float map for it
-    for what, a, e in zip(("output", "input grad"), actual[:2], expected[:2]):
-        assert_same(a, e, what=what)
-    for i, (a, e) in enumerate(zip(actual[2], expected[2])):
-        assert_same(a, e, what=f"parameter {i} grad")
+    with _without_caches():
+        actual = _compiled_step(copy.deepcopy(slim), x, dynamic)
+        counts = {k: _shared_masks.stats[k] - before[k] for k in before}
+        if consumer_trains:
+            assert counts == {"shared": 1, "recomputed": 0, "kept": 0, "rebuilt": 0}, counts
+            assert actual[3] <= expected[3], (actual[3], expected[3])
+        else:
+            assert counts == {"shared": 0, "recomputed": 1, "kept": 0, "rebuilt": 0}, counts
+            monkeypatch.setattr(_shared_masks, "share_masks", lambda graph: 0)
+            packed = _compiled_step(copy.deepcopy(slim), x, dynamic)
+            assert actual[3] <= packed[3] < expected[3] - 2 * 8 * size * size * 3, (actual[3], packed[3],
+                                                                                    expected[3])
+            _assert_same_step(packed, expected)
+    _assert_same_step(actual, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["relu", "leaky", "relu6"])
+def test_mask_kept_where_backward_needs_nothing_it_comes_from(name):
+    """Batch norm in eval mode with frozen parameters, the activation, a frozen conv: backward needs neither the
+    activation's output nor batch norm's input (only the input's gradient is asked for), so the pack stays,
+    as in eager, and the step keeps far less than compiled stock; values bitwise compiled stock's."""
+    from slimgrad.functional import _shared_masks
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), SHARING[name](),
+                          nn.Conv2d(8, 8, 3, padding=1)).requires_grad_(False)
+    stock[1].eval()
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 8, 8)
+    expected = _compiled_step(stock, x)
+    before = dict(_shared_masks.stats)
+    with _without_caches():
+        actual = _compiled_step(slim, x)
+    counts = {k: _shared_masks.stats[k] - before[k] for k in before}
+    assert counts == {"shared": 0, "recomputed": 0, "kept": 1, "rebuilt": 0}, counts
+    assert actual[3] < expected[3] - 2 * 8 * 8 * 8 * 3, (actual[3], expected[3])
+    _assert_same_step(actual, expected)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["relu", "relu-inplace", "relu6"])
 def test_mask_rebuilt_in_backward_is_read_unpacked(name, monkeypatch):
     """Batch norm, the activation, then a max pool (which reads its window positions, not the activation's
-    output): the partitioner rebuilds the pack in backward from batch norm's saved input rather than save it,
-    and the post-grad pass reads the rebuilt mask without packing and unpacking it. The bytes are the
-    partitioner's with and without the pass; values and gradients bitwise compiled stock's."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config
-
+    output). The joint-graph pass has the mask recomputed from batch norm's input; with it patched out, the
+    partitioner rebuilds the pack in backward on its own, and the post-grad pass reads the rebuilt mask
+    without packing and unpacking it. The bytes are the partitioner's with and without the post-grad pass,
+    and no more with the joint pass than without; values and gradients bitwise compiled stock's."""
     from slimgrad.functional import _shared_masks
 
     torch.manual_seed(0)
@@ -382,18 +426,20 @@ def test_mask_rebuilt_in_backward_is_read_unpacked(name, monkeypatch):
     slim = slimgrad.convert(copy.deepcopy(stock))
     x = torch.randn(2, 3, 16, 16)
     expected = _compiled_step(stock, x)
-    with config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        before = _shared_masks.stats["rebuilt"]
+    with _without_caches():
+        before = dict(_shared_masks.stats)
+        recomputed = _compiled_step(copy.deepcopy(slim), x)
+        assert _shared_masks.stats["recomputed"] == before["recomputed"] + 1
+        monkeypatch.setattr(_shared_masks, "share_masks", lambda graph: 0)
         actual = _compiled_step(copy.deepcopy(slim), x)
-        assert _shared_masks.stats["rebuilt"] == before + 1
+        assert _shared_masks.stats["rebuilt"] == before["rebuilt"] + 1
         monkeypatch.setattr(_shared_masks, "skip_rebuilt_packs", lambda graph: 0)
         without = _compiled_step(copy.deepcopy(slim), x)
-        assert _shared_masks.stats["rebuilt"] == before + 1
-    assert actual[3] == without[3] < expected[3], (actual[3], without[3], expected[3])
-    for what, a, e in zip(("output", "input grad"), actual[:2], expected[:2]):
-        assert_same(a, e, what=what)
-    for i, (a, e) in enumerate(zip(actual[2], expected[2])):
-        assert_same(a, e, what=f"parameter {i} grad")
+        assert _shared_masks.stats["rebuilt"] == before["rebuilt"] + 1
+    assert recomputed[3] <= actual[3] == without[3] < expected[3], (recomputed[3], actual[3], without[3],
+                                                                     expected[3])
+    for step in (recomputed, actual, without):
+        _assert_same_step(step, expected)
 
 
 @pytest.mark.slow
