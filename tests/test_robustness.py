@@ -213,3 +213,46 @@ def test_double_backward_error_names_the_layer_and_the_way_out(layer):
     message = str(err.value)
     assert message.startswith(f"slimgrad: {layer} (") and "double backward" in message, message
     assert how in message and "slimgrad.revert(model)" in message, message
+
+
+class _ModifiedAfterActivation(nn.Module):
+    """conv -> activation -> the user's in-place change of its output -> conv (whose weight trains, so it
+    keeps its input: what would make the activation keep its output instead of a mask)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.c1, self.act, self.c2 = nn.Conv2d(3, 4, 3, padding=1), act, nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.act(self.c1(x))
+        y.mul_(2.0).sub_(0.5)
+        return self.c2(y)
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "save_on_cpu"])
+@pytest.mark.parametrize("act", [nn.LeakyReLU(0.1), nn.ReLU6(), nn.ReLU6(inplace=True), nn.Hardtanh(-1, 1),
+                                 nn.Threshold(0.1, 0.0)], ids=repr)
+def test_activation_output_changed_in_place_after_it(act, hooks):
+    """Stock keeps these activations' input, so changing their output in place is allowed. The consumer then
+    keeps the changed tensor, which must not teach the activation to keep its output: that failed autograd's
+    version check from the second step, and under saved-tensor hooks that skip the check (``save_on_cpu`` on
+    CPU hands back the same tensor) gave wrong gradients. Every step's gradients equal stock's."""
+    torch.manual_seed(0)
+    stock = _ModifiedAfterActivation(copy.deepcopy(act))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(3):
+        grads = []
+        for model in (stock, slim):
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            if hooks:
+                with torch.autograd.graph.save_on_cpu():
+                    out = model(xi)
+            else:
+                out = model(xi)
+            out.square().sum().backward()
+            grads.append([xi.grad, *(p.grad for p in model.parameters())])
+        for a, b in zip(*grads):
+            assert_same(b, a)
+    assert not slim.act.__dict__.get("_slimgrad_output_kept", False)

@@ -239,26 +239,34 @@ _PRODUCERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class UseCell:
-    """Whether a consumer kept the output of one call of a producer."""
+    """Whether a consumer kept the output of one call of a producer, as the producer made it."""
 
-    __slots__ = ("kept",)
+    __slots__ = ("kept", "version")
 
     def __init__(self):
         self.kept = False
+        self.version = -1
 
 
 def mark_producer(output: torch.Tensor, cell: UseCell) -> None:
     """Attach ``cell`` to ``output`` so that a consumer saving ``output`` can mark it."""
     if not torch.compiler.is_compiling():
+        cell.version = output._version
         _PRODUCERS[output] = cell
 
 
 def note_input_kept(x: torch.Tensor) -> None:
-    """Called by a Function that saves its input ``x`` for backward: marks x's producer cell, if any."""
+    """Called by a Function that saves its input ``x`` for backward: marks x's producer cell, if any.
+
+    Only while ``x`` is still what the producer returned: a consumer that keeps it after an in-place change
+    (``y = act(h); y.mul_(2); conv(y)``) keeps another value, from which the producer's gradient cannot be
+    read, and a producer that kept its output instead of a mask would then fail autograd's version check in
+    backward where stock (keeping its input) runs, or, under saved-tensor hooks that skip that check
+    (``save_on_cpu`` on CPU), give a wrong gradient."""
     if torch.compiler.is_compiling():
         return
     cell = _PRODUCERS.get(x)
-    if cell is not None:
+    if cell is not None and x._version == cell.version:
         cell.kept = True
 
 
