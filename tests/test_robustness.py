@@ -207,12 +207,19 @@ def test_double_backward_error_names_the_layer_and_the_way_out(layer):
     if isinstance(module, nn.Module):
         module = slimgrad.convert(module)
     x = torch.randn(shape, requires_grad=True)
-    (g,) = torch.autograd.grad(module(x).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError) as err:
-        g.pow(2).sum().backward()
-    message = str(err.value)
-    assert message.startswith(f"slimgrad: {layer} (") and "double backward" in message, message
-    assert how in message and "slimgrad.revert(model)" in message, message
+    second_order = {
+        "backward": lambda penalty: penalty.backward(),
+        # runs only the nodes on a path to x: the error node must be on it (it was not: None, no error)
+        "grad": lambda penalty: torch.autograd.grad(penalty, x),
+        "grad, allow_unused": lambda penalty: torch.autograd.grad(penalty, x, allow_unused=True),
+    }
+    for how_second in second_order.values():
+        (g,) = torch.autograd.grad(module(x).pow(3).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError) as err:
+            how_second(g.pow(2).sum())
+        message = str(err.value)
+        assert message.startswith(f"slimgrad: {layer} (") and "double backward" in message, message
+        assert how in message and "slimgrad.revert(model)" in message, message
 
 
 class _ModifiedAfterActivation(nn.Module):

@@ -76,7 +76,12 @@ def once_differentiable(fn, cls=None):
             return outputs
         outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
         owner = cls if cls is not None else getattr(ctx, "_forward_cls", type(ctx))
-        err_fn = _functions.DelayedError(double_backward_message(owner), len(outputs_))
+        # The incoming gradients that require grad go through the error node too (and are dropped after it):
+        # torch's version connects the node to detached copies only, so torch.autograd.grad(penalty, x), which
+        # runs only the nodes on a path to x, never reached it and returned None (allow_unused) or "appears to
+        # not have been used in the graph" instead of this error.
+        upstream = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        err_fn = _functions.DelayedError(double_backward_message(owner), len(outputs_) + len(upstream))
 
         def fake_requires_grad(var):
             if var is not None:
@@ -84,7 +89,8 @@ def once_differentiable(fn, cls=None):
                 var.requires_grad = True
             return var
 
-        return err_fn(*[fake_requires_grad(v) for v in outputs_])
+        results = err_fn(*[fake_requires_grad(v) for v in outputs_], *upstream)
+        return tuple(results[: len(outputs_)]) if isinstance(outputs, tuple) else results[0]
 
     wrapper._slimgrad_once = True
     return wrapper
