@@ -4,6 +4,7 @@ gradients need (see :mod:`slimgrad.functional.conv`). Constructor, parameters an
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slimgrad._registry import register
@@ -13,29 +14,32 @@ from slimgrad.functional.conv import asymmetric_same, conv_nd, stock_keeps_weigh
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
 
-def _stock_keeps_what_we_keep(self, input) -> bool:
+def _stock_keeps_what_we_keep(self, input, weight) -> bool:
     """Whether this call would keep exactly what stock keeps: the weight trains (both keep X; stock also
     keeps the weight, free unless autocast made a copy of it that we would not keep) and no explicit
     padding is applied (stock would keep the padded X as
     well). Then stock's own forward runs, with no autograd Function around it."""
-    weight = self.weight
     return (weight.requires_grad and self.padding_mode == "zeros" and torch.is_grad_enabled()
             and isinstance(input, torch.Tensor) and stock_keeps_weight_for_free(input, weight)
             and (self.padding != "same" or not asymmetric_same(self.padding, weight, self.dilation)))
 
 
+# Each forward reads ``self.weight`` and ``self.bias`` once, as stock's does: under a parametrization
+# (spectral_norm, weight_norm) every read runs it, and spectral_norm's power iteration advances per run.
+
 def _conv_forward(self, input, nd: int):
     name = type(self).__name__
-    if _stock_keeps_what_we_keep(self, input):
+    weight, bias = self.weight, self.bias
+    if _stock_keeps_what_we_keep(self, input, weight):
         if input.requires_grad:  # only an output that requires grad can have a producer to tell
             _common.note_input_kept(input)
-        return self._conv_forward(input, self.weight, self.bias)
+        return self._conv_forward(input, weight, bias)
     if self.padding_mode != "zeros":
         # As stock _conv_forward: F.pad with the module's reversed padding, then a conv with padding 0.
         return conv_nd(
             input,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             self.stride,
             self._reversed_padding_repeated_twice,
             self.dilation,
@@ -44,25 +48,26 @@ def _conv_forward(self, input, nd: int):
             padding_mode=self.padding_mode,
             fn=name,
         )
-    return conv_nd(
-        input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, nd=nd, fn=name
-    )
+    return conv_nd(input, weight, bias, self.stride, self.padding, self.dilation, self.groups, nd=nd, fn=name)
 
 
 def _conv_transpose_forward(self, input, output_size, nd: int):
-    if _stock_keeps_what_we_keep(self, input):
-        if input.requires_grad:
-            _common.note_input_kept(input)
-        return _STOCK_TRANSPOSE[nd].forward(self, input, output_size)
     if self.padding_mode != "zeros":
         raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
     output_padding = self._output_padding(
         input, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
     )
+    weight, bias = self.weight, self.bias
+    if _stock_keeps_what_we_keep(self, input, weight):
+        if input.requires_grad:
+            _common.note_input_kept(input)
+        # what stock's forward calls, with the weight read once
+        return _STOCK_TRANSPOSE[nd](input, weight, bias, self.stride, self.padding, output_padding, self.groups,
+                                    self.dilation)
     return conv_nd(
         input,
-        self.weight,
-        self.bias,
+        weight,
+        bias,
         self.stride,
         self.padding,
         self.dilation,
@@ -74,7 +79,7 @@ def _conv_transpose_forward(self, input, output_size, nd: int):
     )
 
 
-_STOCK_TRANSPOSE = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+_STOCK_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 @register(nn.Conv1d)
