@@ -4,6 +4,8 @@ then converted. FSDP2's meta-device initialisation is in ``tests/test_distribute
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -44,6 +46,10 @@ MODULES = {
     "rms-norm": (lambda: nn.RMSNorm(8), (2, 3, 8)),
     "relu": (lambda: nn.ReLU(), (2, 3, 8)),
     "leaky-relu": (lambda: nn.LeakyReLU(0.1), (2, 3, 8)),
+    "relu6": (lambda: nn.ReLU6(), (2, 3, 8)),
+    "hardtanh": (lambda: nn.Hardtanh(-2.0, 2.0), (2, 3, 8)),
+    "threshold": (lambda: nn.Threshold(0.1, 5.0), (2, 3, 8)),
+    "hardsigmoid": (lambda: nn.Hardsigmoid(), (2, 3, 8)),
 }
 
 
@@ -53,12 +59,20 @@ def _first(out):
 
 @pytest.mark.parametrize("name", list(MODULES))
 @pytest.mark.parametrize("frozen", [False, True], ids=["params-train", "params-frozen"])
-def test_module_on_meta(name, frozen):
+@pytest.mark.parametrize("default_device", [False, True], ids=["tensors", "device-context"])
+def test_module_on_meta(name, frozen, default_device):
     """Stock runs on meta tensors (no data, shapes only); the converted module must too, forward and
-    backward, in every requires_grad case slimgrad distinguishes."""
+    backward, in every requires_grad case slimgrad distinguishes, also inside ``with torch.device("meta")``
+    (which makes every factory call meta: the clamp family's bound rounding failed there)."""
     make, shape = MODULES[name]
     stock = make().to(META).requires_grad_(not frozen)
     slim = slimgrad.convert(stock)
+    context = torch.device("meta") if default_device else contextlib.nullcontext()
+    with context:
+        _forward_backward_on_meta(stock, slim, shape, frozen)
+
+
+def _forward_backward_on_meta(stock, slim, shape, frozen):
     for rg in (True, False):
         xs = torch.empty(shape, device=META, requires_grad=rg)
         xm = torch.empty(shape, device=META, requires_grad=rg)

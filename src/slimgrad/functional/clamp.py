@@ -65,7 +65,7 @@ def _rule(kind: str) -> str:
 
 
 def _round(v: float | None, dtype: torch.dtype) -> float | None:
-    return None if v is None else float(torch.tensor(v, dtype=dtype))
+    return None if v is None else float(torch.tensor(v, dtype=dtype, device="cpu"))  # not the default device
 
 
 def _bounds(kind: str, lo: float, hi: float | None, dtype: torch.dtype) -> tuple[float, float | None]:

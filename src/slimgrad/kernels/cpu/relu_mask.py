@@ -97,7 +97,7 @@ class NumbaReluMask:
 
     def __init__(self):
         started = time.perf_counter()
-        x = torch.tensor([-1.0, 0.0, 2.0])
+        x = torch.tensor([-1.0, 0.0, 2.0], device="cpu")
         self.backward(x, self.forward(x, None, False)[1], None)  # compile (or load) the fp32 relu pair
         report_first_compile(started, "relu_mask")
 
