@@ -22,6 +22,7 @@ __all__ = [
     "autocast_lower_precision",
     "autocast_off",
     "check_tensor",
+    "compact",
     "UseCell",
     "learn_from_use",
     "mark_producer",
@@ -219,6 +220,18 @@ def autocast_off(device_type: str):
     if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a compact copy of it where ``x`` is a view whose storage holds more than ``x`` (a chunk of a
+    fused projection, BERT's pooler reading ``hidden[:, 0]``): keeping the view for backward would pin the
+    whole base, where stock, keeping a computed tensor of ``x``'s size there (a cast or padded copy, a
+    normalized output), keeps only that. Dense layouts (channels_last, transposes) are kept as they are."""
+    if torch.compiler.is_compiling() or x.device.type == "meta":
+        return x
+    if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
+        return x
+    return x.clone(memory_format=torch.preserve_format)
 
 
 def check_tensor(value, name: str, *, fn: str) -> None:

@@ -135,13 +135,17 @@ class LoraLinearFunction(_common.Function):
             result = result.to(base_dtype)
 
         keep_x = need_w or any(need_a)
-        if keep_x:
+        kept_x = x
+        if keep_x and not need_w:
+            # stock's base layer keeps x itself only when its weight trains; the adapters' read a cast copy
+            kept_x = _common.compact(x)
+        if kept_x is x and keep_x:
             _common.note_input_kept(x)
         keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
         ctx.meta = (fan_in_fan_out, cast, tuple(scalings), tuple(ps), base_dtype, sum_dtype, tuple(u_dtypes),
                     tuple(x.shape), x.dtype, n, bits)
         # weight is a parameter (not counted); it is only read when dX is requested.
-        ctx.save_for_backward(x if keep_x else None, weight if need_x else None,
+        ctx.save_for_backward(kept_x if keep_x else None, weight if need_x else None,
                               seeds if keep_seeds else None, *kept_t, *masks, *adapters)
         return result
 
