@@ -61,5 +61,52 @@ def run_step(module: nn.Module, x: torch.Tensor, grad_out_seed: int = 0):
     return out, (x.grad if x.requires_grad else None)
 
 
-__all__ = ["FLOAT_DTYPES", "assert_same", "grad_combos", "run_step", "saved_bytes", "set_requires_grad",
-           "slim_copy"]
+def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in a named memory layout: "contiguous", "channels_last", "transposed" (last two dims
+    swapped in memory), "sliced" (every other element of a wider buffer) or "expanded" (t's first element
+    broadcast: zero strides, what ``y.sum().backward()`` sends)."""
+    if layout == "contiguous":
+        return t.contiguous()
+    if layout == "channels_last":
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "transposed":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "sliced":
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    if layout == "expanded":
+        return t.reshape(-1)[:1].reshape([1] * t.dim()).expand(t.shape)
+    raise ValueError(layout)
+
+
+class _GradProbe(torch.autograd.Function):
+    """Identity (a copy in x's layout) whose backward records the gradient it receives as it arrives."""
+
+    @staticmethod
+    def forward(ctx, x, box):
+        ctx.box = box
+        return x.clone(memory_format=torch.preserve_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box.append(grad)
+        return grad, None
+
+
+def input_grad_as_returned(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, seed: int = 0):
+    """Run ``module`` on a non-leaf tensor laid out like the dense ``x`` and back-propagate ``grad``;
+    returns (output, the input gradient exactly as the module's backward returned it). A leaf's ``.grad``
+    would not do: AccumulateGrad restrides it to the leaf's layout."""
+    box = []
+    leaf = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    inner = _GradProbe.apply(leaf, box)
+    assert inner.stride() == x.stride()
+    torch.manual_seed(seed)
+    out = module(inner)
+    out.backward(grad)
+    return out.detach(), box[0]
+
+
+__all__ = ["FLOAT_DTYPES", "assert_same", "grad_combos", "input_grad_as_returned", "laid_out", "run_step",
+           "saved_bytes", "set_requires_grad", "slim_copy"]

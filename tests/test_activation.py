@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import slimgrad.nn.activation  # noqa: F401  (registers the replacements)
-from _util import FLOAT_DTYPES, assert_same, saved_bytes, slim_copy
+from _util import FLOAT_DTYPES, assert_same, input_grad_as_returned, laid_out, saved_bytes, slim_copy
 from slimgrad.functional import _bitmask
 from slimgrad.functional._common import note_input_kept
 from slimgrad.functional.activation import leaky_relu, relu
@@ -112,6 +112,26 @@ def test_odd_and_empty_shapes(slope, shape):
     assert_bitwise(ym, ys, "output")
     assert_bitwise(gm, gs, "grad")
     assert kept == (math.prod(shape) + 7) // 8
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.ReLU(inplace=True), nn.LeakyReLU(0.1), nn.LeakyReLU(0.1, True)],
+                         ids=repr)
+@pytest.mark.parametrize("shape", [(2, 4, 3, 5), (2, 4, 1, 5)])  # size 1: TensorIterator's tie-breaking
+def test_input_grad_layout_matches_stock(module, shape):
+    """Stock's threshold_backward(grad, result) / leaky_relu_backward(grad, x) take their layout from the
+    result or x first, the gradient breaking ties: ours has the same strides and bits for every pair."""
+    slim = slim_copy(module)
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    grad_values = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    for x_layout in ("contiguous", "channels_last", "transposed"):
+        x = laid_out(values, x_layout)
+        for g_layout in ("contiguous", "channels_last", "transposed", "sliced", "expanded"):
+            grad = laid_out(grad_values, g_layout)
+            ys, dxs = input_grad_as_returned(module, x, grad)
+            ym, dxm = input_grad_as_returned(slim, x, grad)
+            what = f"x {x_layout}, grad {g_layout}"
+            assert dxm.stride() == dxs.stride() and ym.stride() == ys.stride(), what
+            assert_bitwise(dxm, dxs, what)
 
 
 def test_inplace_leaf_error_like_stock():

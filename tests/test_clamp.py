@@ -13,8 +13,9 @@ from torch.utils.checkpoint import checkpoint
 
 import slimgrad
 import slimgrad.nn.clamp  # noqa: F401  (registers the replacements)
-from _util import FLOAT_DTYPES, assert_same, slim_copy
+from _util import FLOAT_DTYPES, assert_same, input_grad_as_returned, laid_out, slim_copy
 from slimgrad import kernels
+from slimgrad.functional import _layout
 from slimgrad.functional import clamp as C
 from slimgrad.functional._common import note_input_kept
 from slimgrad.measure import SavedTensors
@@ -189,6 +190,67 @@ def test_modules_match_stock(module):
     assert_bitwise(ym, ys, "output")
     assert_grad(xm.grad, xs.grad, base, type(module).__name__)
     assert counter.bytes == 9  # the 72-element mask; the multiplication by a constant keeps nothing
+
+
+X_LAYOUTS = ["contiguous", "channels_last", "transposed"]
+GRAD_LAYOUTS = ["contiguous", "channels_last", "transposed", "sliced", "expanded"]
+
+
+@pytest.mark.parametrize("module", MODULES + [nn.Hardtanh(inplace=True)], ids=repr)
+@pytest.mark.parametrize("shape", [(2, 4, 3, 5), (2, 4, 1, 5)])  # size 1: TensorIterator's tie-breaking
+def test_input_grad_layout_matches_stock(module, shape):
+    """The gradient returned to a non-leaf input has stock's strides (stock's kernels take their layout
+    from the gradient, threshold's from x) and stock's bits, for every pair of layouts."""
+    slim = slim_copy(module)
+    values = make_input(shape, torch.float32, "contiguous", (-3.0, 0.0, 0.1, 0.5, 3.0, 6.0))
+    for x_layout in X_LAYOUTS:
+        x = laid_out(values, x_layout)
+        for g_layout in GRAD_LAYOUTS:
+            grad = laid_out(make_input(shape, torch.float32, "contiguous", seed=3), g_layout)
+            ys, dxs = input_grad_as_returned(module, x, grad)
+            ym, dxm = input_grad_as_returned(slim, x, grad)
+            what = f"x {x_layout}, grad {g_layout}"
+            assert dxm.stride() == dxs.stride(), what
+            assert ym.stride() == ys.stride(), what
+            assert_grad(dxm, dxs, x, type(module).__name__, what)
+
+
+def test_layout_replays_tensor_iterator():
+    """_layout.binary_strides gives the strides aten's element-wise backward kernels give, on random
+    layouts (permuted, sliced, expanded, size-1 dimensions), and conform copies only when it must."""
+    rng = torch.Generator().manual_seed(0)
+
+    def pick(n):
+        return int(torch.randint(n, (), generator=rng))
+
+    def random_layout(shape):
+        kind = pick(4)
+        if kind == 0:
+            return torch.zeros(()).expand(shape)
+        perm = torch.randperm(len(shape), generator=rng).tolist()
+        t = torch.zeros([shape[d] for d in perm]).permute([perm.index(d) for d in range(len(shape))])
+        if kind == 1:
+            d = pick(len(shape))
+            wide = torch.zeros(*(2 * s if i == d else s for i, s in enumerate(shape)))
+            t = wide.narrow(d, 0, shape[d])
+        return t
+
+    for _ in range(300):
+        shape = [(1, 2, 3)[pick(3)] for _ in range(1 + pick(4))]
+        g, x = random_layout(shape), random_layout(shape)
+        first_grad = torch.ops.aten.hardtanh_backward(g, x, -1.0, 1.0).stride()
+        first_x = torch.ops.aten.threshold_backward(g, x, 0.0).stride()
+        case = (shape, g.stride(), x.stride())
+        assert _layout.binary_strides(tuple(shape), g.stride(), x.stride()) == first_grad, case
+        assert _layout.binary_strides(tuple(shape), x.stride(), g.stride()) == first_x, case
+        assert _layout.like_strides(x) == torch.empty_like(x).stride()
+
+    t = torch.randn(2, 3, 1, 4)
+    assert _layout.conform(t, t.stride()) is t
+    view = _layout.conform(t, (12, 4, 99, 1))  # only the size-1 dimension's stride differs: a view
+    assert view.stride() == (12, 4, 99, 1) and view.data_ptr() == t.data_ptr() and torch.equal(view, t)
+    copy = _layout.conform(t, (12, 1, 12, 3))
+    assert copy.stride() == (12, 1, 12, 3) and torch.equal(copy, t)
 
 
 def test_convert_swaps_the_modules():

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tests._util import FLOAT_DTYPES, assert_same, grad_combos, saved_bytes, slim_copy
+from tests._util import FLOAT_DTYPES, assert_same, grad_combos, input_grad_as_returned, saved_bytes, slim_copy
 from torch import nn
 
 import slimgrad.functional.conv as sf
@@ -358,6 +358,36 @@ def test_channels_last_output_grad_on_contiguous_input(case, rw):
     o2.backward(g)
     assert_same(x2.grad, x1.grad, what="input grad")
     assert x2.grad.stride() == x1.grad.stride()
+    if rw:
+        assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
+
+
+@pytest.mark.parametrize("rw", [False, True], ids=["frozen", "weight-trains"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4),  # depthwise: its weight reads as contiguous too
+        lambda: nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=4),
+        lambda: nn.Conv2d(4, 2, 1, groups=2),
+        lambda: nn.ConvTranspose2d(4, 4, 2, stride=2, groups=4),
+        lambda: nn.Conv2d(4, 6, 3, padding=1),
+    ],
+    ids=["depthwise", "depthwise_x2", "grouped_1x1", "t_depthwise", "dense"],
+)
+@pytest.mark.parametrize("shape", [(2, 4, 5, 5), (1, 4, 5, 1)])
+def test_channels_last_input_contiguous_output_grad(make, rw, shape):
+    """A channels_last X whose output gradient arrives contiguous (a pool's backward does this): stock's
+    backend runs channels_last, from X, and returns dX channels_last; ours too, with stock's bits."""
+    torch.manual_seed(0)
+    stock = make().requires_grad_(rw)
+    slim = slim_copy(stock)
+    x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(stock(x).shape)
+    o1, dx1 = input_grad_as_returned(stock, x, g)
+    o2, dx2 = input_grad_as_returned(slim, x, g)
+    assert_same(o2, o1, what="output")
+    assert_same(dx2, dx1, what="input grad")
+    assert dx2.stride() == dx1.stride()
     if rw:
         assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import slimgrad.nn.dropout  # noqa: F401  (registers the replacements)
-from _util import FLOAT_DTYPES, assert_same, saved_bytes, slim_copy
+from _util import FLOAT_DTYPES, assert_same, input_grad_as_returned, laid_out, saved_bytes, slim_copy
 from slimgrad.functional.dropout import dropout, dropout1d, dropout2d, dropout3d
 from slimgrad.measure import SavedTensors
 
@@ -244,6 +245,29 @@ def test_bits_policy_is_stock_bitwise(dtype, layout, inplace):
     assert_same(mo, so, what="output")
     assert_same(mg, sg, what="grad")
     assert mb == math.ceil(so.numel() / 8) and sb >= so.numel() * so.element_size()
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 1, 5)])  # size 1: TensorIterator's tie-breaking
+def test_input_grad_layout_matches_stock(inplace, shape):
+    """Stock's gradient is ``grad * noise``, laid out after the incoming gradient first: ours has the same
+    strides (and, policy "bits", the same bits) for every pair of input and gradient layouts."""
+    values = nonzero_input(shape, torch.float32)
+    grad_values = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    stock = nn.Dropout(0.3, inplace=inplace)
+    for x_layout in ("contiguous", "channels_last", "transposed"):
+        x = laid_out(values, x_layout)
+        for g_layout in ("contiguous", "channels_last", "transposed", "sliced", "expanded"):
+            grad = laid_out(grad_values, g_layout)
+            ys, dxs = input_grad_as_returned(stock, x, grad, seed=3)
+            for policy in ("bits", "seed"):
+                ym, dxm = input_grad_as_returned(functools.partial(dropout, p=0.3, inplace=inplace, policy=policy),
+                                                 x, grad, seed=3)
+                what = f"{policy}: x {x_layout}, grad {g_layout}"
+                assert dxm.stride() == dxs.stride() and ym.stride() == ys.stride(), what
+                if policy == "bits":
+                    assert_same(ym, ys, what=what)
+                    assert_same(dxm, dxs, what=what)
 
 
 def test_policy_option_and_errors():

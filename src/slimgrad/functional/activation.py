@@ -27,7 +27,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from slimgrad.functional import _bitmask, _common, _shared_masks
+from slimgrad.functional import _bitmask, _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.kernels import relu_mask
 
@@ -137,6 +137,9 @@ class _ReLUFunction(_common.Function):
             ctx.mode = _REFUSE
         elif keep_output and (relu or negative_slope >= 0):
             ctx.mode = _OUTPUT
+        ctx.x_strides = None
+        if ctx.mode != _REFUSE and not torch.compiler.is_compiling():
+            ctx.x_strides = _stock_operand_strides(input, relu, inplace)
         if ctx.mode == _MASK:
             ctx.planar = torch.compiler.is_compiling()
             if ctx.planar:
@@ -166,32 +169,50 @@ class _ReLUFunction(_common.Function):
     def backward(ctx, grad):
         if ctx.mode == _REFUSE:
             raise RuntimeError(_NEGATIVE_INPLACE)
-        (saved,) = ctx.saved_tensors
-        if ctx.use is not None:
-            learn_from_use(*ctx.use)
-        slope = ctx.negative_slope
-        if ctx.mode == _OUTPUT:
-            if slope is None:
-                return torch.ops.aten.threshold_backward(grad, saved, 0), None, None, None, None
-            return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True), None, None, None, None
-        if ctx.planar:
-            mask = _shared_masks.unpack(saved, grad.shape, ctx.order)
-            return torch.where(mask, grad, 0 if slope is None else grad * slope), None, None, None, None
-        perm = ctx.perm
-        g = grad if perm is None else grad.permute(perm)
-        if grad.requires_grad:  # double backward: stay differentiable in grad
-            mask = _bitmask.unpack(saved, g.shape)
-            if slope is None:
-                gi = torch.where(mask, g, 0)
-            else:
-                gi = torch.where(mask, g, g * slope)
-        else:
-            if not g.is_contiguous():
-                g = g.contiguous()
-            gi = relu_mask.choose(g).backward(g, saved, slope)
-        if perm is not None:
-            gi = gi.permute(_inverse(perm))
+        gi = _input_grad(ctx, grad)
+        if ctx.x_strides is not None:
+            # Stock's threshold_backward(grad, result) / leaky_relu_backward(grad, x): TensorIterator takes
+            # the result or x first, so its layout leads and the gradient's breaks ties (size-1 dimensions).
+            gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), ctx.x_strides, grad.stride()))
         return gi, None, None, None, None
+
+
+def _stock_operand_strides(input, relu, inplace):
+    """The strides of the tensor stock's backward reads: relu's result (out of place, a new tensor with the
+    unary op's layout), else x itself."""
+    if relu and not inplace:
+        return _layout.binary_strides(tuple(input.shape), input.stride(), input.stride())
+    return tuple(input.stride())
+
+
+def _input_grad(ctx, grad):
+    """_ReLUFunction's input gradient (values; the caller fixes the layout)."""
+    (saved,) = ctx.saved_tensors
+    if ctx.use is not None:
+        learn_from_use(*ctx.use)
+    slope = ctx.negative_slope
+    if ctx.mode == _OUTPUT:
+        if slope is None:
+            return torch.ops.aten.threshold_backward(grad, saved, 0)
+        return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True)
+    if ctx.planar:
+        mask = _shared_masks.unpack(saved, grad.shape, ctx.order)
+        return torch.where(mask, grad, 0 if slope is None else grad * slope)
+    perm = ctx.perm
+    g = grad if perm is None else grad.permute(perm)
+    if grad.requires_grad:  # double backward: stay differentiable in grad
+        mask = _bitmask.unpack(saved, g.shape)
+        if slope is None:
+            gi = torch.where(mask, g, 0)
+        else:
+            gi = torch.where(mask, g, g * slope)
+    else:
+        if not g.is_contiguous():
+            g = g.contiguous()
+        gi = relu_mask.choose(g).backward(g, saved, slope)
+    if perm is not None:
+        gi = gi.permute(_inverse(perm))
+    return gi
 
 
 def _check_slope(negative_slope) -> float:

@@ -38,7 +38,7 @@ import numbers
 
 import torch
 
-from slimgrad.functional import _bitmask, _common, _shared_masks
+from slimgrad.functional import _bitmask, _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.kernels import range_mask
 
@@ -139,6 +139,8 @@ class RangeMaskFunction(_common.Function):
         ctx.use = use
         ctx.kind, ctx.lo, ctx.hi = kind, lo, hi
         need = ctx.needs_input_grad[0]
+        ctx.x_strides = None if torch.compiler.is_compiling() or not need else _stock_operand_strides(
+            input, kind, inplace)
         packed = None
         if need and not keep_output and torch.compiler.is_compiling() and output_can_stand_in(
                 kind, lo, hi, value, input.dtype):
@@ -167,28 +169,53 @@ class RangeMaskFunction(_common.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (saved,) = ctx.saved_tensors
-        if ctx.use is not None:
-            learn_from_use(*ctx.use)
-        if ctx.mode == _OUTPUT and ctx.kind == THRESHOLD:
-            dx = torch.ops.aten.threshold_backward(grad, saved, ctx.lo)
-            return dx, None, None, None, None, None, None, None
-        if ctx.kind == HARDSIGMOID:
-            # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
-            zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-            grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
-        if ctx.mode == _MASK and ctx.planar:
-            return torch.where(_unpack(saved, ctx), grad, 0), None, None, None, None, None, None, None
-        if ctx.mode == _OUTPUT or grad.requires_grad:
-            # Output kept (not stock's hardtanh_backward: its NaN rule depends on the element's position,
-            # see the module doc), or double backward (stay differentiable in grad): a torch mask.
-            mask = (range_mask.mask_torch(saved, _rule(ctx.kind), *_bounds(ctx.kind, ctx.lo, ctx.hi, saved.dtype))
-                    if ctx.mode == _OUTPUT else _unpack(saved, ctx))
-            if grad.requires_grad:
-                return torch.where(mask, grad, 0), None, None, None, None, None, None, None
-            bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-            return (bits * mask).view(grad.dtype), None, None, None, None, None, None, None
-        return _select(grad, saved, ctx), None, None, None, None, None, None, None
+        dx = _input_grad(ctx, grad)
+        if ctx.x_strides is not None:
+            dx = _layout.conform(dx, _stock_grad_strides(ctx.kind, grad, ctx.x_strides))
+        return dx, None, None, None, None, None, None, None
+
+
+def _input_grad(ctx, grad):
+    """RangeMaskFunction's input gradient (values; the layout is fixed by the caller)."""
+    (saved,) = ctx.saved_tensors
+    if ctx.use is not None:
+        learn_from_use(*ctx.use)
+    if ctx.mode == _OUTPUT and ctx.kind == THRESHOLD:
+        dx = torch.ops.aten.threshold_backward(grad, saved, ctx.lo)
+        return dx
+    if ctx.kind == HARDSIGMOID:
+        # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
+    if ctx.mode == _MASK and ctx.planar:
+        return torch.where(_unpack(saved, ctx), grad, 0)
+    if ctx.mode == _OUTPUT or grad.requires_grad:
+        # Output kept (not stock's hardtanh_backward: its NaN rule depends on the element's position,
+        # see the module doc), or double backward (stay differentiable in grad): a torch mask.
+        mask = (range_mask.mask_torch(saved, _rule(ctx.kind), *_bounds(ctx.kind, ctx.lo, ctx.hi, saved.dtype))
+                if ctx.mode == _OUTPUT else _unpack(saved, ctx))
+        if grad.requires_grad:
+            return torch.where(mask, grad, 0)
+        bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
+        return (bits * mask).view(grad.dtype)
+    return _select(grad, saved, ctx)
+
+
+def _stock_operand_strides(input: torch.Tensor, kind: str, inplace: bool) -> tuple[int, ...]:
+    """The strides of the tensor stock's backward reads besides the gradient: x (or, in place, hardtanh's
+    result, which is x), or for in-place threshold/hardsigmoid the clone of x stock keeps."""
+    if inplace and kind != HARDTANH:
+        return _layout.like_strides(input)
+    return tuple(input.stride())
+
+
+def _stock_grad_strides(kind: str, grad: torch.Tensor, x_strides) -> tuple[int, ...]:
+    """The layout of stock's input gradient: TensorIterator's choice for ``hardtanh_backward(grad, x)``,
+    ``hardsigmoid_backward(grad, x)`` (the gradient's layout leads) or ``threshold_backward(grad, x)``
+    (whose iterator takes x first, so x's layout leads)."""
+    if kind == THRESHOLD:
+        return _layout.binary_strides(tuple(grad.shape), x_strides, grad.stride())
+    return _layout.binary_strides(tuple(grad.shape), grad.stride(), x_strides)
 
 
 def _real(v, name: str, fn: str) -> float:

@@ -149,8 +149,11 @@ class _ConvFunction(_common.Function):
             w = weight
             g = grad
             if ctx.xp_format != torch.contiguous_format:
-                # The backend picks its layout from (input, weight): stock sees X in channels_last here.
+                # The backend picks its layout from (input, weight): stock sees X in channels_last here. A
+                # depthwise weight (one input channel per group) reads as contiguous in either format, so
+                # dY goes channels_last too (the copy stock's backend makes of it; else dX came contiguous).
                 w = w.contiguous(memory_format=ctx.xp_format)
+                g = g.contiguous(memory_format=ctx.xp_format)
             elif not g.is_contiguous():
                 # Stock's backward sees a contiguous X and weight and runs in the contiguous layout whatever
                 # dY's layout; our transposed conv would pick channels_last from a channels_last dY (another

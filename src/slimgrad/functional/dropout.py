@@ -36,7 +36,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from slimgrad.functional import _bitmask, _common
+from slimgrad.functional import _bitmask, _common, _layout
 from slimgrad.functional._common import check_tensor
 from slimgrad.kernels import dropout as kernels
 
@@ -182,10 +182,12 @@ class _DropoutFunction(_common.Function):
             ctx.save_for_backward(_bitmask.pack_planar(noise != 0, ctx.order))
             out = _apply_noise(input, noise.div_(1 - p), inplace)
         elif policy == "bits":
+            ctx.noise_strides = _layout.like_strides(input)  # stock's noise is empty_like(input)
             ctx.mode = _BITS
             out, packed, ctx.perm, ctx.scale = bits_forward(input, p, inplace)
             ctx.save_for_backward(packed)
         else:
+            ctx.noise_strides = _layout.like_strides(input)
             ctx.mode = _SEED
             seed = _draw_seed(input.device)
             ctx.perm = perm = _memory_order(input) if _dense(input) else None
@@ -211,11 +213,16 @@ class _DropoutFunction(_common.Function):
                 g = _canonical(grad, ctx.perm)
                 noise = _bitmask.unpack(saved, g.shape).to(grad.dtype).mul_(ctx.scale)
                 gi = g * noise
-                return (gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))), None, None, None
-            return bits_backward(grad, saved, ctx.perm, ctx.scale), None, None, None
-        g = _canonical(grad, ctx.perm)
-        gi = kernels.choose_seed(g).backward(g, ctx.p, saved)
-        return (gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))), None, None, None
+                gi = gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))
+            else:
+                gi = bits_backward(grad, saved, ctx.perm, ctx.scale)
+        else:
+            g = _canonical(grad, ctx.perm)
+            gi = kernels.choose_seed(g).backward(g, ctx.p, saved)
+            gi = gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))
+        # Stock's gradient is ``grad * noise``: TensorIterator lays it out after grad first, then noise.
+        gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), grad.stride(), ctx.noise_strides))
+        return gi, None, None, None
 
 
 def _dense(t: torch.Tensor) -> bool:
