@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests._util import assert_same, grad_combos, set_requires_grad, slim_copy
+from tests._util import assert_same, grad_combos, input_grad_as_returned, laid_out, set_requires_grad, slim_copy
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -124,6 +124,41 @@ def test_rms_norm_matches_stock(opt, dtype):
         assert got <= ref
         if rg[0] and dtype in (torch.bfloat16, torch.float16):
             assert got < ref  # stock keeps the fp32 upcast of x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,normalized", [((2, 3, 6), (6,)), ((2, 3, 1, 6), (6,)), ((2, 3, 4, 6), (4, 6))])
+def test_rms_norm_layouts_match_stock(shape, normalized, dtype):
+    """Stock's composite returns a contiguous output unless x is channels-last (so ``y.view(-1)`` works on
+    a transposed input), and its input gradient has the layout of autograd's in-place sum of x's two
+    gradients: ours has the same strides, values and bits, for every pair of input and gradient layouts."""
+    torch.manual_seed(0)
+    stock = nn.RMSNorm(normalized).to(dtype)
+    _randomize(stock)
+    slim = slim_copy(stock)
+    values = torch.randn(shape).to(dtype)
+    grad_values = torch.randn(shape).to(dtype)
+    layouts = ["contiguous", "transposed"] + (["channels_last"] if len(shape) == 4 else [])
+    for x_layout in layouts + ["sliced"]:
+        x = laid_out(values, x_layout)
+        with torch.no_grad():
+            ys, ym = stock(x), slim(x)
+        assert ym.stride() == ys.stride() and ym.is_contiguous() == ys.is_contiguous(), x_layout
+        assert_same(ym, ys, what=x_layout)
+        if x_layout == "sliced":
+            continue  # input_grad_as_returned takes dense layouts
+        for g_layout in layouts + ["sliced", "expanded"]:
+            grad = laid_out(grad_values, g_layout)
+            ys, dxs = input_grad_as_returned(stock, x, grad)
+            ym, dxm = input_grad_as_returned(slim, x, grad)
+            what = f"x {x_layout}, grad {g_layout}"
+            assert ym.stride() == ys.stride() and dxm.stride() == dxs.stride(), what
+            assert_same(ym, ys, what=what)
+            assert_same(dxm, dxs, what=what)
+            assert_same(slim.weight.grad, stock.weight.grad, what=what)
+            stock.weight.grad = slim.weight.grad = None
+    x = laid_out(values, "transposed")
+    assert slim(x).view(-1).shape == stock(x).view(-1).shape  # the tester's failure: view on a copy's output
 
 
 def test_rms_norm_functional_default_eps_and_errors():

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-__all__ = ["binary_strides", "like_strides", "conform"]
+__all__ = ["binary_strides", "like_strides", "conform", "channels_last_like"]
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -151,3 +151,24 @@ def conform(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
         return t.as_strided(t.shape, strides)
     out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
     return out.copy_(t)
+
+
+def channels_last_like(t: torch.Tensor) -> bool:
+    """Whether ``Tensor::suggest_memory_format()`` calls ``t`` channels-last (2d or 3d): c10's
+    ``is_channels_last_strides_2d/3d``, which read the strides' order (a slice of a channels-last tensor
+    counts) and settle ambiguous size-1 cases for contiguous. ``_common.suggest_memory_format`` asks for a
+    dense channels-last tensor instead, which differs on slices."""
+    if t.dim() not in (4, 5):
+        return False
+    order = (1, 3, 2, 0) if t.dim() == 4 else (1, 4, 3, 2, 0)
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    smallest = 0
+    for d in order:
+        if sizes[d] == 0 or strides[d] < smallest:
+            return False
+        if d == 0 and smallest == strides[1]:
+            return False
+        smallest = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-from slimgrad.functional import _common
+from slimgrad.functional import _common, _layout
 
 __all__ = [
     "RMSNormFunction",
@@ -171,7 +171,10 @@ def _rms_forward_impl(x, weight, eps, dims, style):
         up = x.to(_opmath(x.dtype))
         rstd = torch.rsqrt(up.pow(2).mean(dims, keepdim=True).add_(eps))
         h = up * rstd
-        return (h * weight if weight is not None else h).type_as(x), rstd, h
+        out = (h * weight if weight is not None else h).type_as(x)
+        # Stock's composite makes its result contiguous unless x is channels-last (the same values; code
+        # that views the output relies on it). Cast first: the copy is then in x's dtype, not fp32.
+        return (out if _layout.channels_last_like(x) else out.contiguous()), rstd, h
     if style == "t5":
         rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
         h = x * rstd
@@ -225,7 +228,7 @@ def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype):
         dx1 = (dh * rstd).to(x.dtype)
         d_rstd = (dh * x).sum(-1, keepdim=True).to(rstd.dtype)
         dx2 = _variance_path_grad(d_rstd, rstd, xf, n).to(x.dtype)
-        return dx1 + dx2, dw
+        return dx1.add_(dx2), dw  # in place, as autograd accumulates: the layout of the first to arrive
     up = x.to(rstd.dtype)  # x may already be that copy (fp64 input, fp32 styles)
     h = up * rstd
     if weight is None:  # torch style without affine
@@ -247,7 +250,10 @@ def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype):
     if need_x:
         del h
         d_rstd = (g_h * up).sum(dims, keepdim=True)
-        dx = (g_h * rstd + _variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype)
+        # x's two gradients are summed as autograd's engine sums them: in place into the first to arrive
+        # (the product's, whose node runs first), which keeps its layout (an out-of-place sum can restride
+        # size-1 dimensions).
+        dx = (g_h * rstd).add_(_variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype)
     return dx, dw
 
 
