@@ -8,9 +8,14 @@ Gradients come from the same kernels stock runs, so they are bitwise equal:
 dX of a convolution is a transposed convolution of the output gradient (and dX of a transposed
 convolution a plain one) rather than ``aten.convolution_backward``, which would copy a stand-in input to
 an input-sized temporary; dW and dB come from ``aten.convolution_backward`` fed a weight stand-in.
+In the channels-last layout the transposed convolution sums in another order than stock's backward-data
+kernel, so there dX is ``aten.convolution_backward`` itself, fed X when it is still alive or else an
+uninitialised tensor of X's shape and layout (its values are never read; stock holds X at that point).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +134,14 @@ class _ConvFunction(_common.Function):
         ctx.xp_format = torch.contiguous_format if xp.is_contiguous() else suggest_memory_format(xp)
         ctx.w_shape = tuple(weight.shape)
         ctx.has_bias = bias is not None
+        # Channels-last dX without dW runs stock's kernel on a tensor of X's shape and layout whose values it
+        # never reads: a weak reference lets backward use X itself when the caller still holds it (no copy,
+        # nothing kept alive), so the stand-in is allocated only where stock would have kept X.
+        ctx.x_ref = None
+        if (need_x and not need_w and xp is x and ctx.xp_format != torch.contiguous_format
+                and not torch.compiler.is_compiling()):
+            ctx.x_ref = weakref.ref(x)
+            ctx.x_stride = x.stride()
         return out
 
     @staticmethod
@@ -145,16 +158,20 @@ class _ConvFunction(_common.Function):
             dx, dw, db = _convolution_backward(ctx, grad, x, weight, (True, True, need_b))
             return _unpad_uncast(ctx, dx), dw, db if need_b else None, None
 
-        if need_x:
+        if need_x and ctx.xp_format != torch.contiguous_format:
+            # Channels-last X: stock's own kernel (oneDNN's channels-last backward-data kernel and its transposed
+            # convolution sum in different orders: depthwise, 1x1 and grouped convs came out up to 1 ulp apart),
+            # fed X itself when it is still alive, else an uninitialised stand-in of X's shape and layout: the dX
+            # kernel reads only the shape and strides (a zero-stride stand-in would be copied to that layout).
+            # Stock holds X itself at this point, so the temporary does not raise the peak above stock's.
+            xp = _live_input(ctx, grad)
+            dx = _convolution_backward(ctx, grad, None, weight, (True, False, False), xp=xp)[0]
+            del xp
+            dx = _unpad_uncast(ctx, dx)
+        elif need_x:
             w = weight
             g = grad
-            if ctx.xp_format != torch.contiguous_format:
-                # The backend picks its layout from (input, weight): stock sees X in channels_last here. A
-                # depthwise weight (one input channel per group) reads as contiguous in either format, so
-                # dY goes channels_last too (the copy stock's backend makes of it; else dX came contiguous).
-                w = w.contiguous(memory_format=ctx.xp_format)
-                g = g.contiguous(memory_format=ctx.xp_format)
-            elif not g.is_contiguous():
+            if not g.is_contiguous():
                 # Stock's backward sees a contiguous X and weight and runs in the contiguous layout whatever
                 # dY's layout; our transposed conv would pick channels_last from a channels_last dY (another
                 # summation order, ~1e-6 off). The copy is the one stock's kernel makes of dY.
@@ -186,6 +203,25 @@ class _ConvFunction(_common.Function):
         return dx, dw, db if need_b else None, None
 
 
+def _live_input(ctx, grad):
+    """A tensor of the convolution input's shape, strides and dtype for a dX-only ``convolution_backward``,
+    which reads none of its values: X itself when it is still alive, unchanged in shape and layout and with
+    its storage (a reference taken in forward, nothing kept), else an uninitialised one of its layout."""
+    ref = getattr(ctx, "x_ref", None)
+    x = ref() if ref is not None else None
+    if (
+        x is not None
+        and tuple(x.shape) == ctx.xp_shape
+        and x.stride() == ctx.x_stride
+        and x.dtype == grad.dtype
+        and x.device == grad.device
+        and x.untyped_storage().nbytes()
+        >= (x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+    ):
+        return x.detach()
+    return torch.empty(ctx.xp_shape, dtype=grad.dtype, device=grad.device, memory_format=ctx.xp_format)
+
+
 def _unpad_uncast(ctx, dxp):
     """dX from the gradient of the padded, cast X the convolution saw: back to X's dtype, then the pad's
     backward (the reverse of the forward's pad-then-cast)."""
@@ -197,11 +233,15 @@ def _unpad_uncast(ctx, dxp):
     return dxp
 
 
-def _convolution_backward(ctx, grad, x, weight, output_mask):
+def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
     """aten's convolution_backward for the gradients ``output_mask`` names, from the saved X, as stock's
-    autograd calls it (X padded and cast as the forward did)."""
+    autograd calls it (X padded and cast as the forward did); or from ``xp``, the padded and cast X the
+    convolution saw (a stand-in of its shape, for dX alone)."""
     nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = ctx.cfg
-    xp = x
+    if xp is not None:
+        pad = cast_dtype = None
+    else:
+        xp = x
     if pad is not None or cast_dtype is not None:
         # Under torch.compile, pad/cast a view of x: nodes CSE cannot merge with forward's, which the
         # partitioner would then save (the padded or cast copy) instead of redoing them from x. Only then:
