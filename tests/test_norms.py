@@ -5,16 +5,18 @@ never computed."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests._util import assert_same, grad_combos, input_grad_as_returned, laid_out, set_requires_grad, slim_copy
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slimgrad.functional.norms import fused_add_rms_norm, layer_norm, poly_norm, rms_norm
+from slimgrad.functional.norms import fused_add_rms_norm, group_norm, layer_norm, poly_norm, rms_norm, rms_norm_hf
 from slimgrad.measure import peak_bytes, saved_bytes
 from slimgrad.nn.norms import FusedAddRMSNorm, GroupNorm, LayerNorm, PolyNorm, RMSNorm
 
@@ -165,9 +167,9 @@ def test_rms_norm_functional_default_eps_and_errors():
     x = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
     w = torch.rand(6, dtype=torch.bfloat16)
     assert torch.equal(rms_norm(x, (6,), w), torch.nn.functional.rms_norm(x, (6,), w))
-    with pytest.raises(ValueError, match="normalized_shape"):
+    with pytest.raises(RuntimeError, match="slimgrad: rms_norm: argument 'input' must end in normalized_shape"):
         rms_norm(x, (5,), w)
-    with pytest.raises(ValueError, match="'weight'"):
+    with pytest.raises(RuntimeError, match="'weight'"):
         rms_norm(x, (6,), torch.ones(5))
     with pytest.raises(TypeError, match="'input'"):
         rms_norm([1.0], (1,))
@@ -316,10 +318,53 @@ def test_bias_only_backward_peak_not_above_stock(kind):
 
 def test_layer_norm_functional_errors():
     x = torch.randn(2, 4)
-    with pytest.raises(ValueError, match="normalized_shape"):
+    with pytest.raises(RuntimeError, match="slimgrad: layer_norm: argument 'input' must end in normalized_shape"):
         layer_norm(x, (3,))
-    with pytest.raises(ValueError, match="'bias'"):
+    with pytest.raises(RuntimeError, match="'bias'"):
         layer_norm(x, (4,), torch.ones(4), torch.ones(3))
+
+
+@pytest.mark.parametrize("make,shape,blamed", [
+    (lambda: nn.LayerNorm(5), (2, 4), "argument 'input' must end in normalized_shape \\[5\\]"),
+    (lambda: nn.LayerNorm((3, 5)), (5,), "argument 'input' must end in normalized_shape \\[3, 5\\]"),
+    (lambda: nn.RMSNorm(5), (2, 4), "argument 'input' must end in normalized_shape \\[5\\]"),
+    (lambda: nn.GroupNorm(2, 4), (2, 6, 3), "argument 'input' must have num_channels=4 channels"),
+    (lambda: nn.GroupNorm(2, 4), (2, 5, 3), "argument 'input' must have num_channels=4 channels"),
+    (lambda: nn.GroupNorm(4, 4, affine=False), (2, 6, 3), "argument 'input' has 6 channels .* not divisible"),
+    (lambda: nn.GroupNorm(2, 4), (4,), "argument 'input' must have at least 2 dims"),
+], ids=["layer", "layer_2d", "rms", "group_channels", "group_channels_indivisible", "group_no_affine", "group_1d"])
+def test_wrong_input_shape_raises_stocks_exception_type(make, shape, blamed):
+    """Code that catches stock's exception keeps catching ours; ours names the argument that is wrong (the
+    input, not the module's weight) and says slimgrad raised it."""
+    stock = make()
+    x = torch.randn(shape)
+    with pytest.raises(Exception) as stock_error:
+        stock(x)
+    with pytest.raises(Exception) as slim_error:
+        slim_copy(stock)(x)
+    assert slim_error.type is stock_error.type is RuntimeError
+    assert str(slim_error.value).startswith("slimgrad: ")
+    assert re.search(blamed, str(slim_error.value)), str(slim_error.value)
+
+
+def test_wrong_parameter_shape_raises_stocks_exception_type():
+    """The functional forms: a parameter of the wrong shape is named, with stock's exception type."""
+    x = torch.randn(2, 6, 3)
+    for ours, theirs, args, blamed in [
+        (layer_norm, F.layer_norm, ((3,), torch.ones(2)), "'weight'"),
+        (rms_norm, F.rms_norm, ((3,), torch.ones(2)), "'weight'"),
+        (group_norm, F.group_norm, (2, torch.ones(6), torch.ones(4)), "'bias' has 4"),
+        (group_norm, F.group_norm, (2, torch.ones(6, 1)), "'weight' must be a vector"),
+    ]:
+        with pytest.raises(Exception) as stock_error:
+            theirs(x, *args)
+        with pytest.raises(Exception, match=blamed) as slim_error:
+            ours(x, *args)
+        assert slim_error.type is stock_error.type is RuntimeError
+        assert str(slim_error.value).startswith("slimgrad: ")
+    # The Hugging Face RMSNorms' ``weight * x`` raises a RuntimeError on a wrong hidden size; so does ours.
+    with pytest.raises(RuntimeError, match="slimgrad: rms_norm_hf: argument 'input' must have the weight's size 4"):
+        rms_norm_hf(x, torch.ones(4))
 
 
 def test_group_norm_channels_last():

@@ -257,6 +257,19 @@ def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype):
     return dx, dw
 
 
+def _check_trailing_shape(fn, input, normalized_shape, params):
+    """layer_norm's and rms_norm's shape checks, raising stock's exception type (RuntimeError): x must end in
+    ``normalized_shape`` (a module's), each parameter must have that shape."""
+    k = len(normalized_shape)
+    if input.dim() < k or tuple(input.shape[input.dim() - k:]) != tuple(normalized_shape):
+        raise RuntimeError(f"slimgrad: {fn}: argument 'input' must end in normalized_shape "
+                           f"{list(normalized_shape)} (a module's normalized_shape), got shape {tuple(input.shape)}")
+    for name, p in params:
+        if p is not None and tuple(p.shape) != tuple(normalized_shape):
+            raise RuntimeError(f"slimgrad: {fn}: argument '{name}' must have normalized_shape "
+                               f"{list(normalized_shape)}, got {list(p.shape)}")
+
+
 def _check_rms(fn, input, weight, eps, ndim=1):
     _common.check_tensor(input, "input", fn=fn)
     if weight is not None:
@@ -278,12 +291,7 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
         normalized_shape = (normalized_shape,)
     normalized_shape = tuple(normalized_shape)
     _check_rms("rms_norm", input, weight, eps, len(normalized_shape))
-    if tuple(input.shape[input.dim() - len(normalized_shape):]) != normalized_shape:
-        raise ValueError(f"rms_norm: argument 'normalized_shape' {list(normalized_shape)} does not match the last "
-                         f"dims of 'input' (shape {tuple(input.shape)})")
-    if weight is not None and tuple(weight.shape) != normalized_shape:
-        raise ValueError(f"rms_norm: argument 'weight' must have shape {list(normalized_shape)}, got "
-                         f"{list(weight.shape)}")
+    _check_trailing_shape("rms_norm", input, normalized_shape, (("weight", weight),))
     if eps is None:
         eps = torch.finfo(_opmath(input.dtype)).eps
     return RMSNormFunction.apply(input, weight, eps, len(normalized_shape), "torch")
@@ -297,10 +305,14 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
     if style not in RMS_STYLES or style == "torch":
         raise ValueError(f"rms_norm_hf: argument 'style' must be one of {RMS_STYLES[1:]}, got {style!r}")
     _check_rms("rms_norm_hf", input, weight, eps)
-    if weight is None or weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
+    if weight is None or weight.dim() != 1:
         got = None if weight is None else list(weight.shape)
-        raise ValueError(f"rms_norm_hf: argument 'weight' must have shape [{input.shape[-1]}] (input's last dim), "
-                         f"got {got}")
+        raise ValueError(f"slimgrad: rms_norm_hf: argument 'weight' must be a vector (the hidden size), got {got}")
+    if weight.shape[0] != input.shape[-1]:
+        # the reference's ``weight * x`` raises a RuntimeError here
+        raise RuntimeError(f"slimgrad: rms_norm_hf: argument 'input' must have the weight's size "
+                           f"{weight.shape[0]} (the module's hidden size) as its last dim, got shape "
+                           f"{tuple(input.shape)}")
     return RMSNormFunction.apply(input, weight, float(eps), 1, style)
 
 
@@ -377,13 +389,7 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = list(normalized_shape)
-    k = len(normalized_shape)
-    if input.dim() < k or list(input.shape[input.dim() - k:]) != normalized_shape:
-        raise ValueError(f"layer_norm: argument 'normalized_shape' {normalized_shape} does not match the last dims "
-                         f"of 'input' (shape {tuple(input.shape)})")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and list(p.shape) != normalized_shape:
-            raise ValueError(f"layer_norm: argument '{name}' must have shape {normalized_shape}, got {list(p.shape)}")
+    _check_trailing_shape("layer_norm", input, normalized_shape, (("weight", weight), ("bias", bias)))
     return LayerNormFunction.apply(input, normalized_shape, weight, bias, eps)
 
 
@@ -451,15 +457,26 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
                                      bias=bias, eps=eps)
     _common.check_tensor(input, "input", fn="group_norm")
     if input.dim() < 2:
-        raise ValueError(f"group_norm: argument 'input' must have at least 2 dims (N, C, ...), got shape "
-                         f"{tuple(input.shape)}")
+        raise RuntimeError(f"slimgrad: group_norm: argument 'input' must have at least 2 dims (N, C, ...), got "
+                           f"shape {tuple(input.shape)}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+        raise TypeError(f"slimgrad: group_norm: argument 'num_groups' must be an int, got {type(num_groups).__name__}")
+    if num_groups <= 0:
+        raise ValueError(f"slimgrad: group_norm: argument 'num_groups' must be positive, got {num_groups}")
     c = input.shape[1]
-    if not isinstance(num_groups, int) or num_groups <= 0 or c % num_groups:
-        raise ValueError(f"group_norm: argument 'num_groups' must be a positive divisor of the {c} channels, "
-                         f"got {num_groups!r}")
+    if c % num_groups:
+        raise RuntimeError(f"slimgrad: group_norm: argument 'input' has {c} channels (dim 1 of shape "
+                           f"{tuple(input.shape)}), not divisible by num_groups={num_groups}")
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and (p.dim() != 1 or p.shape[0] != c):
-            raise ValueError(f"group_norm: argument '{name}' must have shape [{c}], got {list(p.shape)}")
+        if p is None:
+            continue
+        if p.dim() != 1:
+            raise RuntimeError(f"slimgrad: group_norm: argument '{name}' must be a vector (one entry per channel), "
+                               f"got shape {list(p.shape)}")
+        if p.shape[0] != c:
+            raise RuntimeError(f"slimgrad: group_norm: argument 'input' has {c} channels (dim 1 of shape "
+                               f"{tuple(input.shape)}) but argument '{name}' has {p.shape[0]} (a GroupNorm's "
+                               f"num_channels): they must match")
     return GroupNormFunction.apply(input, weight, bias, num_groups, eps)
 
 

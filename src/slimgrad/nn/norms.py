@@ -32,6 +32,10 @@ class LayerNorm(nn.LayerNorm):
 @register(nn.GroupNorm)
 class GroupNorm(nn.GroupNorm):
     def forward(self, input: Tensor) -> Tensor:
+        if self.affine and isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
+            # Stock raises a RuntimeError here too, but blames the weight; the input is what is wrong.
+            raise RuntimeError(f"slimgrad: {type(self).__name__}: argument 'input' must have num_channels="
+                               f"{self.num_channels} channels (dim 1), got shape {tuple(input.shape)}")
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
 
