@@ -395,6 +395,32 @@ def test_compile_fullgraph(module):
     assert counter.bytes == (2 * 3 * 4 * 5 + 7) // 8
 
 
+@pytest.mark.slow
+def test_compiled_autograd_after_eager_forward():
+    """Compiled autograd traces the eager forward's backward, layout matching included (computed without
+    the cache dynamo would warn about): stock's gradient, no warning."""
+    import warnings
+
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    stock = nn.Sequential(nn.Hardsigmoid(), nn.ReLU6(), nn.Hardtanh(-0.5, 0.5))
+    slim = nn.Sequential(*(slim_copy(m) for m in stock))
+    base = make_input((2, 3, 4, 5), torch.float32, "channels_last", (-3.0, 0.0, 3.0, 6.0))
+    grad = make_input((2, 3, 4, 5), torch.float32, "contiguous", seed=5)
+    grads = []
+    for model in (stock, slim):
+        x = base.clone().requires_grad_()
+        y = model(x * 2.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                y.backward(grad)
+        assert not [w for w in caught if "lru_cache" in str(w.message)]
+        grads.append(x.grad)
+    assert_grad(grads[1], grads[0], base, "Hardsigmoid")
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("rule,lo,hi", [("inside", 0.0, 6.0), ("inside", -0.1, 0.1), ("above", 0.1, None),
                                         ("above", -float("inf"), None)])

@@ -80,10 +80,16 @@ def _is_non_overlapping_and_dense(shape, strides) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1024)
 def binary_strides(shape: tuple[int, ...], first: tuple[int, ...], second: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a new output TensorIterator allocates for a binary element-wise op whose inputs,
-    in this order, have ``shape`` and these strides (same dtype)."""
+    in this order, have ``shape`` and these strides (same dtype). Cached in eager; traced (compiled
+    autograd over an eager forward), computed directly, as dynamo would not trace the cache."""
+    if torch.compiler.is_compiling():
+        return _binary_strides(shape, first, second)
+    return _cached_binary_strides(tuple(shape), tuple(first), tuple(second))
+
+
+def _binary_strides(shape, first, second):
     shape, ops = tuple(shape), (tuple(first), tuple(second))
     ndim = len(shape)
     if ndim == 0 or any(s == 0 for s in shape):
@@ -131,6 +137,9 @@ def binary_strides(shape: tuple[int, ...], first: tuple[int, ...], second: tuple
         strides[d] = step
         step *= shape[d]
     return tuple(strides)
+
+
+_cached_binary_strides = functools.lru_cache(maxsize=1024)(_binary_strides)
 
 
 def like_strides(t: torch.Tensor) -> tuple[int, ...]:
