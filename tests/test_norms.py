@@ -571,3 +571,31 @@ def test_compile_fullgraph(kind):
     ym.backward(g.clone())
     torch.testing.assert_close(xm.grad, xs.grad)
     torch.testing.assert_close(slim.weight.grad, stock.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("need_x", [False, True])
+def test_rms_norm_on_a_view_keeps_no_more_than_stock(dtype, need_x):
+    """Input one half of a wider tensor (a head of a fused projection). Where only the weight trains stock
+    keeps the normalised input, compact; keeping x (a view) would pin the whole wider tensor: slimgrad then
+    keeps the normalised input too. Values and gradients equal stock's."""
+    from slimgrad.measure import SavedTensors
+
+    torch.manual_seed(0)
+    stock = nn.RMSNorm(64).to(dtype)
+    slim = slim_copy(stock)
+    wide = torch.randn(8, 16, 128, dtype=dtype)
+    results = []
+    for module in (stock, slim):
+        h = wide.clone().requires_grad_(need_x)
+        x = h[..., :64]
+        with SavedTensors(exclude=[module]) as counter:
+            y = module(x)
+        y.float().square().sum().backward()
+        results.append((y, h.grad, module.weight.grad, counter.bytes))
+    (ys, hs, ws, bs), (yg, hg, wg, bg) = results
+    assert bg <= bs, (bg, bs)
+    assert_same(yg, ys)
+    assert_same(wg, ws)
+    if need_x:
+        assert_same(hg, hs)

@@ -88,6 +88,9 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
     # and half its size.
     narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
     kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
+    if not narrow and not torch.compiler.is_compiling() and input.device.type != "meta":
+        # a view of a wider tensor (one head of a fused projection) pins its whole storage when kept
+        kept_bytes = max(kept_bytes, input.untyped_storage().nbytes())
     if not need_x and normed is not None and (
             normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
         # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
@@ -117,8 +120,11 @@ class RMSNormFunction(_common.Function):
             out, rstd = ctx.impl.forward(input, weight, eps, style, n)
             ctx.mask, ctx.style, ctx.n = (need_x, need_w), style, n
             if need_x or need_w:
-                _common.note_input_kept(input)
-                ctx.save_for_backward(input, rstd, weight, None)
+                # only dW: stock keeps the normalised input, compact; a view's base would be more
+                kept = input if need_x else _common.compact(input)
+                if kept is input:
+                    _common.note_input_kept(input)
+                ctx.save_for_backward(kept, rstd, weight, None)
             return out
         dims = tuple(range(input.dim() - ndim, input.dim()))
         fused = (style == "torch" and input.device.type in _FUSED_RMS_DEVICES
