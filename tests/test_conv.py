@@ -12,7 +12,7 @@ from torch import nn
 
 import slimgrad.functional.conv as sf
 import slimgrad.nn.conv  # noqa: F401  (registers the replacements)
-from slimgrad.measure import peak_bytes
+from slimgrad.measure import SavedTensors, peak_bytes
 
 # (id, stock class, constructor kwargs, input shape, forward kwargs)
 CASES = [
@@ -365,6 +365,33 @@ def test_channels_last_input_frozen_weight_bitwise(case, dtype):
     _compare(stock, x, True, False, False, dtype=dtype, layout=layout)  # dX alone (dB: see _bias_exact)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CL_FROZEN, ids=[c[0] for c in CL_FROZEN])
+def test_dx_kernels_do_not_read_input_values(case, dtype):
+    """The premise of the shape carriers: aten's dX-only convolution_backward and the pad backwards read their
+    input's shape and layout, never its values (a NaN-filled input gives X's result, bitwise)."""
+    _, cls, kwargs, shape = case
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    torch.manual_seed(0)
+    m = cls(**kwargs).to(dtype)
+    x = torch.randn(shape).to(dtype).contiguous(memory_format=layout)
+    nan = torch.full_like(x, float("nan"))
+    transposed = cls is nn.ConvTranspose2d
+    args = (None, list(m.stride), list(m.padding), list(m.dilation), transposed,
+            list(getattr(m, "output_padding", (0,) * (len(shape) - 2))), m.groups, [True, False, False])
+    g = torch.randn(m(x).shape).to(dtype)
+    ref = torch.ops.aten.convolution_backward(g, x, m.weight.detach(), *args)[0]
+    got = torch.ops.aten.convolution_backward(g, nan, m.weight.detach(), *args)[0]
+    assert_same(got, ref, what="dX")
+    assert got.stride() == ref.stride()
+    if len(shape) == 4:
+        for fn in (torch.ops.aten.reflection_pad2d_backward, torch.ops.aten.replication_pad2d_backward):
+            gp = torch.randn(shape[:2] + (shape[2] + 2, shape[3] + 2)).to(dtype).contiguous(memory_format=layout)
+            ref, got = fn(gp, x, [1, 1, 1, 1]), fn(gp, nan, [1, 1, 1, 1])
+            assert_same(got, ref, what=str(fn))
+            assert got.stride() == ref.stride()
+
+
 @pytest.mark.parametrize("caller_holds_x", [True, False], ids=["caller-holds-x", "x-made-in-step"])
 @pytest.mark.parametrize("cls", [nn.Conv2d, nn.ConvTranspose2d])
 def test_channels_last_frozen_peak_not_above_stock(cls, caller_holds_x):
@@ -459,6 +486,132 @@ def test_autocast_bf16(case):
             s, m = _compare(copy.deepcopy(stock), x, *flags, fk=fk, dtype=torch.bfloat16)
         if flags[1]:
             assert m.weight.grad.dtype == torch.float32
+
+
+PAD_MODE_MODULES = [
+    (mode, nd)
+    for mode in ("reflect", "replicate", "circular")
+    for nd in (1, 2, 3)
+]
+
+
+def _pad_module(mode, nd, **kw):
+    cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1]
+    return cls(4, 6, 3, padding=(1, 2, 1)[:nd], padding_mode=mode, **kw), (2, 4) + (5, 6, 4)[:nd]
+
+
+@pytest.mark.parametrize("adt", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode,nd", PAD_MODE_MODULES, ids=lambda v: str(v))
+def test_autocast_low_precision_input_with_padding_mode(mode, nd, xdt, adt):
+    """A bf16/fp16 X under autocast with a non-zero padding mode. On CPU autocast runs reflection_pad1d/2d and
+    replication_pad1d/2d/3d in fp32 (its fp32 list): stock pads an fp32 copy of X and the pad's backward sums
+    in fp32 before the cast back to X's dtype; summed in X's dtype, dX was off by 1 bf16 ulp (0.0156)."""
+    torch.manual_seed(0)
+    stock, shape = _pad_module(mode, nd)
+    x = torch.randn(shape).to(xdt)
+    for flags in [(True, False, False), (True, True, True), (False, True, False)]:
+        with torch.autocast("cpu", dtype=adt):
+            _compare(copy.deepcopy(stock), x, *flags, dtype=adt)
+
+
+@pytest.mark.parametrize("rx", [True, False], ids=["x-trains", "x-frozen"])
+@pytest.mark.parametrize("mode,nd", PAD_MODE_MODULES, ids=lambda v: str(v))
+def test_autocast_padding_mode_keeps_cast_copy(mode, nd, rx):
+    """Under autocast with a non-zero padding mode and the weight training, stock keeps its padded bf16 copy of
+    X; we keep the unpadded bf16 copy (not the fp32 X: 432 > 320 bytes for a Conv1d with pad 1), plus the
+    cast weight where X needs grad, as stock. Gradients bitwise (test_autocast_bf16), X's producer not told
+    that X is kept."""
+    from slimgrad.functional._common import UseCell, mark_producer
+
+    torch.manual_seed(0)
+    stock, shape = _pad_module(mode, nd)
+    slim = slim_copy(stock)
+    x = torch.randn(shape)
+    counts = []
+    for m in (stock, slim):
+        with SavedTensors(exclude=[m]) as c, torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x.clone().requires_grad_(rx))
+        counts.append(c.bytes)
+    expected = x.numel() * 2 + (stock.weight.numel() * 2 if rx else 0)
+    assert counts[1] == expected
+    assert counts[1] <= counts[0], counts
+    h = x.clone().requires_grad_(True) * 1.0
+    cell = UseCell()
+    mark_producer(h, cell)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        slim(h)
+    assert not cell.kept
+
+
+@pytest.mark.parametrize("rx", [True, False], ids=["x-trains", "x-frozen"])
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_padding_mode_view_input_keeps_compact_copy(mode, rx):
+    """X a view of a larger tensor (one chunk of h), the weight training: stock keeps its padded copy (a compact
+    tensor); keeping the view would keep h's whole storage (8192 bytes against stock's 3200). We keep a compact
+    copy of X instead, and gradients stay bitwise (the copy is a differentiable clone: double backward too)."""
+    torch.manual_seed(0)
+    stock = nn.Conv2d(4, 6, 3, padding=1, padding_mode=mode)
+    slim = slim_copy(stock)
+    h = torch.randn(2, 16, 8, 8)
+    counts = []
+    for m in (stock, slim):
+        with SavedTensors(exclude=[m]) as c:
+            m(h.clone().requires_grad_(rx).chunk(4, dim=1)[0])
+        counts.append(c.bytes)
+    assert counts[1] == 2 * 4 * 8 * 8 * 4  # X's own elements, fp32
+    assert counts[1] <= counts[0], counts
+    # Values and gradients against stock on the same kind of view.
+    h1, h2 = h.clone().requires_grad_(rx), h.clone().requires_grad_(rx)
+    o1, o2 = stock(h1.chunk(4, dim=1)[1]), slim(h2.chunk(4, dim=1)[1])
+    assert_same(o2, o1, what="output")
+    g = torch.randn(o1.shape)
+    o1.backward(g)
+    o2.backward(g)
+    assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
+    assert_same(h2.grad, h1.grad, what="input grad")
+    # A view that already is compact enough (the whole batch, contiguous) is kept as is.
+    assert saved_bytes(slim, h[:, :4].contiguous().requires_grad_(rx)) == 2 * 4 * 8 * 8 * 4
+
+
+def test_double_backward_view_input_and_autocast_copy():
+    """The kept copy (compact clone of a view, autocast's cast) is an input of the Function made by a
+    differentiable op, so a double backward reaches X through it: fp64 gradgradcheck through a view."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 8, 5, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    f = lambda h, w: sf.conv_nd(h.chunk(4, dim=1)[1], w, None, padding=(1, 2, 2, 1), nd=2,
+                                padding_mode="reflect")
+    assert torch.autograd.gradgradcheck(f, (h, w))
+
+
+@pytest.mark.parametrize("rw", [False, True], ids=["frozen", "weight-trains"])
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_channels_last_padding_mode_input_grad_layout(mode, rw):
+    """Channels-last X with a padding mode: the reflection/replication pad's backward returns its gradient in
+    X's layout in stock; fed a zero-stride stand-in it came out contiguous (restrided by AccumulateGrad on a
+    leaf, but a non-leaf X's producer got another layout, and the step's peak was above stock's)."""
+    torch.manual_seed(0)
+    stock = nn.Conv2d(4, 6, 3, padding=1, padding_mode=mode).requires_grad_(rw)
+    slim = slim_copy(stock)
+    x = torch.randn(2, 4, 7, 6).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(stock(x).shape)
+    o1, dx1 = input_grad_as_returned(stock, x, g)
+    o2, dx2 = input_grad_as_returned(slim, x, g)
+    assert_same(o2, o1, what="output")
+    assert_same(dx2, dx1, what="input grad")
+    assert dx2.stride() == dx1.stride()
+    big = torch.randn(4, 8, 32, 32).contiguous(memory_format=torch.channels_last)
+    stock8 = nn.Conv2d(8, 8, 3, padding=1, padding_mode=mode).requires_grad_(rw)
+    slim8 = slim_copy(stock8)
+    g8 = torch.randn(4, 8, 32, 32)
+
+    def step(m, xi):
+        m(xi).backward(g8)
+
+    peaks = [peak_bytes(step, m, big.clone(memory_format=torch.preserve_format).requires_grad_())
+             for m in (stock8, slim8)]
+    assert peaks[1] <= peaks[0], peaks
 
 
 def _functional_cases():
@@ -594,6 +747,20 @@ def test_double_backward(fn, xs, ws, kw):
     # Only X differentiable (W not kept for dW) and only W (X kept, W replaced by a stand-in).
     assert torch.autograd.gradgradcheck(lambda x: f(x, w.detach(), None), (x,))
     assert torch.autograd.gradgradcheck(lambda w: f(x.detach(), w, b.detach()), (w,))
+
+
+@pytest.mark.parametrize("mode", ["zeros", "reflect"])
+def test_double_backward_channels_last(mode):
+    """Channels-last dX runs aten's convolution_backward on a carrier of X's layout (an uninitialised tensor
+    under create_graph): second derivatives are still exact (fp64 gradgradcheck)."""
+    gen = torch.Generator().manual_seed(0)
+    cl = torch.channels_last
+    x = torch.randn(2, 4, 5, 6, dtype=torch.float64, generator=gen).contiguous(memory_format=cl).requires_grad_()
+    w = torch.randn(4, 1, 3, 3, dtype=torch.float64, generator=gen).requires_grad_()
+    pad = (1, 1, 1, 1) if mode != "zeros" else 1
+    f = lambda x, w: sf.conv_nd(x, w, None, padding=pad, groups=4, nd=2, padding_mode=mode)
+    assert torch.autograd.gradgradcheck(lambda x: f(x, w.detach()), (x,))
+    assert torch.autograd.gradgradcheck(f, (x, w))
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 __all__ = ["STOCK"]
 
 
-def _conv(x, weight, bias, cfg):
+def _conv(x, weight, bias, cfg, xc=None):
     from slimgrad.functional.conv import conv_forward
 
     return conv_forward(x, weight, bias, cfg)

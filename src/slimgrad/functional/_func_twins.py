@@ -124,7 +124,8 @@ class ConvTwin(_Twin):
         return _ConvFunction.backward(ctx, grad)
 
 
-def _conv(x, weight, bias, cfg):
+def _conv(x, weight, bias, cfg, xc=None):
+    # xc (the Function's copy of X, same values) is not needed: the twin keeps x itself
     return ConvTwin.apply(x, weight, bias, cfg)
 
 

@@ -15,6 +15,7 @@ uninitialised tensor of X's shape and layout (its values are never read; stock h
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -86,35 +87,54 @@ def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Te
     return g.contiguous(memory_format=_common.suggest_memory_format(grad))
 
 
-def conv_forward(x, weight, bias, cfg):
-    """The convolution ``cfg`` describes, with stock's ops: explicit pad, autocast's cast, then the (transposed)
-    convolution. What the Function, its torch.func twin and its stock fallback compute."""
-    nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = cfg
+def conv_forward(x, weight, bias, cfg, xc=None):
+    """The convolution ``cfg`` describes, with stock's ops: explicit pad (in autocast's fp32 where stock's pad
+    runs there), autocast's cast, then the (transposed) convolution. What the Function, its torch.func twin and
+    its stock fallback compute (``xc``, the Function's copy of X, has X's values: unused here)."""
+    nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype = cfg
+    conv_dtype = cast_dtype or x.dtype
     if pad is not None:
+        if pad_dtype is not None:
+            x = x.to(pad_dtype)
         x = F.pad(x, pad, mode=pad_mode)
-    if cast_dtype is not None:
-        x = x.to(cast_dtype)
+    if x.dtype != conv_dtype:
+        x = x.to(conv_dtype)
     if transposed:
         return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
     return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
 
 
+def _format(t: torch.Tensor) -> torch.memory_format:
+    # (torch's suggest_memory_format is slow on the common contiguous case: ~25 µs of symbolic guards)
+    return torch.contiguous_format if t.is_contiguous() else suggest_memory_format(t)
+
+
 class _ConvFunction(_common.Function):
     """One Function for every convolution kind; ``cfg`` carries the non-tensor options:
-    (nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype).
+    (nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype).
 
     ``pad``/``pad_mode``: an explicit F.pad applied to X first (non-zero padding modes, or the zero pad
-    of an asymmetric ``padding='same'``); ``cast_dtype``: autocast's dtype, applied after that pad as in
-    stock (stock pads in the input's dtype, then autocast casts for the convolution).
+    of an asymmetric ``padding='same'``); ``cast_dtype``: autocast's dtype for the convolution, where it is not
+    X's; ``pad_dtype``: the dtype stock's pad runs in where it is not X's (autocast runs the reflection and
+    replication pads in fp32 on CPU), which only backward needs: the pad's gradient sums in that dtype.
+
+    ``xc`` (optional): X as the convolution reads it, made outside the Function by a differentiable op, where
+    what backward keeps for dW is not X itself: autocast's cast copy (stock keeps a cast copy too), or a compact
+    copy of an X that views a larger storage (stock keeps its padded copy). It has X's values (padding copies
+    elements, so cast-then-pad equals stock's pad-then-cast); being an input, a double backward reaches X
+    through it. Its gradient is None: X gets the whole gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg):
-        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = cfg
-        xp = x
+    def forward(ctx, x, weight, bias, cfg, xc=None):
+        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype = cfg
+        ctx.has_xc = xc is not None
+        if xc is None:
+            xc = x
+        xp = xc
         if pad is not None:
             xp = F.pad(xp, pad, mode=pad_mode)
-        if cast_dtype is not None:
+        if cast_dtype is not None and xp.dtype != cast_dtype:
             xp = xp.to(cast_dtype)
         w = _common.compile_distinct(weight)
         if transposed:
@@ -124,47 +144,49 @@ class _ConvFunction(_common.Function):
         del w
 
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if need_w:
+        if need_w and xc is x:
             _common.note_input_kept(x)
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        ctx.save_for_backward(xc if need_w else None, weight if need_x else None)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
         ctx.xp_shape = tuple(xp.shape)
-        # (torch's suggest_memory_format is slow on the common contiguous case: ~25 µs of symbolic guards)
-        ctx.xp_format = torch.contiguous_format if xp.is_contiguous() else suggest_memory_format(xp)
+        ctx.xp_format = _format(xp)
+        ctx.x_format = _format(x) if pad is not None and need_x else ctx.xp_format
         ctx.w_shape = tuple(weight.shape)
         ctx.has_bias = bias is not None
-        # Channels-last dX without dW runs stock's kernel on a tensor of X's shape and layout whose values it
-        # never reads: a weak reference lets backward use X itself when the caller still holds it (no copy,
-        # nothing kept alive), so the stand-in is allocated only where stock would have kept X.
+        # Channels-last dX without dW runs stock's kernels (the convolution's and the pad's backward) on tensors
+        # of X's shape and layout whose values they never read: a weak reference lets backward use X itself
+        # while the caller still holds it (no copy, nothing kept alive).
         ctx.x_ref = None
-        if (need_x and not need_w and xp is x and ctx.xp_format != torch.contiguous_format
-                and not torch.compiler.is_compiling()):
+        if (need_x and not need_w and not torch.compiler.is_compiling()
+                and (ctx.xp_format != torch.contiguous_format or ctx.x_format != torch.contiguous_format)):
             ctx.x_ref = weakref.ref(x)
             ctx.x_stride = x.stride()
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = ctx.cfg
+        nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype = (
+            ctx.cfg
+        )
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         dx = dw = db = None
+        tail = (None, None) if getattr(ctx, "has_xc", False) else (None,)
 
         if need_x and need_w:
             # Both: stock's own single call (one backend pass that shares the work; measured under compile on
             # the width-8 ResNet-18 "all" case, two calls cost ~0.1x of the step).
             dx, dw, db = _convolution_backward(ctx, grad, x, weight, (True, True, need_b))
-            return _unpad_uncast(ctx, dx), dw, db if need_b else None, None
+            return (_unpad_uncast(ctx, dx), dw, db if need_b else None) + tail
 
         if need_x and ctx.xp_format != torch.contiguous_format:
             # Channels-last X: stock's own kernel (oneDNN's channels-last backward-data kernel and its transposed
             # convolution sum in different orders: depthwise, 1x1 and grouped convs came out up to 1 ulp apart),
-            # fed X itself when it is still alive, else an uninitialised stand-in of X's shape and layout: the dX
-            # kernel reads only the shape and strides (a zero-stride stand-in would be copied to that layout).
-            # Stock holds X itself at this point, so the temporary does not raise the peak above stock's.
-            xp = _live_input(ctx, grad)
+            # fed a tensor of X's shape and layout whose values it never reads (a zero-stride stand-in would be
+            # copied to that layout): see _shape_carrier.
+            xp = _shape_carrier(ctx, ctx.xp_shape, ctx.xp_format, grad)
             dx = _convolution_backward(ctx, grad, None, weight, (True, False, False), xp=xp)[0]
             del xp
             dx = _unpad_uncast(ctx, dx)
@@ -200,36 +222,65 @@ class _ConvFunction(_common.Function):
                 _, dw, db = _convolution_backward(ctx, grad, x, weight, (False, True, need_b))
             else:
                 db = grad.sum([0] + list(range(2, grad.dim())))
-        return dx, dw, db if need_b else None, None
+        return (dx, dw, db if need_b else None) + tail
 
 
-def _live_input(ctx, grad):
-    """A tensor of the convolution input's shape, strides and dtype for a dX-only ``convolution_backward``,
-    which reads none of its values: X itself when it is still alive, unchanged in shape and layout and with
-    its storage (a reference taken in forward, nothing kept), else an uninitialised one of its layout."""
-    ref = getattr(ctx, "x_ref", None)
-    x = ref() if ref is not None else None
-    if (
-        x is not None
-        and tuple(x.shape) == ctx.xp_shape
-        and x.stride() == ctx.x_stride
-        and x.dtype == grad.dtype
-        and x.device == grad.device
-        and x.untyped_storage().nbytes()
-        >= (x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
-    ):
-        return x.detach()
-    return torch.empty(ctx.xp_shape, dtype=grad.dtype, device=grad.device, memory_format=ctx.xp_format)
+def _dense_strides(shape, fmt) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape, memory_format=fmt)`` has."""
+    order = list(range(len(shape)))[::-1]  # innermost first
+    if fmt in (torch.channels_last, torch.channels_last_3d):
+        order = list(range(2, len(shape)))[::-1]
+        order = [1] + order + [0]
+    strides = [0] * len(shape)
+    step = 1
+    for d in order:
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _shape_carrier(ctx, shape, fmt, big):
+    """A tensor of ``shape``, layout ``fmt`` and ``big``'s dtype for a backward kernel that reads only its shape
+    and strides (aten's dX-only ``convolution_backward``, the pad backwards): checked bitwise against stock's
+    with NaN-filled carriers, and peak bytes in tests/test_conv.py.
+
+    In order: X itself while the caller still holds it unchanged (a weak reference from forward, nothing kept);
+    a view over the storage of ``big`` (the incoming gradient) where that storage is large enough; else an
+    uninitialised tensor, allocated only where stock holds X (it kept X for this backward). Under a
+    differentiable backward (create_graph) or torch.compile, always the latter: aten then keeps it for the
+    double backward as stock keeps X."""
+    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if eager:
+        ref = getattr(ctx, "x_ref", None)
+        x = ref() if ref is not None else None
+        if (
+            x is not None
+            and tuple(x.shape) == shape
+            and x.stride() == ctx.x_stride
+            and x.dtype == big.dtype
+            and x.device == big.device
+            and x.untyped_storage().nbytes()
+            >= (x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+        ):
+            return x.detach()
+        strides = _dense_strides(shape, fmt)
+        extent = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+        if big.untyped_storage().nbytes() >= extent * big.element_size():
+            return big.detach().as_strided(shape, strides, 0)
+    return torch.empty(shape, dtype=big.dtype, device=big.device, memory_format=fmt)
 
 
 def _unpad_uncast(ctx, dxp):
-    """dX from the gradient of the padded, cast X the convolution saw: back to X's dtype, then the pad's
-    backward (the reverse of the forward's pad-then-cast)."""
-    nd, *_, pad_mode, pad, cast_dtype = ctx.cfg
-    if cast_dtype is not None:
-        dxp = dxp.to(ctx.x_dtype)
+    """dX from the gradient of the padded, cast X the convolution saw, as stock's autograd reverses its
+    forward: to the pad's dtype, the pad's backward, back to X's dtype."""
+    nd, *_, pad_mode, pad, cast_dtype, pad_dtype = ctx.cfg
+    mid = pad_dtype or ctx.x_dtype
+    if dxp.dtype != mid:
+        dxp = dxp.to(mid)
     if pad is not None:
-        dxp = _pad_backward(dxp, pad, pad_mode, nd)
+        dxp = _pad_backward(ctx, dxp, pad, pad_mode, nd)
+    if dxp.dtype != ctx.x_dtype:
+        dxp = dxp.to(ctx.x_dtype)
     return dxp
 
 
@@ -237,11 +288,15 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
     """aten's convolution_backward for the gradients ``output_mask`` names, from the saved X, as stock's
     autograd calls it (X padded and cast as the forward did); or from ``xp``, the padded and cast X the
     convolution saw (a stand-in of its shape, for dX alone)."""
-    nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype = ctx.cfg
+    nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, _ = ctx.cfg
     if xp is not None:
         pad = cast_dtype = None
     else:
         xp = x
+        if cast_dtype is not None and x.dtype == cast_dtype:
+            cast_dtype = None  # the Function kept the cast copy
+    # (a backward run inside an autocast region would run the pad in fp32: cast back to the conv's dtype)
+    conv_dtype = cast_dtype or xp.dtype
     if pad is not None or cast_dtype is not None:
         # Under torch.compile, pad/cast a view of x: nodes CSE cannot merge with forward's, which the
         # partitioner would then save (the padded or cast copy) instead of redoing them from x. Only then:
@@ -250,8 +305,8 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
         xp = _common.compile_distinct(x)
     if pad is not None:
         xp = F.pad(xp, pad, mode=pad_mode)
-    if cast_dtype is not None:
-        xp = xp.to(cast_dtype)
+    if xp.dtype != conv_dtype:
+        xp = xp.to(conv_dtype)
     return torch.ops.aten.convolution_backward(
         grad,
         xp,
@@ -267,8 +322,11 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
     )
 
 
-def _pad_backward(dxp, pad, pad_mode, nd):
-    """Gradient of ``F.pad(x, pad, mode)`` w.r.t. x from the padded gradient, without x."""
+def _pad_backward(ctx, dxp, pad, pad_mode, nd):
+    """Gradient of ``F.pad(x, pad, mode)`` w.r.t. x from the padded gradient, without x. The reflection and
+    replication kernels read their input's shape and layout only: a zero-stride stand-in where X is
+    contiguous, else a carrier of X's layout (the kernel would copy a stand-in to it, and its gradient would
+    come out contiguous where stock's follows X)."""
     if pad_mode == "constant":
         return torch.constant_pad_nd(dxp, [-p for p in pad])
     if pad_mode == "circular":
@@ -276,7 +334,12 @@ def _pad_backward(dxp, pad, pad_mode, nd):
     shape = list(dxp.shape)
     for i in range(nd):
         shape[-1 - i] -= pad[2 * i] + pad[2 * i + 1]
-    return _PAD_BACKWARD[pad_mode][nd](dxp, _common.standin(shape, dxp), list(pad))
+    x_format = getattr(ctx, "x_format", torch.contiguous_format)
+    if x_format == torch.contiguous_format:
+        like = _common.standin(shape, dxp)
+    else:
+        like = _shape_carrier(ctx, tuple(shape), x_format, dxp)
+    return _PAD_BACKWARD[pad_mode][nd](dxp, like, list(pad))
 
 
 def stock_keeps_weight_for_free(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -394,14 +457,16 @@ def conv_nd(
         padding_t = _tuple(padding, nd, "padding", fn)
     output_padding_t = _tuple(output_padding, nd, "output_padding", fn) if transposed else (0,) * nd
 
-    cast_dtype = None
+    cast_dtype = pad_dtype = None
     device_type = x.device.type
     if _common.autocast_dtype(device_type) is not None:
         if pad_mode in ("reflect", "replicate", "circular"):
-            # Stock pads in X's own dtype and autocast casts the padded X: do the same inside.
+            # Stock pads X (in autocast's fp32 where the pad is on its fp32 list) and autocast casts the padded X
+            # for the convolution: the Function does the same, and its backward reverses it in that order.
             weight, bias = _common.autocast_lower_precision(weight, bias)
             target = _common.autocast_dtype(device_type)
-            if x.is_floating_point() and x.dtype not in (torch.float64, target):
+            pad_dtype = _autocast_pad_dtype(x, pad_mode, nd)
+            if x.is_floating_point() and (pad_dtype or x.dtype) not in (torch.float64, target):
                 cast_dtype = target
         else:
             x, weight, bias = _common.autocast_lower_precision(x, weight, bias)
@@ -419,11 +484,62 @@ def conv_nd(
         groups,
         pad_mode,
         pad,
-        cast_dtype,
+        cast_dtype if cast_dtype != x.dtype else None,
+        pad_dtype,
     )
     with _common.autocast_off(device_type):
-        out = _ConvFunction.apply(x, weight, bias, cfg)
+        xc = _input_copy(x, weight, cfg)
+        out = _ConvFunction.apply(x, weight, bias, cfg) if xc is None else _ConvFunction.apply(x, weight, bias, cfg, xc)
     return out.squeeze(0) if unbatched else out
+
+
+# (device type, autocast dtype, X's dtype, pad mode, nd) -> the dtype stock's F.pad runs in under autocast
+_PAD_DTYPES: dict = {}
+
+
+def _autocast_pad_dtype(x: torch.Tensor, mode: str, nd: int) -> torch.dtype | None:
+    """The dtype stock's ``F.pad(x, mode=mode)`` runs in under the current autocast, where it is not x's own:
+    autocast's fp32 list holds reflection_pad1d/2d and replication_pad1d/2d/3d on CPU (not reflection_pad3d,
+    not circular, which is slicing). Asked of autocast itself, once per device type and dtypes, on a tiny
+    tensor: no list of ops to keep in step with torch."""
+    if not x.is_floating_point() or mode == "circular":
+        return None
+    key = (x.device.type, torch.get_autocast_dtype(x.device.type), x.dtype, mode, nd)
+    dtype = _PAD_DTYPES.get(key)
+    if dtype is None:
+        probe = torch.zeros((1, 1) + (2,) * nd, dtype=x.dtype, device=x.device)
+        dtype = F.pad(probe, (1, 1) * nd, mode=mode).dtype
+        if not torch.compiler.is_compiling():
+            _PAD_DTYPES[key] = dtype
+    return dtype if dtype != x.dtype else None
+
+
+def _input_copy(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor | None:
+    """The Function's ``xc``: a differentiable copy of X for the convolution to read and, when the weight
+    trains, for backward to keep, where keeping X itself would cost more than stock's kept copy. None: X.
+
+    - under autocast with X in another dtype, X cast to autocast's dtype: stock keeps its padded cast copy, and
+      X itself (fp32) would be up to twice as large;
+    - with an explicit pad (where stock keeps the padded X, a compact tensor of its own) and an X that views a
+      storage larger than that padded copy (one chunk of a wider tensor): a compact copy of X, in X's layout.
+    """
+    nd, pad, cast_dtype = cfg[0], cfg[8], cfg[9]
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        return None  # under torch.func the Function's twin keeps X itself (its tensors have no storage to check)
+    if cast_dtype is not None:
+        return x.to(cast_dtype)
+    if (
+        pad is not None
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    ):
+        padded = x.numel() // max(math.prod(x.shape[2:]), 1) * math.prod(
+            x.shape[2 + i] + pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] for i in range(nd)
+        )
+        if x.untyped_storage().nbytes() > padded * x.element_size():
+            return x.clone()
+    return None
 
 
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
