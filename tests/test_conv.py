@@ -922,6 +922,29 @@ def test_torch_compile_fullgraph():
     assert slim.weight.grad is None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_torch_compile_autocast_bf16_input_padding_mode_weight_grad(mode):
+    """Compiled, a bf16 X under autocast with a reflection/replication pad and the weight training: Inductor's
+    layout optimisation saves X channels-last, which the backward's trace-time ``as_strided`` view read with
+    contiguous strides (dW 26.6 off a largest value of 34). Compiled gradients now match eager stock's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    slim = slim_copy(stock)
+    compiled = torch.compile(slim, fullgraph=True)
+    x = torch.randn(2, 3, 8, 8).to(torch.bfloat16)
+    grads = []
+    for m, owner in ((stock, stock), (compiled, slim)):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        y.float().sum().backward()
+        grads.append((xi.grad, owner.weight.grad, owner.bias.grad))
+    for what, a, e in zip(("input grad", "weight grad", "bias grad"), grads[1], grads[0]):
+        assert_same(a, e, exact=False, what=what)
+
+
 @pytest.mark.parametrize("rx", [False, True])
 def test_trainable_weight_runs_stock_op(rx):
     """Where stock keeps what we would keep (weight trains, zeros padding), stock's op runs: no Function,

@@ -15,6 +15,7 @@ uninitialised tensor of X's shape and layout (its values are never read; stock h
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -295,16 +296,19 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
         xp = x
         if cast_dtype is not None and x.dtype == cast_dtype:
             cast_dtype = None  # the Function kept the cast copy
-    # (a backward run inside an autocast region would run the pad in fp32: cast back to the conv's dtype)
     conv_dtype = cast_dtype or xp.dtype
     if pad is not None or cast_dtype is not None:
         # Under torch.compile, pad/cast a view of x: nodes CSE cannot merge with forward's, which the
         # partitioner would then save (the padded or cast copy) instead of redoing them from x. Only then:
         # the view pins x to the layout the trace saw, and a plain activation would lose the channels-last
         # layout Inductor gives it (a transposed copy per conv, measured on the compiled "all" step).
-        xp = _common.compile_distinct(x)
+        xp = _distinct_view(x)
     if pad is not None:
-        xp = F.pad(xp, pad, mode=pad_mode)
+        # Autocast off explicitly: a backward run inside an autocast region, and torch.compile's trace of
+        # backward (made under the forward's autocast), would run a reflection/replication pad in fp32 and
+        # hand convolution_backward an fp32 X with a bf16 weight (oneDNN refuses it; Inductor's dW was wrong).
+        with _autocast_disabled(xp.device.type):
+            xp = F.pad(xp, pad, mode=pad_mode)
     if xp.dtype != conv_dtype:
         xp = xp.to(conv_dtype)
     return torch.ops.aten.convolution_backward(
@@ -320,6 +324,25 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
         groups,
         list(output_mask),
     )
+
+
+def _distinct_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in eager; under torch.compile a view of it, a node of its own (see _convolution_backward). Not
+    ``_common.compile_distinct``'s ``as_strided``: its strides are fixed at trace time, and where Inductor's
+    layout optimisation saves x channels-last (a bf16 X with an autocast reflection pad) the backward read
+    the channels-last memory with contiguous strides: a wrong dW (26.6 off a largest value of 34). Not
+    ``aten.alias`` either: the trace drops it, and the partitioner then saved the padded X again."""
+    if torch.compiler.is_compiling():
+        return x.unsqueeze(0).squeeze(0)
+    return x
+
+
+def _autocast_disabled(device_type: str):
+    """``torch.autocast(device_type, enabled=False)``, whatever autocast's state looks like from Python (under
+    torch.compile's trace of a backward it reads off while the trace applies it); none for meta tensors."""
+    if device_type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def _pad_backward(ctx, dxp, pad, pad_mode, nd):
