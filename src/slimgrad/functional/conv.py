@@ -250,12 +250,13 @@ def _shape_carrier(ctx, shape, fmt, big):
     uninitialised tensor, allocated only where stock holds X (it kept X for this backward). Under a
     differentiable backward (create_graph) or torch.compile, always the latter: aten then keeps it for the
     double backward as stock keeps X."""
-    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    # (plain tensors only: a tensor subclass may have no storage to look at)
+    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling() and type(big) is torch.Tensor
     if eager:
         ref = getattr(ctx, "x_ref", None)
         x = ref() if ref is not None else None
         if (
-            x is not None
+            type(x) is torch.Tensor
             and tuple(x.shape) == shape
             and x.stride() == ctx.x_stride
             and x.dtype == big.dtype
@@ -556,6 +557,7 @@ def _input_copy(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor | No
         and weight.requires_grad
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor  # (a tensor subclass may have no storage to look at)
     ):
         padded = x.numel() // max(math.prod(x.shape[2:]), 1) * math.prod(
             x.shape[2 + i] + pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] for i in range(nd)
