@@ -9,8 +9,14 @@ dX of a convolution is a transposed convolution of the output gradient (and dX o
 convolution a plain one) rather than ``aten.convolution_backward``, which would copy a stand-in input to
 an input-sized temporary; dW and dB come from ``aten.convolution_backward`` fed a weight stand-in.
 In the channels-last layout the transposed convolution sums in another order than stock's backward-data
-kernel, so there dX is ``aten.convolution_backward`` itself, fed X when it is still alive or else an
-uninitialised tensor of X's shape and layout (its values are never read; stock holds X at that point).
+kernel, so there dX is ``aten.convolution_backward`` itself, fed a tensor of X's shape and layout whose
+values it never reads (``_shape_carrier``: X while alive, a view of the gradient's storage, or a fresh one
+where stock holds X).
+
+With a padding mode under autocast the Function mirrors stock's order of operations (the pad in autocast's
+fp32 where stock's runs there, then the cast), and keeps X cast to autocast's dtype rather than X; a padded X
+that views a larger storage is kept as a compact copy. Both copies are made outside the Function by
+differentiable ops (``xc``), so double backward reaches X through them.
 """
 
 from __future__ import annotations
