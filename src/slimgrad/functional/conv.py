@@ -111,9 +111,20 @@ def conv_forward(x, weight, bias, cfg, xc=None):
     return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
 
 
+_CL = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def _format(t: torch.Tensor) -> torch.memory_format:
-    # (torch's suggest_memory_format is slow on the common contiguous case: ~25 µs of symbolic guards)
-    return torch.contiguous_format if t.is_contiguous() else suggest_memory_format(t)
+    """The layout aten's convolution kernels read from ``t`` (``suggest_memory_format``), fast on the common
+    contiguous case (torch's Python version costs ~25 µs of symbolic guards there). A tensor contiguous in both
+    layouts (size-1 channel or spatial dims: a squeeze-excitation block's pooled (N, C, 1, 1)) goes by its
+    strides, as aten's choice does: made channels-last it is channels-last to aten, and its dX through the
+    contiguous path was up to 1 bf16 ulp off, and contiguous where stock's is channels-last."""
+    if t.is_contiguous():
+        cl = _CL.get(t.dim())
+        if cl is None or not t.is_contiguous(memory_format=cl):
+            return torch.contiguous_format
+    return suggest_memory_format(t)
 
 
 class _ConvFunction(_common.Function):
