@@ -23,6 +23,7 @@ __all__ = [
     "autocast_off",
     "check_tensor",
     "compact",
+    "storage_bytes",
     "UseCell",
     "learn_from_use",
     "mark_producer",
@@ -222,14 +223,22 @@ def autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def storage_bytes(x: torch.Tensor) -> int | None:
+    """Bytes of the storage behind ``x``, or None where there is none to read: meta tensors, tensor subclasses
+    (DTensor, wrappers), functorch's wrapped tensors under torch.func, and traced tensors."""
+    if (type(x) is not torch.Tensor or x.device.type == "meta" or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        return None
+    return x.untyped_storage().nbytes()
+
+
 def compact(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a compact copy of it where ``x`` is a view whose storage holds more than ``x`` (a chunk of a
     fused projection, BERT's pooler reading ``hidden[:, 0]``): keeping the view for backward would pin the
     whole base, where stock, keeping a computed tensor of ``x``'s size there (a cast or padded copy, a
     normalized output), keeps only that. Dense layouts (channels_last, transposes) are kept as they are."""
-    if torch.compiler.is_compiling() or x.device.type == "meta":
-        return x
-    if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
+    nbytes = storage_bytes(x)
+    if nbytes is None or nbytes <= x.numel() * x.element_size():
         return x
     return x.clone(memory_format=torch.preserve_format)
 

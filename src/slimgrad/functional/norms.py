@@ -88,9 +88,10 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
     # and half its size.
     narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
     kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
-    if not narrow and not torch.compiler.is_compiling() and input.device.type != "meta":
+    storage = None if narrow else _common.storage_bytes(input)
+    if storage is not None:
         # a view of a wider tensor (one head of a fused projection) pins its whole storage when kept
-        kept_bytes = max(kept_bytes, input.untyped_storage().nbytes())
+        kept_bytes = max(kept_bytes, storage)
     if not need_x and normed is not None and (
             normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
         # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
