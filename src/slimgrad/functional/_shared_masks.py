@@ -191,13 +191,15 @@ def _read_in_backward(node, backward, variable, avoid) -> bool:
 
 
 def _nbytes(node) -> int:
+    """Bytes of ``node``'s tensor value; ``sys.maxsize`` where its size is symbolic (never counted as small;
+    ``int()`` of a symbolic size would specialise it)."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return 0
-    try:
-        return int(value.numel()) * value.element_size()
-    except TypeError:  # symbolic sizes (dynamic=True): unknown, so never counted as small
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):
         return sys.maxsize
+    return int(numel) * value.element_size()
 
 
 def _rebuildable_chain(sources, mask, backward, variable):
@@ -205,6 +207,11 @@ def _rebuildable_chain(sources, mask, backward, variable):
     and from small tensors (batch norm's mean and rstd, parameters) whose bytes together do not exceed the
     pack's; None where the sources need anything else (a frozen consumer's input, batch norm's output in
     eval mode). Rebuilding the mask in backward through that chain keeps no more than the pack would."""
+    if _nbytes(mask) == sys.maxsize:
+        # Symbolic sizes (dynamic=True, or dynamo's automatic dynamic recompile after a batch-size change):
+        # Inductor failed to generate the recomputed chain there ("Cannot convert expression to float" for a
+        # batch norm -> ReLU -> ceil-mode max pool), so the pack stays.
+        return None
     chain, leaves, todo = set(), set(), list(sources)
     while todo:
         n = todo.pop()
