@@ -599,3 +599,27 @@ def test_rms_norm_on_a_view_keeps_no_more_than_stock(dtype, need_x):
     assert_same(wg, ws)
     if need_x:
         assert_same(hg, hs)
+
+
+@pytest.mark.parametrize("weight_trains", [False, True])
+def test_group_norm_batch_one_with_a_small_batch_stride(weight_trains):
+    """diffusers' attention block hands group norm a batch-1 map made by transposing (N, HW, C): strides
+    (32, 1, 256, 32), channels-last to ``is_contiguous(channels_last)`` (it ignores the size-1 batch) but not
+    to torch's stride rule; ``native_group_norm`` refused it after conversion ("Expected X.is_contiguous(
+    memory_format)"). Output, gradients and layouts equal stock's."""
+    torch.manual_seed(0)
+    stock = nn.GroupNorm(8, 32).requires_grad_(weight_trains)
+    slim = slim_copy(stock)
+    base = torch.randn(1, 64, 32)
+    results = []
+    for module in (stock, slim):
+        x = base.clone().transpose(1, 2).view(1, 32, 8, 8).requires_grad_()
+        y = module(x)
+        y.square().sum().backward()
+        results.append((y, x.grad, [p.grad for p in module.parameters()]))
+    (ys, gs, ps), (yg, gg, pg) = results
+    assert_same(yg, ys)
+    assert yg.stride() == ys.stride()
+    assert_same(gg, gs)
+    for a, b in zip(pg, ps):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))

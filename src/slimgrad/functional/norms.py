@@ -25,6 +25,7 @@ here is the ``torch`` implementation of each family and the fallback wherever no
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format as _prims_suggest_memory_format
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from slimgrad.functional import _common, _layout
@@ -401,12 +402,14 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
 
 
 def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
-    """The layout stock's group norm keeps (``Tensor::suggest_memory_format``: channels-last when t is laid
-    out so and not also plain contiguous)."""
-    for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if t.dim() == dim and not t.is_contiguous() and t.is_contiguous(memory_format=fmt):
-            return fmt
-    return torch.contiguous_format
+    """The layout stock's group norm runs in (``Tensor::suggest_memory_format``, whose stride-order rule
+    ``torch._prims_common`` mirrors; only asked where t is not plain contiguous). ``is_contiguous(channels_last)``
+    is not that rule: it ignores size-1 dimensions, so a batch-1 map whose batch stride is not the largest
+    (diffusers' attention output, strides (32, 1, 256, 32)) passed it, and ``native_group_norm``, which checks
+    the stride rule, refused the tensor."""
+    if t.dim() not in (4, 5) or t.is_contiguous():
+        return torch.contiguous_format
+    return _prims_suggest_memory_format(t)
 
 
 class GroupNormFunction(_common.Function):
