@@ -242,3 +242,26 @@ def test_lora_conv_and_layer_norm_2d_run_stock_under_transforms(monkeypatch):
     assert set(ran) == {"LoraConvFunction", "LayerNorm2dFormulaFunction"}
     for k in out[0]:
         assert_same(out[1][k], out[0][k], what=k)
+
+
+@pytest.mark.parametrize("transform", ["vmap-different", "vmap-same", "vmap-no-grad", "jvp"])
+def test_dropout_without_a_gradient_under_transforms(transform):
+    """vmap and jvp hand dropout wrapped tensors that do not require grad: it runs stock's op there (the CPU
+    kernels cannot read a wrapped tensor: "Cannot access data pointer of Tensor that doesn't have storage").
+    Same numbers as stock under the same seed."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 2))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(4, 6)
+    outs = []
+    for model in (stock, slim):
+        torch.manual_seed(1)
+        if transform == "jvp":
+            outs.append(torch.func.jvp(model, (x,), (torch.ones_like(x),)))
+        elif transform == "vmap-no-grad":
+            with torch.no_grad():
+                outs.append(torch.func.vmap(model, randomness="different")(x))
+        else:
+            outs.append(torch.func.vmap(model, randomness=transform.split("-")[1])(x))
+    for a, b in zip(torch.utils._pytree.tree_leaves(outs[0]), torch.utils._pytree.tree_leaves(outs[1])):
+        assert torch.equal(a, b)
