@@ -364,6 +364,33 @@ def test_dropout():
     run_family(Branches(modules, calls), inputs, check=check)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dropout_draws_compiled_stocks_mask(dtype):
+    """Compiled, the converted Dropout draws and scales as compiled stock (native_dropout's decomposition:
+    rand_like(x) > p, mask * x * scale), so output and gradients are bitwise compiled stock's under the same
+    seed; it keeps the mask packed. (The eager formula, empty_like(x).bernoulli_(1 - p), gave NaN outputs once
+    Inductor compiled it inside a diffusers UNet with peft LoRA dropout.)"""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.Linear(32, 4)).to(dtype)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x0 = torch.randn(8, 16, dtype=dtype)
+    results = []
+    for model in (stock, slim):
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True)
+        for grad in (True, False):
+            x = x0.clone().requires_grad_(grad)
+            torch.manual_seed(5)
+            y = run(x)
+            y.float().square().sum().backward()
+            results.append((y, x.grad, model[0].weight.grad.clone()))
+            model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    for actual, expected in zip(results[2:], results[:2]):
+        for a, e in zip(actual, expected):
+            assert (a is None and e is None) or torch.equal(a, e)
+
+
 # ---------------------------------------------------------------------------------------- LoRA, chunked loss
 
 

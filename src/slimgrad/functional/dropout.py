@@ -176,11 +176,18 @@ class _DropoutFunction(_common.Function):
             ctx.mode = _ZERO
             out = _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
         elif torch.compiler.is_compiling():
+            # Compiled stock's own draw and arithmetic (the decomposition of native_dropout: rand_like(x) > p,
+            # mask * x * scale), so the step draws compiled stock's mask. The eager formula,
+            # empty_like(x).bernoulli_(1 - p), gave NaN outputs once Inductor compiled it inside a diffusers
+            # UNet with peft LoRA dropout (aot_eager was finite).
             ctx.mode = _MASK
-            noise = torch.empty_like(input).bernoulli_(1 - p)
+            keep = torch.rand_like(input) > p
             ctx.shape, ctx.order = tuple(input.shape), _bitmask.planar_layout(input)
-            ctx.save_for_backward(_bitmask.pack_planar(noise != 0, ctx.order))
-            out = _apply_noise(input, noise.div_(1 - p), inplace)
+            ctx.save_for_backward(_bitmask.pack_planar(keep, ctx.order))
+            scale = 1.0 / (1.0 - p)
+            out = keep * input * scale
+            if inplace:
+                out = input.copy_(out)
         elif policy == "bits":
             ctx.noise_strides = _layout.like_strides(input)  # stock's noise is empty_like(input)
             ctx.mode = _BITS
@@ -205,9 +212,9 @@ class _DropoutFunction(_common.Function):
         if ctx.mode == _ZERO:
             return grad * torch.zeros((), dtype=grad.dtype, device=grad.device), None, None, None
         (saved,) = ctx.saved_tensors
-        if ctx.mode == _MASK:
+        if ctx.mode == _MASK:  # as native_dropout_backward's decomposition
             mask = _bitmask.unpack_planar(saved, ctx.shape, ctx.order)
-            return grad * mask.to(grad.dtype).div_(1 - ctx.p), None, None, None
+            return grad * (mask.to(grad.dtype) * (1.0 / (1.0 - ctx.p))), None, None, None
         if ctx.mode == _BITS:
             if grad.requires_grad:  # double backward: stay differentiable in grad
                 g = _canonical(grad, ctx.perm)
@@ -253,7 +260,10 @@ def _dropout_impl(input, p, training, inplace, policy=None):
     if p == 1:
         return _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
     if torch.compiler.is_compiling():
-        return _apply_noise(input, torch.empty_like(input).bernoulli_(1 - p).div_(1 - p), inplace)
+        # Nothing is kept without a gradient: stock's op, traced as compiled stock traces it (its draw). The
+        # noise formula of eager (empty_like(x).bernoulli_) gave NaN outputs once compiled inside a diffusers
+        # UNet with peft LoRA dropout (Inductor; aot_eager was finite), where stock's op did not.
+        return torch.dropout_(input, p, True) if inplace else torch.dropout(input, p, True)
     if policy == "bits":
         return bits_forward(input, p, inplace)[0]
     seed = _draw_seed(input.device)
