@@ -103,9 +103,10 @@ class LoraLinearFunction(_common.Function):
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
             elif p > 0:
                 if compiling:
-                    noise = torch.empty_like(xa).bernoulli_(1 - p)
-                    mask = noise.to(torch.bool)
-                    noise = noise.div_(1 - p)
+                    # rand_like, compiled stock's draw: empty_like(x).bernoulli_ gave NaN under Inductor in a
+                    # diffusers UNet (functional/dropout.py)
+                    mask = torch.rand_like(xa) > p
+                    noise = mask.to(xa.dtype).div_(1 - p)
                 elif policy == "bits":
                     # stock's draw (PEFT's nn.Dropout), kept as bits: the adapter sees PEFT's very mask
                     dropped, mask, perm, scale = bits_forward(xa, p, False)

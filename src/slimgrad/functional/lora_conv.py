@@ -126,9 +126,8 @@ class LoraConvFunction(_common.Function):
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
             elif p > 0 and compiling:
                 # A private generator would break the graph: the compiled form keeps a bool mask.
-                noise = torch.empty_like(xa).bernoulli_(1 - p)
-                mask = noise.to(torch.bool)
-                dropped = xa * noise.div_(1 - p)
+                mask = torch.rand_like(xa) > p  # compiled stock's draw (see functional/dropout.py)
+                dropped = xa * mask.to(xa.dtype).div_(1 - p)
             elif p > 0 and policy == "bits":
                 # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask
                 dropped, mask, perm, scale = bits_forward(xa, p, False)
