@@ -426,3 +426,30 @@ def test_lora_and_chunked_loss():
     target = torch.randint(0, 11, (7,)).float()
     target[2] = -100
     _compare_with_eager_slim(Losses(), [torch.randn(7, 8).requires_grad_(), target])
+
+
+def test_compiled_conv_input_grad_rounding_against_compiled_stock():
+    """Compiled, the conv Function feeds the convolution a view of its weight (so Inductor's layout
+    optimisation saves no channels-last weight copy), which also keeps Inductor from switching the graph to
+    channels-last: the input gradient comes from the contiguous kernels, compiled stock's from channels-last
+    ones, the same sums in another order: within fp32 rounding (documented in README's Exactness list), and
+    bitwise compiled stock's with ``layout_optimization`` off."""
+    from torch._inductor import config
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1)).requires_grad_(False)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x0 = torch.randn(2, 3, 8, 8)
+    for layout_optimization in (True, False):
+        grads = []
+        with config.patch(layout_optimization=layout_optimization, fx_graph_cache=False):
+            for model in (stock, slim):
+                torch._dynamo.reset()
+                x = x0.clone().requires_grad_()
+                torch.compile(model, fullgraph=True)(x).square().sum().backward()
+                grads.append(x.grad)
+        if layout_optimization:
+            torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(grads[1], grads[0])
+    torch._dynamo.reset()

@@ -166,3 +166,26 @@ def test_tiny_llama_converts(dtype, frozen_norms):
             assert p_m.grad is None and p_s.grad is None, name
             continue
         assert_same(p_m.grad, p_s.grad, what=name, **kw)
+
+
+@pytest.mark.parametrize("key", ["llama", "gemma"])
+def test_input_that_also_feeds_a_residual(key):
+    """A decoder layer reads x twice: ``x + attn(norm(x))``. Stock's Python RMSNorm gives x's gradient in
+    several autograd nodes (the square, the product), which the engine adds to the residual's one by one;
+    slimgrad's closed form gives one tensor, added once: the same terms summed in another order, within fp32
+    rounding (documented in README's Exactness list). Without the residual the input gradient is bitwise."""
+    torch.manual_seed(0)
+    stock, slim = _pair(key, torch.float32)
+    proj = torch.nn.Linear(16, 16)
+    x0 = torch.randn(4, 7, 16)
+    for residual in (False, True):
+        grads = []
+        for norm in (stock, slim):
+            x = x0.clone().requires_grad_()
+            y = proj(norm(x))
+            (x + y if residual else y).square().sum().backward()
+            grads.append(x.grad)
+        if residual:
+            torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
+        else:
+            assert_same(grads[1], grads[0])
