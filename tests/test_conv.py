@@ -467,6 +467,15 @@ def test_channels_last_output_grad_on_contiguous_input(case, rw):
         assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
 
 
+def _assert_input_grad_like_stock(stock, slim, x, g):
+    """Output, the input gradient as backward returns it (values and strides), stock vs converted."""
+    o1, dx1 = input_grad_as_returned(stock, x, g)
+    o2, dx2 = input_grad_as_returned(slim, x, g)
+    assert_same(o2, o1, what="output")
+    assert_same(dx2, dx1, what="input grad")
+    assert dx2.stride() == dx1.stride()
+
+
 @pytest.mark.parametrize("rw", [False, True], ids=["frozen", "weight-trains"])
 @pytest.mark.parametrize(
     "make",
@@ -487,12 +496,7 @@ def test_channels_last_input_contiguous_output_grad(make, rw, shape):
     stock = make().requires_grad_(rw)
     slim = slim_copy(stock)
     x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
-    g = torch.randn(stock(x).shape)
-    o1, dx1 = input_grad_as_returned(stock, x, g)
-    o2, dx2 = input_grad_as_returned(slim, x, g)
-    assert_same(o2, o1, what="output")
-    assert_same(dx2, dx1, what="input grad")
-    assert dx2.stride() == dx1.stride()
+    _assert_input_grad_like_stock(stock, slim, x, torch.randn(stock(x).shape))
     if rw:
         assert_same(slim.weight.grad, stock.weight.grad, what="weight grad")
 
@@ -625,12 +629,7 @@ def test_channels_last_padding_mode_input_grad_layout(mode, rw):
     stock = nn.Conv2d(4, 6, 3, padding=1, padding_mode=mode).requires_grad_(rw)
     slim = slim_copy(stock)
     x = torch.randn(2, 4, 7, 6).contiguous(memory_format=torch.channels_last)
-    g = torch.randn(stock(x).shape)
-    o1, dx1 = input_grad_as_returned(stock, x, g)
-    o2, dx2 = input_grad_as_returned(slim, x, g)
-    assert_same(o2, o1, what="output")
-    assert_same(dx2, dx1, what="input grad")
-    assert dx2.stride() == dx1.stride()
+    _assert_input_grad_like_stock(stock, slim, x, torch.randn(stock(x).shape))
     big = torch.randn(4, 8, 32, 32).contiguous(memory_format=torch.channels_last)
     stock8 = nn.Conv2d(8, 8, 3, padding=1, padding_mode=mode).requires_grad_(rw)
     slim8 = slim_copy(stock8)

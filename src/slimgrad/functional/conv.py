@@ -571,12 +571,8 @@ def _input_copy(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor | No
         return None  # under torch.func the Function's twin keeps X itself (its tensors have no storage to check)
     if cast_dtype is not None:
         return x.to(cast_dtype)
-    if (
-        torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and type(x) is torch.Tensor  # (a tensor subclass may have no storage to look at)
-    ):
-        nbytes = x.untyped_storage().nbytes()
+    nbytes = _common.storage_bytes(x) if torch.is_grad_enabled() else None
+    if nbytes is not None:
         if nbytes > x.numel() * x.element_size():  # (cheap test first: most inputs own their storage)
             padded = x.numel() // max(math.prod(x.shape[2:]), 1) * math.prod(
                 x.shape[2 + i] + pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] for i in range(nd)
