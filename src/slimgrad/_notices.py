@@ -16,7 +16,7 @@ import logging
 import warnings
 
 __all__ = ["Gap", "SlimgradGapError", "SlimgradWarning", "class_gap", "integration_gaps", "library_version",
-           "notify", "record_class_gap", "record_integration_gap"]
+           "forget_integration_gap", "notify", "notify_all", "record_class_gap", "record_integration_gap"]
 
 log = logging.getLogger("slimgrad")
 
@@ -87,6 +87,11 @@ def record_integration_gap(library: str, integration: str, reason: str) -> Gap:
     return gap
 
 
+def forget_integration_gap(integration: str) -> None:
+    """``integration`` works after all (tests, a later successful load)."""
+    _INTEGRATION_GAPS.pop(integration, None)
+
+
 def integration_gaps() -> list[Gap]:
     return list(_INTEGRATION_GAPS.values())
 
@@ -102,6 +107,17 @@ def notify(gap: Gap | str, *, strict: bool = False, stacklevel: int = 3) -> None
     _WARNED.add(key)
     log.warning("%s", message)
     warnings.warn(message, SlimgradWarning, stacklevel=stacklevel)
+
+
+def notify_all(gaps: list[Gap], *, strict: bool = False, stacklevel: int = 4) -> None:
+    """:func:`notify` each of ``gaps``; under ``strict``, one :class:`SlimgradGapError` naming them all (so a
+    user fixing the first learns of the others at once)."""
+    if strict and gaps:
+        lines = list(dict.fromkeys(g.message() for g in gaps))
+        raise SlimgradGapError("\n".join(lines) + "\n(convert(strict=True) turns these warnings into an error; "
+                               "strict=False converts what it can and warns)")
+    for gap in gaps:
+        notify(gap, stacklevel=stacklevel)
 
 
 def reset_warned() -> None:

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ._gaps import CHUNKED_LOSS, family_gap, model_gap, module_gap, remember_converted
+from ._notices import Gap, notify_all
 from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
 from .functional.dropout import POLICY_ATTRIBUTE
 from .integrations import load_available
@@ -47,6 +49,10 @@ def qualified_name(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+_CHUNKED_ON_NOTHING = ("convert(chunked_loss=True) engaged on nothing: this model holds no causal-LM head slimgrad "
+                       "recognises (a transformers *ForCausalLM / *LMHeadModel with a linear lm_head), so the loss "
+                       "still materialises the full logits")
+
 #: containers whose forward only calls their children: nothing of their own runs as stock
 _PURE_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 #: types slimgrad leaves alone because stock already keeps only what their gradients read (see
@@ -70,10 +76,21 @@ class ConversionReport:
     unknown: dict[str, int] = dataclasses.field(default_factory=dict)
     #: qualified type name -> count, modules left as stock because stock already keeps the minimum (Linear)
     stock_minimal: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: what the user asked for that did not engage: modules of a family slimgrad claims left as stock, an
+    #: option that converted nothing, a disabled integration of a library the model uses (each warned about)
+    gaps: list[Gap] = dataclasses.field(default_factory=list)
+    #: gap subject -> module paths it concerns
+    gap_paths: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def add_gap(self, gap: Gap, path: str) -> None:
+        if gap not in self.gaps:
+            self.gaps.append(gap)
+        self.gap_paths.setdefault(gap.subject, []).append(path)
 
     def __str__(self) -> str:
         lines = [f"slimgrad: converted {len(self.converted)} module(s), left {len(self.skipped)} alone, "
-                 f"{sum(self.unknown.values())} of types it does not know"]
+                 f"{sum(self.unknown.values())} of types it does not know"
+                 + (f", {len(self.gaps)} gap(s) in what it claims" if self.gaps else "")]
         if self.converted_types:
             lines.append("  converted: " + _by_count(self.converted_types))
         for s in self.skipped:
@@ -82,6 +99,11 @@ class ConversionReport:
             lines.append("  left as stock, already minimal: " + _by_count(self.stock_minimal))
         if self.unknown:
             lines.append("  not known (run as stock): " + _by_count(self.unknown))
+        for gap in self.gaps:
+            paths = self.gap_paths.get(gap.subject, [])
+            more = ", ..." if len(paths) > 1 else ""
+            where = f" [{len(paths)} module(s): {paths[0] or '<root>'}{more}]" if paths else ""
+            lines.append(f"  gap: {gap.message()}{where}")
         return "\n".join(lines)
 
 
@@ -170,7 +192,7 @@ def _deepcopy(model: nn.Module) -> nn.Module:
 
 
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
-            chunked_loss: bool = False, dropout: str | None = None):
+            chunked_loss: bool = False, dropout: str | None = None, strict: bool = False):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
 
     ``inplace=False`` (default) converts a deep copy: parameters and buffers are copied (with their
@@ -189,10 +211,19 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     process-wide one, see :func:`slimgrad.functional.dropout.set_dropout_policy`): "bits" keeps 1 bit per
     element and draws stock's mask (bitwise stock on CPU), "seed" keeps 8 bytes and redraws in backward,
     "auto" is bits on CPU and seed elsewhere.
+
+    Gaps are never silent. A module of a family slimgrad claims (RMSNorms, gated MLPs, peft LoRA layers,
+    bitsandbytes linears, diffusers activations) that stays stock because no integration recognised its
+    class, a ``chunked_loss=True`` that engages on nothing (or on a head it must decline), and a disabled
+    integration of a library the model uses: each is a :class:`slimgrad._notices.SlimgradWarning` and a
+    WARNING on the ``slimgrad`` logger, once per (class, reason), naming the class, the library version and
+    the reason, also with ``report=True`` (the report lists them as ``gaps``). ``strict=True`` raises
+    :class:`slimgrad._notices.SlimgradGapError` instead, before anything is swapped. Modules left out by
+    ``include`` / ``exclude`` are never gaps.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
-    for name, flag in (("inplace", inplace), ("report", report), ("chunked_loss", chunked_loss)):
+    for name, flag in (("inplace", inplace), ("report", report), ("chunked_loss", chunked_loss), ("strict", strict)):
         if not isinstance(flag, bool):
             raise TypeError(f"convert: '{name}' must be True or False, got {flag!r}")
     if dropout is not None:
@@ -207,19 +238,24 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
 
     target = model if inplace else _deepcopy(model)
     result = ConversionReport()
+    gaps, disabled = model_gap(target)
+    swaps = []  # (module, replacement): applied only once strict has found no gap
     for path, module in target.named_modules():
         kind = type(module)
         if kind in ORIGINALS:  # already converted (shared module seen twice, or converting twice)
             continue
         name = qualified_name(kind)
         if (not included.empty and not included.selects(path, module)) or excluded.selects(path, module):
-            continue
+            continue  # the user's choice: not a gap
         replacement = REPLACEMENTS.get(kind)
         if kind in OPTIONS and not options.get(OPTIONS[kind], False):
             continue
         if replacement is None:
+            gap = module_gap(module, chunked_loss=chunked_loss, disabled=disabled)
             reason = _why_not_exact(module)
-            if reason is not None:
+            if gap is not None and reason is None:
+                result.add_gap(gap, path)
+            elif reason is not None:
                 result.skipped.append(Skipped(path, name, reason))
             elif kind in _STOCK_IS_MINIMAL or name in _STOCK_IS_MINIMAL_NAMES:
                 result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
@@ -228,15 +264,27 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             continue
         reason_fn = getattr(replacement, "unsupported_reason", None)
         reason = reason_fn(module) if reason_fn is not None else None
+        if reason is not None and kind in OPTIONS:  # an option the user asked for does not engage here
+            result.add_gap(family_gap(kind, OPTIONS[kind], reason), path)
+            continue
         if reason is not None:
             result.skipped.append(Skipped(path, name, reason))
             continue
+        swaps.append((module, replacement))
+        result.converted.append((path, kind.__name__))
+        result.converted_types[name] = result.converted_types.get(name, 0) + 1
+    engaged = any(OPTIONS.get(ORIGINALS[type(m)]) == CHUNKED_LOSS for m in target.modules() if type(m) in ORIGINALS)
+    engaged = engaged or any(OPTIONS.get(type(m)) == CHUNKED_LOSS for m, _ in swaps)
+    if chunked_loss and not engaged and not any(g.family == CHUNKED_LOSS for g in result.gaps):
+        result.add_gap(family_gap(type(target), CHUNKED_LOSS, _CHUNKED_ON_NOTHING), "")
+    result.gaps[:0] = [g for g in gaps if g not in result.gaps]
+    notify_all(result.gaps, strict=strict)  # before any swap: strict leaves an inplace model untouched
+
+    for module, replacement in swaps:
         module.__class__ = replacement
         if dropout is not None:
             setattr(module, POLICY_ATTRIBUTE, dropout)  # read by the dropout and LoRA forwards (module_policy)
-        result.converted.append((path, kind.__name__))
-        result.converted_types[name] = result.converted_types.get(name, 0) + 1
-
+    remember_converted(target)
     if result.skipped and not report:  # with report=True the caller has the report: no warning on top
         log.warning("%s", result)
     elif result.skipped:

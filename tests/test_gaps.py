@@ -1,0 +1,189 @@
+"""A requested feature never fails silently: ``convert`` warns (WARNING log + SlimgradWarning, also with
+``report=True``) about every module of a claimed family it leaves as stock, every option that engages on
+nothing and every disabled integration of a library the model uses; ``strict=True`` raises instead, before
+anything is swapped. Also the other silent outcomes of issue 21: LoRA layers peft adds after ``convert``,
+TorchScript of a converted model, stock class names in reprs."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+from slimgrad import _gaps, _notices
+from slimgrad._notices import SlimgradGapError, SlimgradWarning
+from slimgrad._registry import OPTIONS, ORIGINALS, REPLACEMENTS, register
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices():
+    _notices.reset_warned()
+    yield
+    _notices.reset_warned()
+
+
+class MyRMSNorm(nn.Module):
+    """A norm of a claimed family (by name) that no integration registers."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class GatedMLP(nn.Module):
+    """A gated MLP (gate/up/down children) whose forward no integration recognised."""
+
+    def __init__(self, n=8, h=12):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(n, h), nn.Linear(n, h), nn.Linear(h, n)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def model_with_gaps():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), MyRMSNorm(8), GatedMLP(), nn.Dropout(0.1))
+
+
+def _gap_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, SlimgradWarning)]
+
+
+def test_claimed_family_left_as_stock_warns_even_with_report(caplog):
+    model = model_with_gaps()
+    with caplog.at_level(logging.INFO, logger="slimgrad"), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        slim, report = slimgrad.convert(model, report=True)
+    messages = _gap_warnings(record)
+    assert len(messages) == 2
+    assert any("RMSNorm" in m and "MyRMSNorm" in m and "local code" in m for m in messages)
+    assert any("gated MLP" in m and "GatedMLP" in m for m in messages)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(warned) == sorted(messages)  # WARNING level on the logger too, report=True notwithstanding
+    assert [g.subject.rsplit(".", 1)[-1] for g in report.gaps] == ["MyRMSNorm", "GatedMLP"]
+    assert "gap: slimgrad: RMSNorm" in str(report) and "[1 module(s): 2]" in str(report)
+    assert type(slim[1]) is slimgrad.nn.ReLU and type(slim[2]) is MyRMSNorm  # the rest still converts
+    x = torch.randn(3, 4)
+    torch.manual_seed(1)
+    expected = model.eval()(x)
+    assert torch.equal(slim.eval()(x.clone()), expected)  # the gap runs stock's numbers
+
+
+def test_warns_once_per_class_and_reason():
+    model = model_with_gaps()
+    with pytest.warns(SlimgradWarning):
+        slimgrad.convert(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second conversion of the same classes says nothing new
+        slimgrad.convert(model)
+
+
+def test_strict_raises_naming_every_gap_and_swaps_nothing():
+    model = model_with_gaps()
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(SlimgradGapError, match=r"(?s)MyRMSNorm.*GatedMLP.*strict=True"):
+        slimgrad.convert(model, inplace=True, strict=True)
+    assert [type(m) for m in model.modules()] == before  # inplace, yet nothing swapped
+    with pytest.raises(TypeError, match="'strict' must be True or False"):
+        slimgrad.convert(model, strict="yes")
+
+
+def test_modules_the_user_excluded_are_not_gaps():
+    model = model_with_gaps()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slim, report = slimgrad.convert(model, exclude=["2", "3"], report=True)
+        assert report.gaps == []
+        slimgrad.convert(model, include=["1"], strict=True)
+    assert type(slim[1]) is slimgrad.nn.ReLU
+
+
+def test_recorded_class_gap_names_library_version_and_reason():
+    class Norm(nn.Module):
+        def forward(self, x):
+            return x
+
+    gap = _notices.record_class_gap(Norm, library="torch", family="norm", reason="forward edited upstream")
+    try:
+        version = re.escape(torch.__version__)
+        with pytest.warns(SlimgradWarning, match=rf"norm .*Norm is left as stock \(torch {version}\): forward edited"):
+            _, report = slimgrad.convert(nn.Sequential(Norm(), nn.ReLU()), report=True)
+        assert report.gaps == [gap]
+    finally:
+        _notices._CLASS_GAPS.pop(Norm, None)
+
+
+def test_chunked_loss_gap_only_when_asked():
+    class Head(nn.Module):
+        def forward(self, x):
+            return x
+
+    _notices.record_class_gap(Head, library="torch", family="chunked_loss", reason="loss function unknown")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            slimgrad.convert(nn.Sequential(Head()))  # not asked for: not a gap
+        with pytest.raises(SlimgradGapError, match="loss function unknown"):
+            slimgrad.convert(nn.Sequential(Head()), chunked_loss=True, strict=True)
+    finally:
+        _notices._CLASS_GAPS.pop(Head, None)
+
+
+def test_chunked_loss_engaging_on_nothing_warns():
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    with pytest.warns(SlimgradWarning, match=r"chunked_loss=True\) engaged on nothing"):
+        slim, report = slimgrad.convert(cnn, chunked_loss=True, report=True)
+    assert report.gaps[0].family == "chunked_loss" and type(slim[0]) is slimgrad.nn.Conv2d
+    with pytest.raises(SlimgradGapError, match="engaged on nothing"):
+        slimgrad.convert(cnn, chunked_loss=True, strict=True)
+
+
+def test_option_gated_replacement_declining_is_a_gap():
+    class Head(nn.Module):
+        def __init__(self, ok):
+            super().__init__()
+            self.ok = ok
+
+        def forward(self, x):
+            return x
+
+    @register(Head, option="chunked_loss")
+    class SlimHead(Head):
+        @classmethod
+        def unsupported_reason(cls, module):
+            return None if module.ok else "lm_head is not a Linear"
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            slim = slimgrad.convert(nn.Sequential(Head(True), Head(True)), chunked_loss=True)
+        assert type(slim[0]) is SlimHead
+        with pytest.warns(SlimgradWarning, match="chunked_loss .*Head is left as stock .*lm_head is not a Linear"):
+            slim, report = slimgrad.convert(nn.Sequential(Head(False)), chunked_loss=True, report=True)
+        assert type(slim[0]) is Head and report.skipped == [] and len(report.gaps) == 1  # no "engaged on nothing"
+    finally:
+        del REPLACEMENTS[Head], ORIGINALS[SlimHead], OPTIONS[Head]
+
+
+def test_integration_gap_only_for_models_using_that_library():
+    library = _gaps.library_of(MyRMSNorm)[0]  # this test module's package stands for a library
+    _notices.record_integration_gap(library, "slimgrad.integrations.fake", "import failed: no module named x")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            slimgrad.convert(nn.Sequential(nn.Conv2d(1, 1, 1)), strict=True)  # does not use it: unchanged
+        with pytest.warns(SlimgradWarning, match=r"integration slimgrad.integrations.fake .*import failed"):
+            _, report = slimgrad.convert(nn.Sequential(MyRMSNorm(4)), report=True)
+        # the disabled integration explains the norm: no second, per-class gap
+        assert [g.family for g in report.gaps] == ["integration"]
+    finally:
+        _notices.forget_integration_gap("slimgrad.integrations.fake")
