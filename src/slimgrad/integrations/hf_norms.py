@@ -2,21 +2,28 @@
 casting.
 
 transformers copies one RMSNorm per model family (140+ classes in 5.x), mostly verbatim. A class is
-converted only when its ``forward`` (and, for Gemma, ``_norm``) source is character for character one we
-have read and reproduce bitwise (:data:`REFERENCE_FORWARDS`); anything else (gated norms, ``with_scale``
+converted only when its ``forward`` (and, for Gemma, ``_norm``) source is one we have read and reproduce
+bitwise (:data:`REFERENCE_FORWARDS`); anything else (gated norms, ``with_scale``
 variants, centred or unweighted norms) is left alone. Matching by source rather than by a list of names
 keeps the list honest when transformers edits a copy, and covers new copies of an identical forward.
+
+Comparing the text broke on every cosmetic edit (a dropped annotation silently stopped conversion), so
+sources are compared by :mod:`slimgrad.integrations._fingerprint`: annotations, comments, docstrings,
+layout, parameter names and single-use temporaries do not matter; any change to what the code computes
+does. A class named like an RMSNorm whose forward matches no reference is left to transformers and recorded
+as a gap (:func:`slimgrad._notices.record_class_gap`, family "RMSNorm"), so ``convert`` says so.
 """
 
 from __future__ import annotations
 
 import inspect
-import textwrap
 
 from torch import nn
 
-from slimgrad._registry import REPLACEMENTS, register_forward
+from slimgrad import _notices
+from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.norms import rms_norm_hf
+from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["REFERENCE_FORWARDS", "register_loaded"]
@@ -62,19 +69,6 @@ def forward(self, x):
 '''
 
 
-def _code(source: str) -> str:
-    """Source without decorators, comments, blank lines or indentation differences."""
-    lines = textwrap.dedent(source).splitlines()
-    while lines and lines[0].lstrip().startswith("@"):
-        lines.pop(0)
-    out = []
-    for line in lines:
-        stripped = line.split("#", 1)[0].rstrip() if not line.strip().startswith("#") else ""
-        if stripped.strip():
-            out.append(stripped)
-    return "\n".join(out)
-
-
 #: casting style -> (forward source, extra methods' sources) we have read and reproduce bitwise
 REFERENCE_FORWARDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "llama": ((_LLAMA,), {}),
@@ -82,29 +76,43 @@ REFERENCE_FORWARDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "gemma": (tuple(_gemma_forward(n) for n in ("Gemma", "Gemma2", "Gemma3")), {"_norm": _GEMMA_NORM}),
     "t5": ((_T5,), {}),
 }
-_REFERENCE_CODE = {
-    style: ({_code(f) for f in forwards}, {k: _code(v) for k, v in extra.items()})
+#: casting style -> (fingerprints of the forwards, {extra method: fingerprint})
+_REFERENCE_FINGERPRINTS = {
+    style: ({source_fingerprint(f) for f in forwards}, {k: source_fingerprint(v) for k, v in extra.items()})
     for style, (forwards, extra) in REFERENCE_FORWARDS.items()
 }
 _EPS_ATTRIBUTE = {"llama": "variance_epsilon", "olmo2": "variance_epsilon", "t5": "variance_epsilon", "gemma": "eps"}
 _checked: set[type] = set()
+#: stock class -> its forward as verified (a later monkey-patch leaves the class to transformers)
+_VERIFIED: dict[type, object] = {}
+
+
+def _check(cls: type) -> tuple[str | None, str]:
+    """(casting style, "") when ``cls``'s forward (and the methods it calls) match a reference, else
+    (None, the reason, naming the method slimgrad does not know)."""
+    forward = fingerprint(cls.forward)
+    if forward is None:
+        return None, f"the source of {cls.__name__}.forward cannot be read, so slimgrad cannot check it"
+    for style, (forwards, extra) in _REFERENCE_FINGERPRINTS.items():
+        if forward not in forwards:
+            continue
+        for name, want in extra.items():
+            if fingerprint(getattr(cls, name, None)) != want:
+                return None, (f"{cls.__name__}.forward is the {style} one, but {cls.__name__}.{name} is not one "
+                              f"slimgrad reproduces")
+        return style, ""
+    params = [p for p in inspect.signature(cls.forward).parameters.values()][1:]
+    shape = " (it takes more than the hidden states)" if len(params) > 1 else ""
+    return None, (f"{cls.__name__}.forward (fingerprint {forward}) is not one slimgrad reproduces{shape}; "
+                  f"known: the {', '.join(REFERENCE_FORWARDS)} casting styles")
 
 
 def _style_of(cls: type) -> str | None:
-    """The casting style whose reference source ``cls``'s forward matches, or None."""
+    """The casting style whose reference ``cls``'s forward matches, or None."""
     try:
-        forward = _code(inspect.getsource(cls.forward))
-    except (OSError, TypeError):
+        return _check(cls)[0]
+    except (TypeError, ValueError, AttributeError):
         return None
-    for style, (forwards, extra) in _REFERENCE_CODE.items():
-        if forward not in forwards:
-            continue
-        try:
-            if all(_code(inspect.getsource(getattr(cls, k))) == v for k, v in extra.items()):
-                return style
-        except (OSError, TypeError, AttributeError):
-            return None
-    return None
 
 
 def _make_forward(style: str):
@@ -118,6 +126,9 @@ def _make_forward(style: str):
 
 
 def _unsupported_reason(module: nn.Module) -> str | None:
+    stock = ORIGINALS.get(type(module), type(module))
+    if _VERIFIED.get(stock) is not stock.forward:
+        return f"{stock.__name__}.forward was changed after slimgrad verified it; left as stock"
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return "weight is not a 1-d parameter over the hidden size; left as stock"
@@ -137,9 +148,14 @@ def register_loaded() -> list[type]:
         _checked.add(cls)
         if cls in REPLACEMENTS:
             continue
-        style = _style_of(cls)
+        try:
+            style, reason = _check(cls)
+        except (TypeError, ValueError, AttributeError) as e:
+            style, reason = None, f"slimgrad could not read {cls.__name__}.forward ({type(e).__name__}: {e})"
         if style is None:
+            _notices.record_class_gap(cls, library="transformers", family="RMSNorm", reason=reason)
             continue
+        _VERIFIED[cls] = cls.forward
         register_forward(cls, _FORWARDS[style], module=__name__, unsupported_reason=_unsupported_reason)
         added.append(cls)
     return added
