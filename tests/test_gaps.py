@@ -6,6 +6,7 @@ TorchScript of a converted model, stock class names in reprs."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import warnings
@@ -187,3 +188,34 @@ def test_integration_gap_only_for_models_using_that_library():
         assert [g.family for g in report.gaps] == ["integration"]
     finally:
         _notices.forget_integration_gap("slimgrad.integrations.fake")
+
+
+# -- reprs, TorchScript ---------------------------------------------------------------------------------------
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.1), nn.Flatten(),
+                         nn.Linear(144, 2))
+
+
+def test_reprs_show_stock_class_names():
+    model = small_cnn()
+    slim = slimgrad.convert(model)
+    assert type(slim[0]) is not nn.Conv2d and repr(slim) == repr(model)
+
+
+def test_torchscript_names_slimgrad_and_revert():
+    model = small_cnn().eval()
+    slim = slimgrad.convert(model)
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(RuntimeError, match=r"slimgrad: torch.jit.script .*Conv2d.*slimgrad.revert\(model\)"):
+        torch.jit.script(slim)
+    with pytest.raises(RuntimeError, match=r"slimgrad: torch.jit.trace .*slimgrad.revert\(model\)"):
+        torch.jit.trace(slim, x)
+    with pytest.raises(RuntimeError, match=r"slimgrad: torch.jit.trace .*ReLU"):  # a function calling a module
+        torch.jit.trace(lambda t: slim[2](t), x)
+    # the advice works: reverted, it traces and scripts to stock's numbers
+    reverted = slimgrad.revert(copy.deepcopy(slim))
+    assert torch.equal(torch.jit.trace(reverted, x)(x), model(x.clone()))
+    assert torch.equal(torch.jit.script(reverted)(x), model(x.clone()))

@@ -41,6 +41,7 @@ def register(stock: type[nn.Module], *, option: str | None = None):
         if stock in REPLACEMENTS:
             raise ValueError(f"{stock.__name__} already has a replacement: {REPLACEMENTS[stock].__name__}")
         _keep_signature(cls, stock)
+        _stock_facade(cls, stock)
         REPLACEMENTS[stock] = cls
         ORIGINALS[cls] = stock
         if option is not None:
@@ -48,6 +49,39 @@ def register(stock: type[nn.Module], *, option: str | None = None):
         return cls
 
     return decorate
+
+
+def _stock_facade(cls, stock) -> None:
+    """What a replacement shows the outside besides its forward: stock's name in reprs, and clear errors
+    from TorchScript.
+
+    ``print(model)`` names every module by ``_get_name()``: a converted peft layer printed ``lora.SlimLinear``
+    where users and tools (peft's own tests) read ``lora.Linear``, so a replacement reports the stock name.
+    ``torch.jit.script`` and ``torch.jit.trace`` cannot run slimgrad's forwards (custom autograd Functions,
+    eager-only bookkeeping) and failed deep inside TorchScript; both now stop at the first converted module
+    with an error naming slimgrad and ``slimgrad.revert``. Script calls ``__prepare_scriptable__`` on every
+    module first; trace sends every module call through ``_slow_forward`` (``nn.Module`` only does that
+    while tracing), so neither costs an eager call anything.
+    """
+    if "_get_name" not in cls.__dict__ and stock._get_name is nn.Module._get_name:
+        name = stock.__name__
+        cls._get_name = lambda self: name
+    what = f"{stock.__module__}.{stock.__qualname__}"
+
+    def refuse(verb: str, name: str):
+        def method(self, *args, **kwargs):
+            raise RuntimeError(
+                f"slimgrad: torch.jit.{verb} cannot run slimgrad's replacement for {what} (custom autograd "
+                f"Functions and eager-only code); call slimgrad.revert(model) first (same parameters, stock "
+                f"classes), {verb} the reverted model, and slimgrad.convert it again to train (torch.compile "
+                f"runs converted models)")
+        method.__name__ = name
+        return method
+
+    if "__prepare_scriptable__" not in cls.__dict__:
+        cls.__prepare_scriptable__ = refuse("script", "__prepare_scriptable__")
+    if "_slow_forward" not in cls.__dict__:
+        cls._slow_forward = refuse("trace", "_slow_forward")
 
 
 def _plain(signature: inspect.Signature) -> list[tuple]:
