@@ -219,3 +219,55 @@ def test_torchscript_names_slimgrad_and_revert():
     reverted = slimgrad.revert(copy.deepcopy(slim))
     assert torch.equal(torch.jit.trace(reverted, x)(x), model(x.clone()))
     assert torch.equal(torch.jit.script(reverted)(x), model(x.clone()))
+
+
+# -- peft: LoRA layers added after convert, reprs -------------------------------------------------------------
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_convert_before_get_peft_model_warns():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    early = slimgrad.convert(tiny_llama())
+    with pytest.warns(SlimgradWarning, match=r"LoRA layer peft\.tuners\.lora\.layer\.Linear .*peft .*"
+                                             r"converted before get_peft_model.*after get_peft_model"):
+        peft.get_peft_model(early, config)
+    # the right order: converting after get_peft_model converts the adapters and says nothing of the kind
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlimgradWarning)
+        late = slimgrad.convert(peft.get_peft_model(tiny_llama(), config), inplace=True)
+        slimgrad.convert(late, inplace=True)  # converting again registers nothing new
+    assert sum(type(m).__name__ == "SlimLinear" for m in late.modules()) == 2
+
+
+def test_lora_reprs_keep_peft_names():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    stock = peft.get_peft_model(tiny_llama(), config)
+    slim = slimgrad.convert(stock)
+    assert type(slim.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "SlimLinear"
+    assert repr(slim) == repr(stock) and "lora.Linear(" in repr(slim)
+
+
+def test_lora_layer_without_replacement_is_a_gap():
+    pytest.importorskip("peft")
+    from peft.tuners.lora.layer import LoraLayer
+
+    class CustomLora(nn.Module, LoraLayer):  # a LoRA layer type no integration converts
+        def __init__(self):
+            nn.Module.__init__(self)
+            LoraLayer.__init__(self, nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    with pytest.warns(SlimgradWarning, match="LoRA layer .*CustomLora is left as stock"):
+        _, report = slimgrad.convert(nn.Sequential(CustomLora()), report=True)
+    assert [g.family for g in report.gaps] == ["LoRA layer"]
