@@ -7,255 +7,452 @@ keeps for backward, are the largest tensors of a fine-tuning step; here the loss
 :func:`slimgrad.functional.cross_entropy.fused_linear_cross_entropy`, which keeps only the hidden states
 and the targets.
 
-When the chunked path runs: ``labels`` given, grad enabled, ``logits_to_keep == 0``, the model's
-``loss_function`` is transformers' ``ForCausalLMLoss`` (not a custom one), and ``lm_head`` is a plain
-``nn.Linear`` (or slimgrad's drop-in for it) with no hooks whose size is the vocabulary the loss uses. Then the body
-(``self.model(...)`` / ``self.transformer(...)``) is called exactly as stock calls it, and the loss follows
-``ForCausalLMLoss``: labels shifted left and padded with ``ignore_index`` (or ``shift_labels`` as given),
-mean over non-ignored tokens, or sum divided by ``num_items_in_batch`` when that is passed; Gemma's
-``final_logit_softcapping`` is applied in the head's dtype before the fp32 upcast, as stock does. Every
-other call (no labels, ``torch.no_grad()``, generation, ``logits_to_keep`` set, a LoRA-wrapped or hooked
-``lm_head``) runs the stock forward unchanged and returns logits.
+Why behaviour, not source: transformers edits its heads' forwards every few releases (5.24 renamed
+``past_key_values`` to ``cache`` in 315 files and added a decorator), and matching their text stopped the
+feature silently. So the chunked path is built from the model's public parts only, the ones every release
+keeps: the body (``model.base_model``), the output embedding (``get_output_embeddings()``), the config's
+vocabulary and ``final_logit_softcapping``, and ``model.loss_function``. Every transformers class named
+``*ForCausalLM`` / ``*LMHeadModel`` is registered; whether the chunked path gives stock's numbers is checked
+by running it, once per (class, config, dtype), when ``convert`` meets the module: on a tiny random batch,
+the stock forward and the chunked path must agree on the loss (also with ``num_items_in_batch``) and on the
+gradient reaching the hidden states, in training and eval mode. A head that does anything else between the
+body and the loss (scales its logits, adds an auxiliary loss, transforms the hidden states) fails that check
+and is left as stock with a warning (``SlimgradWarning``). The check leaves the model as it found it
+(training flags, buffers, ``.grad``, the RNG).
 
-A class is registered only when the source of its ``forward`` is, as a syntax tree, one of the three
-forwards below (read from transformers 5.23: Llama/Qwen2/Qwen3/Mistral/Phi3/Olmo2..., Gemma2/Gemma3 with
-soft-capping, GPT-2), so a family whose head does anything else (logit scaling, extra outputs) is never
-converted.
+When the chunked path runs, per call: grad enabled, ``labels`` given, ``logits_to_keep`` absent or 0, the
+model's ``loss_function`` is transformers' ``ForCausalLMLoss`` itself, the output embedding is a plain
+``nn.Linear`` (or slimgrad's drop-in for it) without hooks whose size is the config's vocabulary, and every
+argument can be handed to the body. Then the body is called with the stock arguments (less ``labels``,
+``logits_to_keep``, ``return_dict``) and the loss follows ``ForCausalLMLoss``: labels shifted left and padded
+with ``ignore_index`` (or ``shift_labels`` as given), mean over non-ignored tokens, or sum divided by
+``num_items_in_batch``; ``final_logit_softcapping`` is applied in the head's dtype before the fp32 upcast. The
+output is the class stock returns (learnt by the check), ``logits=None``, the body's fields of the same names;
+a tuple where stock would return one. No grad, no labels or ``logits_to_keep`` set run the stock forward
+silently (logits wanted); every other reason to run stock (a wrapped loss function, a hooked or LoRA head, an
+argument the body does not take, an output field such as a MoE ``aux_loss`` the chunked path cannot
+reproduce) warns once, naming class, transformers version and reason, and gives stock's numbers.
+
+TRL's ``SFTTrainer`` computes its own loss with its own chunked head (``add_fused_lm_head`` replaces the
+instance's ``forward`` and calls the body): a head whose forward was replaced on the instance is left as
+stock with a warning at convert time (TRL already keeps no logits; nothing is done twice). See
+docs/chunked_loss.md.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import inspect
-import textwrap
+import json
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.cross_entropy import fused_linear_cross_entropy
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
-__all__ = ["register_loaded"]
+__all__ = ["check", "register_loaded"]
 
 #: Modeling modules imported eagerly so their heads are registered even when loaded after this module.
 CORE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "phi3", "gpt2")
 
-_DECODER = '''
-@can_return_tuple
-@auto_docstring
-def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-            labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=position_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-        **kwargs)
-    hidden_states = outputs.last_hidden_state
-    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-    logits = self.lm_head(hidden_states)
-    loss = None
-    if labels is not None:
-        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-'''
-
-_SOFTCAP = '''
-@can_return_tuple
-@auto_docstring
-def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-            labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=position_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-        **kwargs)
-    hidden_states = outputs.last_hidden_state
-    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-    logits = self.lm_head(hidden_states)
-    if self.config.final_logit_softcapping is not None:
-        logits = logits / self.config.final_logit_softcapping
-        logits = torch.tanh(logits)
-        logits = logits * self.config.final_logit_softcapping
-    loss = None
-    if labels is not None:
-        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-'''
-
-_GPT2 = '''
-@can_return_tuple
-@auto_docstring
-def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None, position_ids=None,
-            inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, labels=None, use_cache=None,
-            logits_to_keep=0, **kwargs):
-    transformer_outputs: BaseModelOutputWithPastAndCrossAttentions = self.transformer(input_ids,
-        past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
-        position_ids=position_ids, inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
-        encoder_attention_mask=encoder_attention_mask, use_cache=use_cache, **kwargs)
-    hidden_states = transformer_outputs.last_hidden_state
-    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-    logits = self.lm_head(hidden_states)
-    loss = None
-    if labels is not None:
-        loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
-        past_key_values=transformer_outputs.past_key_values, hidden_states=transformer_outputs.hidden_states,
-        attentions=transformer_outputs.attentions, cross_attentions=transformer_outputs.cross_attentions)
-'''
+FAMILY = "chunked_loss"
+_HEAD_ONLY = ("labels", "logits_to_keep", "return_dict")  # stock arguments the body never gets
+#: body output fields whose presence never changes the loss stock computes
+_HARMLESS = frozenset({"last_hidden_state", "past_key_values", "cache", "hidden_states", "attentions",
+                       "cross_attentions"})
+CHECK_TOKENS = 8  # the check's batch: 1 x CHECK_TOKENS random tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class _Head:
-    """What differs between the matched forwards."""
-
-    body: str  # attribute holding the base model
-    output: str  # output class name in transformers.modeling_outputs
-    fields: tuple[str, ...]  # output fields copied from the body's output
-    softcap: bool  # applies config.final_logit_softcapping
-    vocab_from_config: bool  # the loss's vocab_size is config.vocab_size (else self.vocab_size)
+def _subject(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_DECODER_FIELDS = ("past_key_values", "hidden_states", "attentions")
+def _decline(stock: type, reason: str) -> None:
+    """Warn once that a training call of ``stock`` runs the stock forward (with its logits), and why."""
+    _notices.notify(_notices.Gap("transformers", _notices.library_version("transformers"), _subject(stock), FAMILY,
+                                 reason + "; this call runs the stock forward (same numbers, full logits)"))
 
 
-def _canonical_node(node) -> str | None:
-    """A function's syntax tree without its name, docstring and type annotations."""
-    if not isinstance(node, ast.FunctionDef):
-        return None
-    node.name = "forward"
-    node.returns = None
-    a = node.args
-    for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
-        if arg is not None:
-            arg.annotation = None
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        node.body = body[1:]
-    return ast.dump(node)
+# -- the call: what the chunked path needs from one forward call -------------------------------------------------
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
 
 
-def _canonical(fn) -> str | None:
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return None
-    return _canonical_node(tree.body[0]) if tree.body else None
+def _signature(cls) -> inspect.Signature:
+    """The forward's signature; ``inspect.signature`` follows ``__wrapped__`` through transformers' decorators."""
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return sig
 
 
-def _template(source: str) -> str:
-    return _canonical_node(ast.parse(source).body[0])
+@dataclasses.dataclass
+class _Call:
+    body: nn.Module
+    body_args: dict
+    labels: torch.Tensor
+    head: nn.Linear
+    softcap: float | None
+    ignore_index: int
+    shift_labels: torch.Tensor | None
+    num_items: object
+    return_dict: bool
 
 
-_TEMPLATES = {
-    _template(_DECODER): _Head("model", "CausalLMOutputWithPast", _DECODER_FIELDS, False, True),
-    _template(_SOFTCAP): _Head("model", "CausalLMOutputWithPast", _DECODER_FIELDS, True, False),
-    _template(_GPT2): _Head("transformer", "CausalLMOutputWithCrossAttentions",
-                            (*_DECODER_FIELDS, "cross_attentions"), False, True),
-}
-
-#: stock class -> (what its forward does, its forward's signature)
-_HEADS: dict[type, tuple[_Head, inspect.Signature]] = {}
+def _config_value(config, name):
+    if hasattr(config, name):
+        return getattr(config, name)
+    text = getattr(config, "get_text_config", None)
+    return getattr(text(), name, None) if text is not None else None
 
 
-def _match(cls) -> _Head | None:
-    """The matched forward of ``cls``, checking also that the names it calls are transformers' own."""
-    forward = cls.__dict__.get("forward")
-    if forward is None:
-        return None
-    head = _TEMPLATES.get(_canonical(forward))
-    if head is None:
-        return None
-    from transformers import modeling_outputs, modeling_utils
-    from transformers.utils import generic
-
-    names = getattr(inspect.unwrap(forward), "__globals__", {})
-    expected = {"slice_logits_to_keep": modeling_utils.slice_logits_to_keep,
-                "can_return_tuple": generic.can_return_tuple,
-                head.output: getattr(modeling_outputs, head.output)}
-    if any(names.get(k) is not v for k, v in expected.items()):
-        return None
-    return head
+def _describe(fn) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
 
 
-def _unsupported_reason(module) -> str | None:
-    head = getattr(module, "lm_head", None)
-    if ORIGINALS.get(type(head), type(head)) is not nn.Linear:
-        return (f"lm_head is {type(head).__name__}, not torch.nn.Linear (a LoRA or quantized head?); the chunked "
-                f"loss reads its weight directly, so the head is left as stock")
-    return None
-
-
-def _plan(self, stock, args, kwargs):
-    """The bound arguments and options of a call the chunked path can honour, or None for stock."""
+def _plan(self, stock, args, kwargs) -> _Call | str | None:
+    """What the chunked path would run for ``self(*args, **kwargs)``: a :class:`_Call`; None where stock is
+    what the caller wants (no grad, no labels, logits asked for, a call stock itself refuses); a reason string
+    where the chunked path cannot honour a training call (the caller warns and runs stock)."""
     if not torch.is_grad_enabled():
         return None
-    head, signature = _HEADS[stock]
     kwargs = dict(kwargs)
     return_dict = self.config.return_dict if hasattr(self, "config") else True  # as can_return_tuple decides
     passed = kwargs.pop("return_dict", return_dict)
     if passed is not None:
         return_dict = passed
+    sig = _signature(stock)
     try:
-        bound = signature.bind(self, *args, **kwargs)
+        bound = sig.bind(self, *args, **kwargs)
     except TypeError:
         return None  # stock raises its own error
+    params = list(sig.parameters.values())
     arguments = dict(bound.arguments)
-    if arguments.get("labels") is None:
+    arguments.pop(params[0].name)
+    extra = {}
+    for p in params[1:]:
+        if p.kind is p.VAR_KEYWORD:
+            extra = arguments.pop(p.name, {})
+        elif p.kind is p.VAR_POSITIONAL and arguments.pop(p.name, ()):
+            return "the call passes extra positional arguments, which the chunked path cannot name for the body"
+    labels = arguments.pop("labels", extra.pop("labels", None))
+    if labels is None:
         return None
-    keep = arguments.get("logits_to_keep", 0)
+    keep = arguments.pop("logits_to_keep", extra.pop("logits_to_keep", 0))
     if isinstance(keep, torch.Tensor) or keep != 0:
         return None
-    lm_head = self.lm_head
-    if (ORIGINALS.get(type(lm_head), type(lm_head)) is not nn.Linear or lm_head._forward_hooks
-            or lm_head._forward_pre_hooks or hasattr(lm_head, "_hf_hook") or nn.modules.module._global_forward_hooks
-            or nn.modules.module._global_forward_pre_hooks):
-        return None
-    vocab = self.config.vocab_size if head.vocab_from_config else self.vocab_size
-    if lm_head.out_features != vocab:
-        return None
+    try:
+        loss_function = self.loss_function
+    except Exception as e:  # noqa: BLE001 - a property that fails: stock will say why
+        return f"reading model.loss_function raised {type(e).__name__}"
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    if self.loss_function is not ForCausalLMLoss:
-        return None
-    softcap = self.config.final_logit_softcapping if head.softcap else None
+    if loss_function is not ForCausalLMLoss:
+        return (f"its loss_function is {_describe(loss_function)}, not transformers' ForCausalLMLoss (the only loss "
+                f"the chunked path reproduces)")
+    head = self.get_output_embeddings()
+    if ORIGINALS.get(type(head), type(head)) is not nn.Linear:
+        return (f"its output embedding is {type(head).__module__}.{type(head).__qualname__}, not torch.nn.Linear "
+                f"(a LoRA or quantized head?); the chunked loss reads its weight directly")
+    if (head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook")
+            or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
+        return "its output embedding has forward hooks (accelerate offload, a user hook), which the chunked path " \
+               "would skip"
+    vocab = _config_value(self.config, "vocab_size")
+    if head.out_features != vocab:
+        return f"its output embedding has {head.out_features} outputs but the config's vocab_size is {vocab}"
+    softcap = _config_value(self.config, "final_logit_softcapping")
     if softcap is not None and not softcap > 0:
-        return None  # stock divides by it; leave whatever that gives to stock
-    extra = arguments.pop("kwargs", {})
-    if not isinstance(extra.get("ignore_index", -100), int):
-        return None
-    return head, arguments, extra, softcap, return_dict
-
-
-def _chunked(self, head: _Head, arguments, extra, softcap, return_dict):
-    labels = arguments.pop("labels")
-    arguments.pop("self")
-    arguments.pop("logits_to_keep", None)
-    outputs = getattr(self, head.body)(**arguments, **extra)
-    hidden = outputs.last_hidden_state
-    # ForCausalLMLoss, without the logits.
+        return f"final_logit_softcapping is {softcap!r}"
+    body = self.base_model
+    if body is self or not isinstance(body, nn.Module):
+        return f"it has no body module (base_model_prefix {getattr(self, 'base_model_prefix', None)!r})"
+    body_sig = _signature(type(body))
+    names = {p.name for p in body_sig.parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in body_sig.parameters.values())
+    body_args = {}
+    for name, value in [*arguments.items(), *extra.items()]:
+        if name in names or takes_any:
+            body_args[name] = value
+        elif name in sig.parameters and value is sig.parameters[name].default:
+            continue  # a head parameter at its default: stock passes nothing of note
+        else:
+            return f"the argument {name!r} cannot be passed to its body {type(body).__name__}.forward"
     ignore_index = extra.get("ignore_index", -100)
-    shift_labels = extra.get("shift_labels")
-    num_items = extra.get("num_items_in_batch")
+    if not isinstance(ignore_index, int):
+        return f"ignore_index is {type(ignore_index).__name__}, not an int"
+    return _Call(body, body_args, labels, head, softcap, ignore_index, extra.get("shift_labels"),
+                 extra.get("num_items_in_batch"), bool(return_dict))
+
+
+def _loss(call: _Call, probe=None):
+    """The body's output and ``ForCausalLMLoss`` of it, without the logits. ``probe`` (the check) may replace
+    the hidden states before the head."""
+    outputs = call.body(**call.body_args)
+    hidden = outputs.last_hidden_state
+    if probe is not None:
+        hidden = probe(hidden)
+    shift_labels = call.shift_labels
     if shift_labels is None:
-        labels = F.pad(labels, (0, 1), value=ignore_index)
+        labels = F.pad(call.labels, (0, 1), value=call.ignore_index)
         shift_labels = labels[..., 1:].contiguous()
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
-    reduction = "sum" if num_items is not None else "mean"
-    loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shift_labels,
-                                      self.lm_head.bias, ignore_index=ignore_index, reduction=reduction,
-                                      softcap=softcap)
-    if num_items is not None:
-        if torch.is_tensor(num_items):
-            num_items = num_items.to(loss.device)
+    reduction = "sum" if call.num_items is not None else "mean"
+    loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), call.head.weight, shift_labels,
+                                      call.head.bias, ignore_index=call.ignore_index, reduction=reduction,
+                                      softcap=call.softcap)
+    if call.num_items is not None:
+        num_items = call.num_items.to(loss.device) if torch.is_tensor(call.num_items) else call.num_items
         loss = loss / num_items
-    from transformers import modeling_outputs
+    return loss, outputs
 
-    output = getattr(modeling_outputs, head.output)(
-        loss=loss, logits=None, **{name: getattr(outputs, name) for name in head.fields})
-    return output if return_dict else output.to_tuple()
+
+# -- what the check learnt -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verified:
+    """A head whose chunked path gave stock's numbers, and how to build stock's output."""
+
+    output: type  # the ModelOutput class stock returns
+    fields: tuple[str, ...]  # its fields (besides loss and logits) the body's output has under the same name
+    missing: tuple[str, ...]  # its fields the body's output lacks (a MoE's aux_loss): computed by the head
+    seen: frozenset  # the body output fields set in the check
+
+    def unreproducible(self, outputs) -> list[str]:
+        """Body fields this call set that the check did not see, where the head may compute more from them."""
+        if not self.missing:
+            return []
+        return sorted(set(outputs.keys()) - self.seen - _HARMLESS)
+
+    def build(self, loss, outputs, return_dict: bool):
+        out = self.output(loss=loss, logits=None, **{n: getattr(outputs, n, None) for n in self.fields})
+        return out if return_dict else out.to_tuple()
+
+
+#: (stock class, config, dtype, device type) -> what the check found
+_CHECKS: dict[tuple, _Verified | str] = {}
+#: module -> its check result (a module's config key is computed once)
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _key(module, stock):
+    config = getattr(module, "config", None)
+    try:
+        values = config.to_dict()
+        for name in ("_name_or_path", "transformers_version", "architectures"):
+            values.pop(name, None)
+        text = json.dumps(values, sort_keys=True, default=repr)
+    except Exception:  # noqa: BLE001 - an odd config: checked per config object
+        text = f"id:{id(config)}"
+    try:
+        weight = module.get_output_embeddings().weight
+        where = (weight.dtype, weight.device.type)
+    except Exception:  # noqa: BLE001
+        where = None
+    return stock, text, where
+
+
+def check(module) -> _Verified | str:
+    """The check's result for ``module`` (run on first use, then cached per class, config and dtype): a
+    :class:`_Verified`, or the reason the chunked path is not used for it."""
+    result = _MODULES.get(module)
+    if result is None:
+        stock = ORIGINALS.get(type(module), type(module))
+        key = _key(module, stock)
+        result = _CHECKS.get(key)
+        if result is None:
+            result = _CHECKS[key] = _run_check(module, stock)
+            if isinstance(result, str):
+                _notices.record_class_gap(stock, library="transformers", family=FAMILY, reason=result)
+            else:
+                _notices.forget_class_gap(stock)
+        if not (isinstance(result, str) and result.startswith(_META)):
+            _MODULES[module] = result
+    return result
+
+
+# -- the behavioural check -------------------------------------------------------------------------------------
+
+_META = "its parameters are on the meta device"
+
+
+def _tolerance(dtype) -> float:
+    """Relative tolerance: a few roundings of ``dtype`` (the chunked sums run in another order than stock's)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 2.0 ** -23
+    return max(8 * eps, 2e-5)
+
+
+def _close(a, b, rtol: float) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if not a.is_floating_point():
+            return torch.equal(a, b)
+        a, b = a.double(), b.double()
+        scale = b.abs().max().item() if b.numel() else 0.0
+        return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * scale + 1e-30))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_close(x, y, rtol) for x, y in zip(a, b))
+    return type(a) is type(b)  # caches and other objects: same kind is all that is asked
+
+
+class _Seeded:
+    """Forks the RNG of the CPU and of the model's device, and seeds both identically for each run."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, seed: int):
+        device = self.device
+        forked = [device.index or 0] if device.type not in ("cpu", "meta") else []
+        fork = torch.random.fork_rng(devices=forked, device_type=device.type if forked else "cuda")
+
+        class _Ctx:
+            def __enter__(ctx):
+                fork.__enter__()
+                torch.random.default_generator.manual_seed(seed)
+                if forked:
+                    backend = torch.get_device_module(device.type)
+                    with backend.device(device):
+                        backend.manual_seed(seed)
+
+            def __exit__(ctx, *exc):
+                return fork.__exit__(*exc)
+
+        return _Ctx()
+
+
+def _run_check(module, stock) -> _Verified | str:
+    if "forward" in module.__dict__:
+        return ("its forward is replaced on the instance (TRL's add_fused_lm_head under SFTTrainer, or another "
+                "patch), so the class forward slimgrad would replace is not the one called; TRL's fused head already "
+                "computes the loss without the logits")
+    try:
+        head = module.get_output_embeddings()
+        tensors = [*module.parameters(), *module.buffers()]
+    except Exception as e:  # noqa: BLE001
+        return f"reading its output embedding raised {type(e).__name__}: {str(e)[:160]}"
+    if any(t.is_meta for t in tensors):
+        return _META + ": the check cannot run there (convert the loaded model to use chunked_loss)"
+    if not isinstance(head, nn.Module) or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return f"its output embedding is {type(head).__name__}, not a linear layer"
+    flags = [(m, m.training) for m in module.modules()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        with torch.enable_grad():
+            return _compare_all(module, stock, head)
+    except Exception as e:  # noqa: BLE001 - any failure means: leave it to stock, with the reason
+        return f"the check on a tiny batch raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    finally:
+        for m, flag in flags:
+            m.training = flag
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
+def _compare_all(module, stock, head) -> _Verified | str:
+    sig = _signature(stock)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    device = head.weight.device
+    embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    vocab = min(head.out_features, getattr(embeddings, "num_embeddings", head.out_features) or head.out_features)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, CHECK_TOKENS), generator=g).to(device)
+    labels = ids.clone()
+    labels[0, CHECK_TOKENS // 2] = -100
+    call = {"input_ids": ids, "labels": labels}
+    if "use_cache" in sig.parameters or takes_any:
+        call["use_cache"] = False
+    seeded = _Seeded(device)
+    rtol = _tolerance(head.weight.dtype)
+    verified = None
+    for training in (True, False):
+        module.train(training)
+        result = _compare(module, stock, head, call, seeded, rtol, grads=True)
+        if isinstance(result, str):
+            return f"{result} ({'training' if training else 'eval'} mode)"
+        verified = verified or result
+    if takes_any:
+        module.train(True)
+        n = torch.tensor(float(CHECK_TOKENS + 3), device=device)
+        result = _compare(module, stock, head, {**call, "num_items_in_batch": n}, seeded, rtol, grads=False)
+        if isinstance(result, str):
+            return f"{result} (with num_items_in_batch)"
+    return verified
+
+
+def _compare(module, stock, head, call, seeded, rtol, grads: bool) -> _Verified | str:
+    plan = _plan(module, stock, (), call)
+    if not isinstance(plan, _Call):
+        return plan or "the chunked path declined the check's call"
+    scale = {}
+
+    def leaf(x):
+        if "k" not in scale:  # logits of a few units, so that a scaled or soft-capped head shows in the numbers
+            with torch.no_grad():
+                std = F.linear(x, head.weight, head.bias).float().std().item()
+            scale["k"] = 4.0 / std if std > 0 and std == std else 1.0
+        return (x.detach() * scale["k"]).requires_grad_()
+
+    leaves = {}
+
+    def pre_hook(mod, args):
+        leaves["stock"] = leaf(args[0])
+        return (leaves["stock"], *args[1:])
+
+    with seeded(0):
+        handle = head.register_forward_pre_hook(pre_hook)
+        try:
+            expected = stock.forward(module, **call)
+        finally:
+            handle.remove()
+    if isinstance(expected, tuple) or not hasattr(expected, "keys"):
+        return "its stock forward returned a tuple (config.return_dict is False?), not a ModelOutput"
+    if getattr(expected, "loss", None) is None or "stock" not in leaves:
+        return "its stock forward computed no loss through its output embedding"
+
+    def probe(hidden):
+        leaves["slim"] = leaf(hidden)
+        return leaves["slim"]
+
+    with seeded(0):
+        loss, outputs = _loss(plan, probe)
+    if leaves["stock"].shape != leaves["slim"].shape or not _close(leaves["slim"], leaves["stock"], rtol):
+        return ("the hidden states reaching its output embedding differ from its body's output (the head "
+                "transforms them)")
+    if not _close(loss.detach().reshape(()), expected.loss.detach().reshape(()).to(loss.dtype), rtol):
+        return (f"the chunked loss {loss.item():.6g} differs from stock's {expected.loss.item():.6g} (the head scales "
+                f"or post-processes its logits, or its loss is not the plain causal-LM loss)")
+    if grads:
+        (want,) = torch.autograd.grad(expected.loss, leaves["stock"], allow_unused=True)
+        (have,) = torch.autograd.grad(loss, leaves["slim"], allow_unused=True)
+        if want is None or have is None or not _close(have, want, rtol):
+            return "the gradient reaching the hidden states differs from stock's"
+    names = [f.name for f in dataclasses.fields(expected)] if dataclasses.is_dataclass(expected) else list(expected)
+    body_names = (set(f.name for f in dataclasses.fields(outputs)) if dataclasses.is_dataclass(outputs)
+                  else set(outputs.keys()))
+    fields = tuple(n for n in names if n not in ("loss", "logits") and n in body_names)
+    missing = tuple(n for n in names if n not in ("loss", "logits") and n not in body_names)
+    for name in expected.keys():
+        if name in ("loss", "logits"):
+            continue
+        if name in missing:
+            return f"its stock output has {name!r}, which its body's output does not give"
+        if not _close(getattr(outputs, name, None), expected[name], rtol):
+            return f"its stock output's {name!r} differs from its body's"
+    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()))
+
+
+# -- the replacement forward -----------------------------------------------------------------------------------
 
 
 def _forward(self, *args, **kwargs):
@@ -263,29 +460,69 @@ def _forward(self, *args, **kwargs):
     # copy of it the stock forward's signature, so Trainer's column dropping sees the stock parameters.
     stock = ORIGINALS[type(self)]
     plan = _plan(self, stock, args, kwargs)
-    if plan is None:
-        return stock.forward(self, *args, **kwargs)
-    return _chunked(self, *plan)
+    if isinstance(plan, str):
+        _decline(stock, plan)
+    elif plan is not None:
+        verified = check(self) if not torch.compiler.is_compiling() else _MODULES.get(self)
+        if not isinstance(verified, _Verified):
+            _decline(stock, verified or "the module was not checked (first seen under torch.compile)")
+        else:
+            loss, outputs = _loss(plan)
+            extra = verified.unreproducible(outputs)
+            if not extra:
+                return verified.build(loss, outputs, plan.return_dict)
+            _decline(stock, f"the body returned {extra}, from which the head computes more than the chunked path "
+                            f"reproduces (a MoE router's auxiliary loss?)")
+    return stock.forward(self, *args, **kwargs)
 
 
-_REJECTED: set[type] = set()  # causal-LM classes whose forward was read and matched no known one
+def _unsupported_reason(module) -> str | None:
+    """convert's hook: run (or recall) the behavioural check; a reason leaves the module as stock."""
+    result = check(module)
+    return result if isinstance(result, str) else None
+
+
+# -- registration ----------------------------------------------------------------------------------------------
+
+
+def _structural_reason(cls) -> str | None:
+    """Why ``cls`` cannot have a chunked head whatever its forward does, or None."""
+    if getattr(cls, "forward", nn.Module.forward) is nn.Module.forward:
+        return "it has no forward"
+    if not callable(getattr(cls, "get_output_embeddings", None)):
+        return "it has no get_output_embeddings()"
+    if not isinstance(getattr(cls, "base_model_prefix", None), str) or not cls.base_model_prefix:
+        return "it names no body (base_model_prefix)"
+    try:
+        _signature(cls)
+    except (TypeError, ValueError) as e:
+        return f"its forward's signature cannot be read ({e})"
+    return None
+
+
+_SEEN: set[type] = set()
+
+
+def _is_head(cls) -> bool:
+    return cls.__name__.endswith("ForCausalLM") or cls.__name__.endswith("LMHeadModel")
 
 
 def register_loaded() -> list[type]:
-    """Register every causal-LM class of an already imported transformers modeling module whose forward
-    matches one of the known ones; returns the newly registered stock classes."""
+    """Register every causal-LM head class of an already imported transformers modeling module; returns the
+    newly registered stock classes. Whether a head's chunked path gives stock's numbers is checked per module
+    at convert time (:func:`check`)."""
     added = []
     for _, cls in loaded_transformers_classes():
-        if (cls in REPLACEMENTS or cls in _HEADS or cls in _REJECTED
-                or not (cls.__name__.endswith("ForCausalLM") or cls.__name__.endswith("LMHeadModel"))):
+        if cls in _SEEN or not _is_head(cls):
             continue
-        head = _match(cls)
-        if head is None:
-            _REJECTED.add(cls)
+        _SEEN.add(cls)
+        if cls in REPLACEMENTS:
             continue
-        _HEADS[cls] = (head, inspect.signature(inspect.unwrap(cls.__dict__["forward"])))
-        register_forward(cls, _forward, module=__name__, unsupported_reason=_unsupported_reason,
-                         option="chunked_loss")
+        reason = _structural_reason(cls)
+        if reason is not None:
+            _notices.record_class_gap(cls, library="transformers", family=FAMILY, reason=reason)
+            continue
+        register_forward(cls, _forward, module=__name__, unsupported_reason=_unsupported_reason, option=FAMILY)
         added.append(cls)
     return added
 
