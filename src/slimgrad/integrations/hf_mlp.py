@@ -8,15 +8,17 @@ Mistral, Qwen2/3, Gemma 1-3, Olmo2, ...), or its fused form ``gate, up = gate_up
 modules on them keep working.
 
 A class is registered only when the *source* of its forward (and of its activation's forward) is one of
-the known shapes below, compared as syntax trees, so a model family whose MLP does anything else (a
-clamp, a dropout, a scale) is never converted. Registration happens when this module is imported (the
+the known shapes below, compared by fingerprint (:mod:`slimgrad.integrations._fingerprint`: annotations,
+comments, layout, argument names and an expression split over two statements do not matter), so a model
+family whose MLP does anything else (a clamp, a dropout, a scale) is never converted; a class named like
+an MLP whose forward reads gate projections but matches no known shape is recorded as a gap (family
+"gated MLP"), so ``convert`` says it is left to transformers. Registration happens when this module is imported (the
 common families are imported for that) and for every transformers modeling module loaded at that time;
 :func:`register_loaded` rescans for modeling modules imported later.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
 import inspect
@@ -24,9 +26,11 @@ import textwrap
 
 from torch import nn
 
+from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register, register_forward
 from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import gelu_new, gelu_python, quick_gelu
+from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["activation_kind", "register_loaded"]
@@ -36,34 +40,17 @@ CORE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"
 
 
 def _canonical(fn) -> str | None:
-    """``fn``'s body as a syntax-tree dump with its single argument renamed ``x``; None when ``fn`` is not
-    a plain ``def f(self, arg)`` whose source can be read."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, ast.FunctionDef):
-        return None
-    a = node.args
-    if (a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults or len(a.args) != 2
-            or a.args[0].arg != "self"):
-        return None
-    name = a.args[1].arg
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, n):
-            return ast.copy_location(ast.Name(id="x", ctx=n.ctx), n) if n.id == name else n
-
-    return "\n".join(ast.dump(Rename().visit(stmt)) for stmt in node.body)
+    """``fn``'s fingerprint (:mod:`slimgrad.integrations._fingerprint`: annotations, comments, layout, the
+    argument's name and single-use temporaries aside); None when its source cannot be read."""
+    return fingerprint(fn) if fn is not None else None
 
 
 def _template(body: str) -> str:
-    """The canonical form of a forward body written with argument ``x`` (see :func:`_canonical`)."""
-    return "\n".join(ast.dump(stmt) for stmt in ast.parse(body).body)
+    """The fingerprint of a forward body written with argument ``x`` (see :func:`_canonical`)."""
+    return source_fingerprint("def forward(self, x):\n" + textwrap.indent(body, "    "))
 
 
-#: canonical forward -> (layout, activation attribute). "split": gate_proj/up_proj; "fused": gate_up_proj.
+#: forward fingerprint -> (layout, activation attribute). "split": gate_proj/up_proj; "fused": gate_up_proj.
 _MLP_FORWARDS = {
     _template("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\nreturn down_proj"):
         ("split", "act_fn"),
@@ -203,14 +190,30 @@ def _unique_register(stock: type, forward, reason) -> type:
 _REJECTED: set[type] = set()  # classes whose forward source was already read and matched no known MLP
 
 
+def _looks_gated(cls: type) -> bool:
+    """Named like an MLP and reading a gate projection: a class of the family slimgrad claims."""
+    if "MLP" not in cls.__name__:
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "gate_proj" in source or "gate_up_proj" in source
+
+
 def _register_mlp(cls: type) -> bool:
     if cls in REPLACEMENTS or cls in _REJECTED or not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         return False
     if "forward" not in cls.__dict__:
         return False
-    layout = _MLP_FORWARDS.get(_canonical(cls.forward))
+    fp = _canonical(cls.forward)
+    layout = _MLP_FORWARDS.get(fp)
     if layout is None:
         _REJECTED.add(cls)
+        if _looks_gated(cls):
+            _notices.record_class_gap(cls, library="transformers", family="gated MLP", reason=(
+                f"{cls.__name__}.forward (fingerprint {fp}) is not a gated-MLP forward slimgrad reproduces "
+                f"(down(act(gate(x)) * up(x)), or gate, up = gate_up(x).chunk(2))"))
         return False
     _VERIFIED[cls] = cls.forward
     _MLP_LAYOUT[cls] = layout
