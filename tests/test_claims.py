@@ -2,18 +2,21 @@
 
 The integrations recognise upstream classes by their forwards (syntax-tree fingerprints, behavioural checks),
 so a new transformers / peft / bitsandbytes / diffusers release can stop a conversion without any slimgrad
-change. ``scripts/newest.sh`` runs this file against the newest releases; CI runs it against the pinned ones
-(``constraints-tested.txt``) and ``docs/compat.md`` against the oldest allowed ones. Each case builds a tiny
-model from a config, converts it and asserts that every module of the claimed class was converted (for the
-chunked loss: that a training forward with labels returns the stock loss and no logits). A failure names the
-class, the installed library version and the reason slimgrad recorded (:func:`slimgrad._notices.class_gap`,
-:func:`slimgrad._notices.integration_gaps`), or says that none was recorded: a silent gap, a bug of its own.
+change. CI runs this file against the pinned releases (``constraints-tested.txt``), ``scripts/newest.sh``
+against the newest ones, and ``benchmarks/compat_table.py`` measures the same cases in each venv for
+``docs/compat.md``. Each case builds a tiny model from a config, converts it and counts the modules of the
+claimed class that were converted (for the chunked loss: whether a training forward with labels returns the
+stock loss and no logits). A failure names the class, the installed library version and the reason slimgrad
+recorded (:func:`slimgrad._notices.class_gap`, the report's gaps, :func:`slimgrad._notices.integration_gaps`),
+or says that none was recorded: a silent gap, a bug of its own.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -52,13 +55,36 @@ HF_ACTIVATIONS = ("NewGELUActivation", "QuickGELUActivation", "GELUActivation")
 DIFFUSERS_ACTIVATIONS = ("GEGLU", "SwiGLU", "ApproximateGELU")
 
 
+@dataclasses.dataclass(frozen=True)
+class Engagement:
+    """How many modules of one claimed class a conversion engaged, and slimgrad's reason for the rest."""
+
+    feature: str  # the README's name for it: "RMSNorm", "gated MLP", "chunked loss", "LoRA", ...
+    subject: str  # qualified class name
+    library: str  # the distribution that defines the class
+    engaged: int
+    total: int
+    why: str = ""  # empty when everything engaged
+
+    @property
+    def ok(self) -> bool:
+        return self.total > 0 and self.engaged == self.total
+
+    def message(self) -> str:
+        return (f"{self.feature} {self.subject} no longer engages on {self.library} "
+                f"{library_version(self.library)}: {self.engaged} of {self.total} converted; {self.why}")
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _why(cls: type, library: str, report=None) -> str:
     """What slimgrad recorded about ``cls`` (or about ``library``'s integrations), for the failure message."""
     gap = class_gap(cls)
     if gap is not None:
         return f"recorded reason: {gap.reason}"
-    qualified = f"{cls.__module__}.{cls.__qualname__}"
-    reported = [g for g in getattr(report, "gaps", ()) if g.subject == qualified]
+    reported = [g for g in getattr(report, "gaps", ()) if g.subject == _qualified(cls)]
     if reported:
         return "reported gap: " + "; ".join(g.reason for g in reported)
     gaps = [g for g in integration_gaps() if g.library == library]
@@ -67,24 +93,30 @@ def _why(cls: type, library: str, report=None) -> str:
     return "no reason recorded (a silent gap: convert should have warned)"
 
 
-def _assert_engaged(original: nn.Module, converted: nn.Module, cls: type, library: str, report) -> None:
-    before = sum(type(m) is cls for m in original.modules())
-    assert before, f"test set-up: the tiny model has no {cls.__qualname__}"
+def _count(feature: str, model: nn.Module, cls: type, library: str) -> Engagement:
+    """Convert ``model`` and count its modules of class ``cls`` that were converted."""
+    total = sum(type(m) is cls for m in model.modules())
+    if not total:
+        raise AssertionError(f"test set-up: the tiny model has no {cls.__qualname__}")
+    converted, report = slimgrad.convert(model, report=True)
+    engaged = sum(ORIGINALS.get(type(m)) is cls for m in converted.modules())
     left = [name for name, m in converted.named_modules() if type(m) is cls]
-    done = sum(ORIGINALS.get(type(m)) is cls for m in converted.modules())
-    assert not left and done == before, (
-        f"{cls.__module__}.{cls.__qualname__} no longer engages on {library} {library_version(library)}: "
-        f"{done} of {before} converted (left: {left[:3]}); {_why(cls, library, report)}\n{report}")
+    why = "" if engaged == total else f"left: {left[:3]}; {_why(cls, library, report)}\n{report}"
+    return Engagement(feature, _qualified(cls), library, engaged, total, why)
 
 
-def _converted(model: nn.Module, **options):
-    return slimgrad.convert(model, report=True, **options)
+def _require(module: str, distribution: str):
+    """Import ``module``; skip when its distribution is not installed (an installed one that fails to import
+    is a failure: a claimed library that cannot be used)."""
+    if library_version(distribution) == "not installed":
+        pytest.skip(f"{distribution} is not installed")
+    return importlib.import_module(module)
 
 
 # --- transformers: RMSNorms, gated MLPs, activations, chunked-loss heads -------------------------------------
 
 def _causal_lm(family: str) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
+    transformers = _require("transformers", "transformers")
     module_name, config_name, model_name, extra = CAUSAL_LMS[family]
     config = getattr(transformers, config_name)(**LLAMA_LIKE, **extra)
     config._attn_implementation = "eager"
@@ -92,39 +124,8 @@ def _causal_lm(family: str) -> nn.Module:
     return getattr(transformers, model_name)(config)
 
 
-def _modeling(family: str):
-    name = CAUSAL_LMS[family][0] if family in CAUSAL_LMS else family
-    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-
-
-@pytest.mark.parametrize("family", list(NORM_AND_MLP))
-def test_hf_rmsnorm_and_gated_mlp_engage(family):
-    model = _causal_lm(family)
-    converted, report = _converted(model)
-    norm_name, mlp_name = NORM_AND_MLP[family]
-    for name in (norm_name, mlp_name):
-        _assert_engaged(model, converted, getattr(_modeling(family), name), "transformers", report)
-
-
-def test_t5_layer_norm_engages():
-    transformers = pytest.importorskip("transformers")
-    model = transformers.T5EncoderModel(transformers.T5Config(d_model=32, d_ff=48, d_kv=8, num_layers=1,
-                                                              num_heads=4, vocab_size=V))
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, _modeling("t5").T5LayerNorm, "transformers", report)
-
-
-@pytest.mark.parametrize("name", HF_ACTIVATIONS)
-def test_hf_activation_engages(name):
-    activations = pytest.importorskip("transformers.activations")
-    cls = getattr(activations, name)
-    model = nn.Sequential(nn.Linear(8, 8), cls(*(() if name != "GELUActivation" else (True,))))
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, cls, "transformers", report)
-
-
 def _gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
+    transformers = _require("transformers", "transformers")
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=V, n_positions=64, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0)
     config._attn_implementation = "eager"
@@ -132,34 +133,63 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def test_gpt2_activation_engages():
+def _modeling(name: str):
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _norm(family: str) -> Engagement:
+    model = _causal_lm(family)
+    return _count("RMSNorm", model, getattr(_modeling(CAUSAL_LMS[family][0]), NORM_AND_MLP[family][0]),
+                  "transformers")
+
+
+def _mlp(family: str) -> Engagement:
+    model = _causal_lm(family)
+    return _count("gated MLP", model, getattr(_modeling(CAUSAL_LMS[family][0]), NORM_AND_MLP[family][1]),
+                  "transformers")
+
+
+def _t5_norm() -> Engagement:
+    transformers = _require("transformers", "transformers")
+    model = transformers.T5EncoderModel(transformers.T5Config(d_model=32, d_ff=48, d_kv=8, num_layers=1,
+                                                              num_heads=4, vocab_size=V))
+    return _count("RMSNorm", model, _modeling("t5").T5LayerNorm, "transformers")
+
+
+def _hf_activation(name: str) -> Engagement:
+    cls = getattr(_require("transformers.activations", "transformers"), name)
+    act = cls(True) if name == "GELUActivation" else cls()  # GELUActivation(use_gelu_python=True): the formula
+    return _count("activation", nn.Sequential(nn.Linear(8, 8), act), cls, "transformers")
+
+
+def _gpt2_activation() -> Engagement:
     model = _gpt2()
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, type(model.transformer.h[0].mlp.act), "transformers", report)
+    return _count("activation", model, type(model.transformer.h[0].mlp.act), "transformers")
 
 
-@pytest.mark.parametrize("family", [*CAUSAL_LMS, "gpt2"])
-def test_chunked_loss_engages(family):
+def _chunked_loss(family: str) -> Engagement:
+    """Engaged: a training forward with labels gives no logits and stock's loss (fp32, 1e-5)."""
     model = _gpt2() if family == "gpt2" else _causal_lm(family)
     head = type(model)
-    converted, report = _converted(copy.deepcopy(model), chunked_loss=True)
+    converted, report = slimgrad.convert(copy.deepcopy(model), chunked_loss=True, report=True)
     ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
-    labels[0, :3] = -100
+    labels[0, :3] = -100  # a prompt that is not trained on
     model.train()
     converted.train()
     stock = model(input_ids=ids, labels=labels)
     out = converted(input_ids=ids, labels=labels)
-    version = library_version("transformers")
-    engaged = out.logits is None and report.converted_types.get(f"{head.__module__}.{head.__qualname__}", 0) == 1
-    assert engaged, (f"chunked_loss no longer engages on {head.__module__}.{head.__qualname__} (transformers "
-                     f"{version}): logits {'None' if out.logits is None else tuple(out.logits.shape)}; "
-                     f"{_why(head, 'transformers', report)}\n{report}")
-    torch.testing.assert_close(out.loss, stock.loss, rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"{head.__qualname__}: chunked loss differs from stock's: {m}")
+    swapped = report.converted_types.get(_qualified(head), 0)
+    why = ""
+    if out.logits is not None or not swapped:
+        logits = "None" if out.logits is None else tuple(out.logits.shape)
+        why = f"logits {logits}, head converted {swapped}; {_why(head, 'transformers', report)}\n{report}"
+    elif not torch.allclose(out.loss, stock.loss, rtol=1e-5, atol=1e-6):
+        why = f"WRONG NUMBERS: loss {out.loss.item():.8g}, stock {stock.loss.item():.8g}"
+    return Engagement("chunked loss", _qualified(head), "transformers", int(not why), 1, why)
 
 
-# --- peft LoRA (over nn.Linear, GPT-2's Conv1D, nn.Conv2d) ------------------------------------------------------
+# --- peft LoRA (over nn.Linear, GPT-2's Conv1D, nn.Conv2d), bitsandbytes, peft LoRA over bitsandbytes --------
 
 class _ConvNet(nn.Module):
     def __init__(self):
@@ -171,24 +201,6 @@ class _ConvNet(nn.Module):
         return self.head(self.conv(x).mean((2, 3)))
 
 
-@pytest.mark.parametrize("base", ["linear", "conv1d", "conv2d"])
-def test_peft_lora_engages(base):
-    peft = pytest.importorskip("peft")
-    from peft.tuners.lora import layer
-
-    if base == "linear":
-        model, targets, cls = _causal_lm("llama"), ["q_proj", "v_proj", "gate_proj"], layer.Linear
-    elif base == "conv1d":
-        model, targets, cls = _gpt2(), ["c_attn", "c_fc"], layer.Linear
-    else:
-        model, targets, cls = _ConvNet(), ["conv", "head"], layer.Conv2d
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, cls, "peft", report)
-
-
-# --- bitsandbytes, and peft LoRA over it -------------------------------------------------------------------------
-
 class _One(nn.Module):
     def __init__(self, layer):
         super().__init__()
@@ -198,8 +210,22 @@ class _One(nn.Module):
         return self.proj(x)
 
 
+def _peft_lora(base: str) -> Engagement:
+    peft = _require("peft", "peft")
+    from peft.tuners.lora import layer
+
+    if base == "linear":
+        model, targets, cls = _causal_lm("llama"), ["q_proj", "v_proj", "gate_proj"], layer.Linear
+    elif base == "conv1d":
+        model, targets, cls = _gpt2(), ["c_attn", "c_fc"], layer.Linear
+    else:
+        model, targets, cls = _ConvNet(), ["conv", "head"], layer.Conv2d
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    return _count("LoRA", model, cls, "peft")
+
+
 def _bnb_layer(bits: int) -> nn.Module:
-    bnb = pytest.importorskip("bitsandbytes")
+    bnb = _require("bitsandbytes", "bitsandbytes")
     torch.manual_seed(0)
     ref = nn.Linear(64, 48)
     if bits == 4:
@@ -210,31 +236,43 @@ def _bnb_layer(bits: int) -> nn.Module:
     return layer.to("cpu")  # quantizes
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_bnb_linear_engages(bits):
+def _bnb_linear(bits: int) -> Engagement:
     model = _One(_bnb_layer(bits))
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, type(model.proj), "bitsandbytes", report)
+    return _count("quantized linear", model, type(model.proj), "bitsandbytes")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_peft_lora_over_bnb_engages(bits):
-    peft = pytest.importorskip("peft")
+def _peft_over_bnb(bits: int) -> Engagement:
+    peft = _require("peft", "peft")
     model = _One(_bnb_layer(bits))
     setattr(model, f"is_loaded_in_{bits}bit", True)  # what transformers sets; peft dispatches on it
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"]))
     wrapper = type(model.base_model.model.proj)
-    assert wrapper.__module__ == "peft.tuners.lora.bnb", f"test set-up: peft wrapped the bnb layer in {wrapper}"
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, wrapper, "peft", report)
+    if wrapper.__module__ != "peft.tuners.lora.bnb":
+        raise AssertionError(f"test set-up: peft wrapped the bitsandbytes layer in {wrapper}")
+    return _count("LoRA", model, wrapper, "peft")
 
 
-# --- diffusers feed-forward activations -------------------------------------------------------------------------
+def _diffusers_activation(name: str) -> Engagement:
+    cls = getattr(_require("diffusers.models.activations", "diffusers"), name)
+    return _count("activation", nn.Sequential(cls(16, 24), nn.Linear(24, 4)), cls, "diffusers")
 
-@pytest.mark.parametrize("name", DIFFUSERS_ACTIVATIONS)
-def test_diffusers_activation_engages(name):
-    activations = pytest.importorskip("diffusers.models.activations")
-    cls = getattr(activations, name)
-    model = nn.Sequential(cls(16, 24), nn.Linear(24, 4))
-    converted, report = _converted(model)
-    _assert_engaged(model, converted, cls, "diffusers", report)
+
+#: case id -> what it measures; the README's claims, one tiny model each
+CASES: dict[str, Callable[[], Engagement]] = {
+    **{f"rmsnorm-{f}": (lambda f=f: _norm(f)) for f in NORM_AND_MLP},
+    "rmsnorm-t5": _t5_norm,
+    **{f"mlp-{f}": (lambda f=f: _mlp(f)) for f in NORM_AND_MLP},
+    **{f"hf-act-{n}": (lambda n=n: _hf_activation(n)) for n in HF_ACTIVATIONS},
+    "hf-act-gpt2": _gpt2_activation,
+    **{f"chunked-{f}": (lambda f=f: _chunked_loss(f)) for f in [*CAUSAL_LMS, "gpt2"]},
+    **{f"lora-{b}": (lambda b=b: _peft_lora(b)) for b in ("linear", "conv1d", "conv2d")},
+    **{f"bnb-{b}bit": (lambda b=b: _bnb_linear(b)) for b in (4, 8)},
+    **{f"lora-bnb-{b}bit": (lambda b=b: _peft_over_bnb(b)) for b in (4, 8)},
+    **{f"diffusers-{n}": (lambda n=n: _diffusers_activation(n)) for n in DIFFUSERS_ACTIVATIONS},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_claimed_family_engages(case):
+    result = CASES[case]()
+    assert result.ok, result.message()
