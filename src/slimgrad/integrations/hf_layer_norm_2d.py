@@ -4,25 +4,25 @@ and its descendants, EoMT, ...), converted to :func:`slimgrad.functional.layer_n
 They subclass ``nn.LayerNorm`` but override ``forward`` (a permute around ``super().forward`` or around
 ``F.layer_norm``), so the converter's exact-type rule leaves them alone. As for the Hugging Face RMSNorms
 (:mod:`slimgrad.integrations.hf_norms`), a class is converted only when its ``forward`` source is one read
-here (compared as syntax trees, docstrings and argument names aside) and its base is the one that source
+here (compared by fingerprint, :mod:`slimgrad.integrations._fingerprint`: annotations, comments, layout,
+argument names aside) and its base is the one that source
 needs (``nn.LayerNorm``, or ``nn.Module`` for the Python formula); a name only narrows the search; a
-forward changed after verification runs as stock. Matched today in transformers 5.23: 20
+forward changed after verification runs as stock. Matched in transformers 5.23 and 5.24: 20
 ``ConvNextLayerNorm`` copies, 3 ``LayerNorm2d`` copies, and ``VitDetLayerNorm`` (the mean and variance
 written out in Python, as SAM's and detectron2's ``LayerNorm2d``: :func:`register_class` takes a model's
-own copy).
+own copy). An ``nn.LayerNorm`` subclass whose forward is not one of these is recorded as a gap (family
+"LayerNorm") with the reason, so ``convert`` says it is left to transformers.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-
 from torch import nn
 
+from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.layer_norm_2d import layer_norm_2d, layer_norm_2d_formula
 from slimgrad.functional.norms import layer_norm
+from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["REFERENCE_FORWARDS", "register_class", "register_loaded"]
@@ -56,47 +56,33 @@ def forward(self, x):
 REFERENCE_FORWARDS = {"convnext": _CONVNEXT, "layernorm2d": _LAYERNORM2D, "formula": _FORMULA}
 
 
-def _canonical(source: str) -> str | None:
-    """The body of a ``def forward(self, arg)`` as a syntax-tree dump, docstring dropped, ``arg`` renamed
-    ``x``; None for any other shape of function."""
-    try:
-        node = ast.parse(textwrap.dedent(source)).body[0]
-    except (SyntaxError, IndexError):
-        return None
-    if not isinstance(node, ast.FunctionDef):
-        return None
-    a = node.args
-    if a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults or len(a.args) != 2:
-        return None
-    name = a.args[1].arg
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, n):
-            return ast.copy_location(ast.Name(id="x", ctx=n.ctx), n) if n.id == name else n
-
-    body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return "\n".join(ast.dump(Rename().visit(s)) for s in body)
-
-
-_REFERENCE = {_canonical(src): kind for kind, src in REFERENCE_FORWARDS.items()}
+_REFERENCE = {source_fingerprint(src): kind for kind, src in REFERENCE_FORWARDS.items()}
 _VERIFIED: dict[type, object] = {}  # stock class -> its forward as verified
 _KIND: dict[type, str] = {}
 _checked: set[type] = set()
 
 
-def _kind_of(cls: type) -> str | None:
+def _check(cls: type) -> tuple[str | None, str | None]:
+    """(kind, None) for a forward slimgrad reproduces on the right base; (None, reason) for an
+    ``nn.LayerNorm`` subclass (or a ``*LayerNorm2d``) whose forward it does not; (None, None) otherwise."""
     if "forward" not in cls.__dict__:
-        return None
-    try:
-        kind = _REFERENCE.get(_canonical(inspect.getsource(cls.forward)))
-    except (OSError, TypeError):
-        return None
+        return None, None
+    fp = fingerprint(cls.forward)
+    kind = _REFERENCE.get(fp)
     # the permute forms call nn.LayerNorm's forward or read its attributes; the formula stands alone
-    if kind in ("convnext", "layernorm2d") and cls.__bases__ != (nn.LayerNorm,):
-        return None
-    if kind == "formula" and cls.__bases__ != (nn.Module,):
-        return None
-    return kind
+    base = {"convnext": (nn.LayerNorm,), "layernorm2d": (nn.LayerNorm,), "formula": (nn.Module,)}.get(kind)
+    if kind is not None and cls.__bases__ == base:
+        return kind, None
+    if not (issubclass(cls, nn.LayerNorm) or "LayerNorm2d" in cls.__name__):
+        return None, None
+    if kind is not None:
+        return None, f"{cls.__name__}.forward is the {kind} one, but its base is not {base[0].__name__}"
+    return None, (f"{cls.__name__}.forward (fingerprint {fp}) is not a channels-first LayerNorm forward "
+                  f"slimgrad reproduces")
+
+
+def _kind_of(cls: type) -> str | None:
+    return _check(cls)[0]
 
 
 def _forward(self, x):
@@ -140,8 +126,12 @@ def register_loaded() -> list[type]:
 def register_class(cls: type) -> bool:
     """Register ``cls`` (a model's own channels-first LayerNorm, e.g. SAM's ``LayerNorm2d``) when its
     forward is one of :data:`REFERENCE_FORWARDS`; returns whether it was registered now."""
-    kind = _kind_of(cls)
-    if kind is None or cls in REPLACEMENTS:
+    if cls in REPLACEMENTS:
+        return False
+    kind, reason = _check(cls)
+    if kind is None:
+        if reason is not None:
+            _notices.record_class_gap(cls, library="transformers", family="LayerNorm", reason=reason)
         return False
     _VERIFIED[cls] = cls.forward
     _KIND[cls] = kind
