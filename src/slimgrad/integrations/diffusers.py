@@ -14,33 +14,25 @@ applies one of these. What stock autograd keeps, per token, for a projection out
 * ``GELU`` (``F.gelu`` on the projection) already keeps only its input: left as stock.
 
 A class is converted only when the source of its ``forward`` (and of the helper it calls) is the one read
-here, compared as syntax trees (the rule of :mod:`slimgrad.integrations.hf_mlp`); a class edited by a
-later diffusers release is left alone and reported. At run time the replacement defers to diffusers' own
-forward wherever it would not reproduce it: deprecated extra arguments, NPU (``torch_npu.npu_geglu``),
-MPS, hooks on the activation, or an activation module swapped since conversion.
+here, compared by fingerprint (:mod:`slimgrad.integrations._fingerprint`, the rule of
+:mod:`slimgrad.integrations.hf_mlp`); a class edited by a later diffusers release is left alone and
+recorded as a gap (family "diffusers activation"), so ``convert`` says so. At run time the replacement
+defers to diffusers' own forward wherever it would not reproduce it: deprecated extra arguments, NPU
+(``torch_npu.npu_geglu``), MPS, hooks on the activation, or an activation module swapped since conversion.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-
 from diffusers.models import activations as _acts
 from torch import nn
 
+from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import quick_gelu
+from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 
 __all__ = ["REFERENCE_SOURCES", "register_known"]
-
-
-def _dump(source: str) -> str:
-    """A function's body as a syntax-tree dump (docstrings dropped), for comparing sources exactly."""
-    node = ast.parse(textwrap.dedent(source)).body[0]
-    body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return ast.dump(node.args) + "\n" + "\n".join(ast.dump(s) for s in body)
 
 
 _DEPRECATION = ('''
@@ -50,7 +42,7 @@ passing it will raise an error in the future. `scale` should directly be passed 
 pipeline component i.e., via `cross_attention_kwargs`."
             deprecate("scale", "1.0.0", deprecation_message)''')
 
-#: class name -> {method: source} as read in diffusers 0.42 (``diffusers/models/activations.py``)
+#: class name -> {method: source} as read in diffusers 0.41 and 0.42 (``diffusers/models/activations.py``)
 REFERENCE_SOURCES = {
     "GEGLU": {
         "forward": '''
@@ -87,16 +79,24 @@ REFERENCE_SOURCES = {
 ''',
     },
 }
-_REFERENCE = {cls: {m: _dump(s) for m, s in methods.items()} for cls, methods in REFERENCE_SOURCES.items()}
+_REFERENCE = {cls: {m: source_fingerprint(s) for m, s in methods.items()} for cls, methods in REFERENCE_SOURCES.items()}
 #: stock class -> its forward as verified (a later monkey-patch makes the class unsupported)
 _VERIFIED: dict[type, object] = {}
 
 
+def _mismatch(cls: type, name: str) -> str | None:
+    """None when every method of ``cls`` that slimgrad reproduces has the reference fingerprint; else why not."""
+    for method, want in _REFERENCE[name].items():
+        fn = getattr(cls, method, None)
+        fp = fingerprint(fn) if fn is not None else None
+        if fp != want:
+            return (f"{name}.{method} (fingerprint {fp}) is not the one slimgrad has read and reproduces "
+                    f"(diffusers 0.41-0.42)")
+    return None
+
+
 def _matches(cls: type, name: str) -> bool:
-    try:
-        return all(_dump(inspect.getsource(getattr(cls, m))) == src for m, src in _REFERENCE[name].items())
-    except (OSError, TypeError, AttributeError, SyntaxError):
-        return False
+    return _mismatch(cls, name) is None
 
 
 def _has_hooks(m: nn.Module) -> bool:
@@ -162,7 +162,11 @@ def register_known() -> list[type]:
     added = []
     for name, forward in _FORWARDS.items():
         cls = getattr(_acts, name, None)
-        if cls is None or cls in _VERIFIED or not _matches(cls, name):
+        if cls is None or cls in _VERIFIED:
+            continue
+        reason = _mismatch(cls, name)
+        if reason is not None:
+            _notices.record_class_gap(cls, library="diffusers", family="diffusers activation", reason=reason)
             continue
         _VERIFIED[cls] = cls.forward
         register_forward(cls, forward, module=__name__,
