@@ -263,6 +263,8 @@ def _key(module, stock):
 def check(module) -> _Verified | str:
     """The check's result for ``module`` (run on first use, then cached per class, config and dtype): a
     :class:`_Verified`, or the reason the chunked path is not used for it."""
+    if "forward" in module.__dict__:  # per module, never cached: the class may be fine elsewhere
+        return _PATCHED
     result = _MODULES.get(module)
     if result is None:
         stock = ORIGINALS.get(type(module), type(module))
@@ -282,6 +284,9 @@ def check(module) -> _Verified | str:
 # -- the behavioural check -------------------------------------------------------------------------------------
 
 _META = "its parameters are on the meta device"
+_PATCHED = ("its forward is replaced on the instance (TRL's add_fused_lm_head under SFTTrainer, or another patch), so "
+            "the class forward slimgrad would replace is not the one called; TRL's fused head already computes the "
+            "loss without the logits")
 
 
 def _tolerance(dtype) -> float:
@@ -331,10 +336,6 @@ class _Seeded:
 
 
 def _run_check(module, stock) -> _Verified | str:
-    if "forward" in module.__dict__:
-        return ("its forward is replaced on the instance (TRL's add_fused_lm_head under SFTTrainer, or another "
-                "patch), so the class forward slimgrad would replace is not the one called; TRL's fused head already "
-                "computes the loss without the logits")
     try:
         head = module.get_output_embeddings()
         tensors = [*module.parameters(), *module.buffers()]
