@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -531,3 +532,19 @@ def test_gated_mlp_rule_recomputes_the_product():
     assert rows["0"].todo == rows["0"].slim - rows["0"].min_bytes
     rows = {r.path: r for r in audit(mlp, x, case="input", measure_peak=False).rows}
     assert rows["0"].min_bytes == 2 * inner  # frozen: gate and up for dX, no x
+
+
+def test_meta_device_audits_from_shapes_without_a_peak():
+    # a model built under torch.device("meta") had every column 0: meta storages all share address 0, the
+    # parameters' included, so every saved tensor was taken for a parameter
+    x = torch.randn(2, 3, 8, 8)
+    on_cpu = audit(tiny(), x, case="all")
+    with torch.device("meta"):
+        on_meta_model = tiny()
+    on_meta = audit(on_meta_model, x.to("meta"), case="all")
+    assert on_meta.stock_total > 0 and on_meta.stock_total == on_cpu.stock_total
+    assert (on_meta.min_total, on_meta.slim_total) == (on_cpu.min_total, on_cpu.slim_total)
+    rows = lambda r: [(row.path, row.stock_bytes, row.min_bytes, row.slim_bytes) for row in r.rows]  # noqa: E731
+    assert rows(on_meta) == rows(on_cpu)
+    assert on_meta.stock_peak is None and on_meta.slim_peak is None and on_cpu.stock_peak > 0
+    assert re.search(r"peak over forward\+backward +- +-\n", on_meta.table())

@@ -1,5 +1,6 @@
 """The accounting every memory claim rests on: counted independently of slimgrad's own layers."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,3 +85,34 @@ def test_saved_bytes_of_a_result_says_how_to_call_it():
     assert saved_bytes(lambda: lin(x)) == 5 * 4 * 4 + 3 * 4 * 4
     assert saved_bytes(lambda: lin(x), exclude=[lin]) == 5 * 4 * 4
     assert saved_bytes(lin, input=x) == 5 * 4 * 4  # keyword inputs pass through
+
+
+def _cnn(device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Dropout(0.1), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+
+
+def test_saved_bytes_on_meta_counts_from_shapes_as_on_cpu():
+    # meta storages have no address: they once all looked like the excluded parameters (count 0)
+    x = torch.randn(2, 3, 8, 8)
+    for convert in (False, True):
+        on_cpu, on_meta = _cnn("cpu"), _cnn("meta")
+        if convert:  # dropout "auto" keeps bits on CPU and a seed elsewhere (meta included): name one policy
+            on_cpu, on_meta = slimgrad.convert(on_cpu, dropout="bits"), slimgrad.convert(on_meta, dropout="bits")
+        expected = saved_bytes(on_cpu, x.clone().requires_grad_())
+        assert expected > 0 and saved_bytes(on_meta, x.to("meta").requires_grad_()) == expected
+    # storages still count once, views included, on meta as anywhere
+    a = torch.empty(10, 10, device="meta", requires_grad=True)
+    with SavedTensors() as counter:
+        y = a[:2] * 1
+        y * y
+    assert counter.bytes == 2 * 10 * 4 and len(counter.records) == 1
+
+
+def test_peak_bytes_on_meta_says_it_cannot_measure():
+    model = _cnn("meta")
+    x = torch.randn(2, 3, 8, 8, device="meta")
+    with pytest.raises(ValueError, match="peak_bytes: .*meta device, which allocates no memory"):
+        peak_bytes(lambda t: model(t).sum().backward(), x)

@@ -169,8 +169,8 @@ class AuditReport:
     slim_total: int  # ... on the converted copy
     min_total: int
     stock_hidden_total: int
-    stock_peak: int
-    slim_peak: int
+    stock_peak: int | None  # None: not measured (measure_peak=False, or the meta device, which allocates nothing)
+    slim_peak: int | None
     case: str | None = None
     slim_hidden_total: int = 0
     min_as_kept_total: int = 0  # part of min_total in code without a rule (smaller of stock and slimgrad)
@@ -581,7 +581,9 @@ def audit(model: nn.Module, *args, loss_fn: Callable | None = None, case: str | 
         runs[name].run(step(m))
     # peak_bytes picks CPU or CUDA accounting from its tensor arguments: hand it the first input tensor
     where = next((t for t in _pytree.tree_leaves((args, forward_kwargs)) if isinstance(t, torch.Tensor)), None)
-    peaks = {name: (peak_bytes(lambda _device, m=m: step(m)().backward(), where) if measure_peak else 0)
+    if where is not None and where.device.type == "meta":  # nothing allocated: no peak to show ("-"), kept bytes
+        measure_peak = False                                # come from the shapes
+    peaks = {name: (peak_bytes(lambda _device, m=m: step(m)().backward(), where) if measure_peak else None)
              for name, m in (("stock", stock), ("slim", slim))}
     return _assemble(stock, fold, units, runs["stock"], runs["slim"], peaks, case)
 

@@ -3,6 +3,10 @@
 Saved bytes are counted with ``torch.autograd.graph.saved_tensors_hooks``, so they see exactly what every
 autograd node (stock or ours) stores through ``save_for_backward``. Storages are counted once, however many
 nodes keep them, and parameters and buffers are left out: they exist whether or not backward runs.
+
+On the meta device nothing is allocated, but every tensor has a shape, a dtype and a storage size, so saved
+bytes are counted there too (a model built under ``torch.device("meta")`` can be measured before it is
+materialised); the peak cannot be, and :func:`peak_bytes` says so.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ def _storage_key(t: torch.Tensor):
             return parts[0][0], sum(nbytes for _, nbytes in parts)
     try:
         storage = t.untyped_storage()
-        return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
+        # meta storages have no address (data_ptr() is 0 for all of them, parameters included, which made every
+        # saved meta tensor look like an excluded parameter): there the storage object itself identifies them
+        address = storage._cdata if t.device.type == "meta" else storage.data_ptr()
+        return (t.device.type, t.device.index, address), storage.nbytes()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
         return None, 0
 
@@ -177,6 +184,10 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
         (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
         None,
     )
+    if device is not None and device.type == "meta":
+        raise ValueError("peak_bytes: the inputs are on the meta device, which allocates no memory, so there is no "
+                         "peak to measure; slimgrad.saved_bytes counts what backward keeps on meta tensors (from "
+                         "their shapes), peak_bytes needs a real device (cpu, cuda)")
     if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
         # A closure (``peak_bytes(lambda: step(model, batch))``) names no device: measure CUDA too and report it
         # when the step allocated there (the CPU allocator records see none of a GPU step's tensors).
