@@ -169,6 +169,39 @@ def test_callback_warns_when_nothing_converts(caplog):
     assert any("nothing in this model" in r.getMessage() for r in caplog.records)
 
 
+class _UnknownRMSNorm(torch.nn.Module):
+    """An RMSNorm (a family slimgrad claims) of a class no integration registers: a gap."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_callback_logs_gaps_on_both_loggers_and_passes_strict(caplog):
+    from slimgrad import _notices
+
+    _notices.reset_warned()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers.integrations.slimgrad")
+    hf_logger.addHandler(handler)
+    try:
+        model = torch.nn.Sequential(torch.nn.ReLU(), _UnknownRMSNorm())
+        with pytest.raises(slimgrad._notices.SlimgradGapError, match="_UnknownRMSNorm"):
+            SlimgradCallback(strict=True).on_train_begin(None, None, None, model=model)
+        assert type(model[0]) is torch.nn.ReLU  # strict raised before anything was swapped
+        callback = SlimgradCallback()
+        with caplog.at_level(logging.WARNING, logger="slimgrad"), pytest.warns(_notices.SlimgradWarning):
+            callback.on_train_begin(None, None, None, model=model)
+        assert type(model[0]) is slimgrad.nn.ReLU and [g.family for g in callback.report.gaps] == ["RMSNorm"]
+        for messages in ([r.getMessage() for r in caplog.records], [r.getMessage() for r in records]):
+            assert any("RMSNorm" in m and "_UnknownRMSNorm is left as stock" in m for m in messages)
+            assert any("1 gap(s)" in m for m in messages)
+    finally:
+        hf_logger.removeHandler(handler)
+        _notices.reset_warned()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.1])
 def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path, lora_dropout):

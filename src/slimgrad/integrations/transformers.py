@@ -59,15 +59,17 @@ def _is_wrapper(model: nn.Module) -> bool:
 class SlimgradCallback(TrainerCallback):
     """Converts the trainer's model in place with :func:`slimgrad.convert` when training begins.
 
-    Keyword arguments are passed through to ``convert`` (``include=``, ``exclude=``, ``chunked_loss=``);
+    Keyword arguments are passed through to ``convert`` (``include=``, ``exclude=``, ``chunked_loss=``,
+    ``strict=``: with ``strict=True`` a gap stops training at its start with ``SlimgradGapError``);
     ``inplace=True`` always (the trainer and its optimizer hold this model). Works with ``Trainer`` and
     every trainer built on it that takes ``callbacks=`` (TRL's ``SFTTrainer``, ``DPOTrainer``, ...).
 
     What it converted is logged on the ``slimgrad`` logger and on transformers' logging (so it follows the
-    trainer's ``log_level``); a run in which nothing was converted logs a warning. ``report`` holds the
-    :class:`~slimgrad.convert.ConversionReport` of the last conversion. Converting again (a second
-    ``train()``) is harmless: modules already converted are left as they are, and ``report`` then lists only
-    the newly converted ones.
+    trainer's ``log_level``); a run in which nothing was converted logs a warning, and so does every gap
+    ``convert`` found (a claimed family left as stock, ``chunked_loss`` engaging on nothing): on both loggers.
+    ``report`` holds the :class:`~slimgrad.convert.ConversionReport` of the last conversion. Converting again
+    (a second ``train()``) is harmless: modules already converted are left as they are, and ``report`` then
+    lists only the newly converted ones.
 
     Note: TRL's ``SFTTrainer`` computes its loss with its own chunked LM head (no full logits), calling the
     model's body directly, so ``chunked_loss=True`` changes nothing there; it matters for ``Trainer``.
@@ -105,9 +107,17 @@ class SlimgradCallback(TrainerCallback):
         message = (f"slimgrad: converted {len(report.converted)} module(s) at train begin"
                    f"{f' ({summary})' if summary else ''}; {total} slimgrad module(s) in the model, "
                    f"{len(report.skipped)} left as stock")
+        if report.gaps:
+            message += f"; {len(report.gaps)} gap(s) in what slimgrad claims (below)"
         if total == 0:
             hf_log.warning("%s: nothing in this model is a type slimgrad knows", message)
             log.warning("%s: nothing in this model is a type slimgrad knows", message)
+        elif report.gaps:
+            hf_log.warning("%s", message)
+            log.warning("%s", message)
         else:
             hf_log.info("%s", message)
             log.info("%s", message)
+        # convert already warned on the slimgrad logger (once per process); the trainer's log gets them every run
+        for gap in report.gaps:
+            hf_log.warning("%s", gap.message())
