@@ -40,7 +40,12 @@ def test_registry_covers_the_integrations():
     if importlib.util.find_spec("transformers") is not None:
         import transformers
 
-        assert transformers.LlamaForCausalLM in REPLACEMENTS  # hf_loss, (*args, **kwargs) internally
+        from slimgrad._notices import class_gap
+
+        # hf_loss registers every *ForCausalLM head (its (*args, **kwargs) forward binds the stock signature)
+        assert transformers.LlamaForCausalLM in REPLACEMENTS, (
+            f"hf_loss did not register LlamaForCausalLM on transformers {transformers.__version__}: "
+            f"{class_gap(transformers.LlamaForCausalLM)}")
         assert transformers.models.gemma.modeling_gemma.GemmaRMSNorm in REPLACEMENTS  # forward(self, x)
 
 
@@ -50,8 +55,8 @@ def test_bound_forward_signature_after_convert():
                                    num_key_value_heads=1, vocab_size=32)
     model = transformers.LlamaForCausalLM(cfg)
     before = list(inspect.signature(model.forward).parameters)
-    slimgrad.convert(model, inplace=True, chunked_loss=True)
-    assert type(model) in ORIGINALS
+    _, report = slimgrad.convert(model, inplace=True, chunked_loss=True, report=True)
+    assert type(model) in ORIGINALS, f"chunked_loss did not engage on LlamaForCausalLM: {report}"
     assert list(inspect.signature(model.forward).parameters) == before
     assert "labels" in before and "kwargs" in before
 
