@@ -14,6 +14,7 @@ library the user did not import: the library classes are read from ``sys.modules
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -69,8 +70,14 @@ def library_of(kind: type) -> tuple[str, str]:
     """(top-level package, installed version) of the code defining ``kind``; "local code" for a class of a
     script or of a package that is not installed (``__main__``, transformers' remote code)."""
     library = kind.__module__.split(".")[0]
+    return library, _version(library)
+
+
+@functools.cache
+def _version(library: str) -> str:
+    """Cached: reading installed metadata costs milliseconds, and a model holds dozens of modules of a class."""
     version = library_version(library)
-    return library, ("local code" if version == "not installed" else version)
+    return "local code" if version == "not installed" else version
 
 
 def libraries_used(model: nn.Module) -> set[str]:
