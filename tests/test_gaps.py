@@ -79,6 +79,10 @@ def test_claimed_family_left_as_stock_warns_even_with_report(caplog):
     assert torch.equal(slim.eval()(x.clone()), expected)  # the gap runs stock's numbers
 
 
+def test_exported_at_package_level():
+    assert slimgrad.SlimgradWarning is SlimgradWarning and slimgrad.SlimgradGapError is SlimgradGapError
+
+
 def test_warns_once_per_class_and_reason():
     model = model_with_gaps()
     with pytest.warns(SlimgradWarning):

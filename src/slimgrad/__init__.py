@@ -5,6 +5,7 @@
 """
 
 from . import functional, nn
+from ._notices import SlimgradGapError, SlimgradWarning
 from .audit import AuditReport, audit
 from .convert import ConversionReport, convert, revert
 from .functional.cross_entropy import fused_linear_cross_entropy
@@ -17,6 +18,8 @@ __all__ = [
     "audit",
     "ConversionReport",
     "SavedTensors",
+    "SlimgradGapError",
+    "SlimgradWarning",
     "convert",
     "enabled",
     "functional",
