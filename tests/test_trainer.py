@@ -202,11 +202,28 @@ def test_callback_logs_gaps_on_both_loggers_and_passes_strict(caplog):
         _notices.reset_warned()
 
 
+class _StepGradients(transformers.TrainerCallback):
+    """Keeps every trainable parameter's gradient of every optimizer step, before the step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.1])
 def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path, lora_dropout):
-    """With lora_dropout > 0 both runs should draw the same masks: the trainer seeds both alike, and slimgrad's
-    CPU dropout policy ("bits") draws peft's own mask from the default generator."""
+    """SFTConfig trains in bf16 by default (bf16=True: autocast on CPU too), where every module slimgrad
+    converts here gives stock's bits, so the losses and the LoRA gradients of every step are bitwise stock's.
+    The gradients are compared step by step because the losses hide a difference for a while: before the fix
+    in slimgrad.functional.lora (the base's and the adapter's input gradients added in bf16 instead of fp32,
+    as stock's two autocast casts of a non-leaf x add them), step 0 was bitwise (B = 0: the adapter's input
+    gradient is 0), step 1's gradients were 1 bf16 ulp off (up to 1% of their largest value) and only step 2's
+    loss showed it (2.5e-5 relative).
+    With lora_dropout > 0 both runs should draw the same masks: the trainer seeds both alike, and under
+    autocast peft's own forward runs the dropping adapters."""
     trl = pytest.importorskip("trl")
 
     class RecordingSFT(trl.SFTTrainer):
@@ -219,20 +236,28 @@ def test_sft_trainer_peft_config_with_callback_same_losses(tmp_path, lora_dropou
     data = dataset().remove_columns(["labels", "attention_mask", "text"])
 
     def run(name, callbacks):
+        gradients = _StepGradients()
         config = trl.SFTConfig(**training_args(tmp_path, name), gradient_checkpointing=True)
+        assert config.bf16  # the premise above
         trainer = RecordingSFT(model=tiny_llama(), args=config, train_dataset=data,
                                peft_config=lora_config(lora_dropout),
-                               processing_class=tiny_tokenizer(), callbacks=callbacks)
+                               processing_class=tiny_tokenizer(), callbacks=[*callbacks, gradients])
         trainer.train()
-        return trainer
+        return trainer, gradients.steps
 
     callback = SlimgradCallback()
-    expected = run("stock", None)
-    actual = run("slim", [callback])
+    expected, expected_grads = run("stock", [])
+    actual, actual_grads = run("slim", [callback])
     converted_lora = [p for p, t in callback.report.converted if t == "Linear"]
     assert len(converted_lora) == len(lora_names(actual.model)) == 2 * len(TARGETS)
     assert not any(type(m) in ORIGINALS for m in expected.model.modules())
-    assert_same_losses(actual.losses, expected.losses)
+    assert len(actual.losses) == len(expected.losses) == len(actual_grads) == len(expected_grads) == 3
+    for step, (grads, stock_grads) in enumerate(zip(actual_grads, expected_grads)):
+        assert grads.keys() == stock_grads.keys() and len(grads) == 4 * len(TARGETS)
+        for name, grad in grads.items():
+            assert torch.equal(grad, stock_grads[name]), f"step {step}: {name}"
+    assert actual.losses == expected.losses
+    assert expected.losses[-1] < expected.losses[0]  # it trains
 
 
 def _example():

@@ -296,6 +296,21 @@ def _stock_keeps_what_we_keep(x, adapters, training, cast_input) -> bool:
     return not (cast_input and adapters and x.dtype != adapters[0].A.dtype)
 
 
+def _autocast_casts_x_per_op(x: torch.Tensor) -> bool:
+    """Whether stock, under autocast, casts x once per linear op (the base layer's and each adapter's A)
+    rather than once: autocast caches only the cast of an fp32 leaf that requires grad (a parameter), and x
+    in a model is no leaf. Each cast's gradient then comes back in x's dtype, and autograd adds the base's
+    and the adapters' input gradients there (fp32). One shared cast would add them in the lower precision
+    first: one more rounding, 1 bf16 ulp on about half of x's gradient."""
+    dtype = _common.autocast_dtype(x.device.type)
+    if dtype is None or not (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        return False  # compiled: Inductor's own roundings (README, Exactness); left as it was
+    if not x.is_floating_point() or x.dtype in (dtype, torch.float64):
+        return False  # autocast casts nothing
+    cached = x.dtype == torch.float32 and x.is_leaf and not x._is_view() and torch.is_autocast_cache_enabled()
+    return not cached
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 adapters: Sequence[LoraAdapter] = (), *, fan_in_fan_out: bool = False, training: bool = True,
                 cast_input: bool = True, dropout_policy: str | None = None) -> torch.Tensor:
@@ -321,6 +336,19 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         for a in adapters:
             result = result + F.linear(F.linear(x, a.A), a.B, a.bias) * a.scaling
         return result
+    scalings = tuple(float(a.scaling) for a in adapters)
+    ps = tuple(float(a.dropout) if training else 0.0 for a in adapters)
+    if adapters and _autocast_casts_x_per_op(x):
+        # As stock: the base layer's op on its own cast of x, then per adapter our Function on its own cast,
+        # added left to right; autograd adds the casts' gradients in x's dtype, in stock's order.
+        result = _base_forward(x, weight, bias, fan_in_fan_out)
+        for a, scaling, p in zip(adapters, scalings, ps):
+            xa, A, B, b_bias = _common.autocast_lower_precision(x, a.A, a.B, a.bias)
+            with _common.autocast_off(x.device.type):
+                u = LoraLinearFunction.apply(xa, None, None, bool(fan_in_fan_out), bool(cast_input), (scaling,),
+                                             (p,), dropout_policy, A, B, b_bias)
+            result = result + u
+        return result
     tensors = [x, weight, bias]
     for a in adapters:
         tensors += [a.A, a.B, a.bias]
@@ -328,8 +356,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     flat = []
     for k in range(len(adapters)):
         flat += tensors[3 + 3 * k: 6 + 3 * k]
-    scalings = tuple(float(a.scaling) for a in adapters)
-    ps = tuple(float(a.dropout) if training else 0.0 for a in adapters)
     with _common.autocast_off(x.device.type):
         return LoraLinearFunction.apply(tensors[0], tensors[1], tensors[2], bool(fan_in_fan_out), bool(cast_input),
                                         scalings, ps, dropout_policy, *flat)
