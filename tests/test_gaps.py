@@ -174,7 +174,8 @@ def test_option_gated_replacement_declining_is_a_gap():
         assert type(slim[0]) is SlimHead
         with pytest.warns(SlimgradWarning, match="chunked_loss .*Head is left as stock .*lm_head is not a Linear"):
             slim, report = slimgrad.convert(nn.Sequential(Head(False)), chunked_loss=True, report=True)
-        assert type(slim[0]) is Head and report.skipped == [] and len(report.gaps) == 1  # no "engaged on nothing"
+        assert type(slim[0]) is Head and len(report.gaps) == 1  # and no "engaged on nothing" on top
+        assert [(s.path, s.reason) for s in report.skipped] == [("0", "lm_head is not a Linear")]
     finally:
         del REPLACEMENTS[Head], ORIGINALS[SlimHead], OPTIONS[Head]
 
@@ -275,3 +276,18 @@ def test_lora_layer_without_replacement_is_a_gap():
     with pytest.warns(SlimgradWarning, match="LoRA layer .*CustomLora is left as stock"):
         _, report = slimgrad.convert(nn.Sequential(CustomLora()), report=True)
     assert [g.family for g in report.gaps] == ["LoRA layer"]
+
+
+def test_claimed_family_declined_by_its_replacement_warns_with_report(caplog):
+    model = tiny_llama()
+    mlp = model.model.layers[0].mlp
+    mlp.act_fn.register_forward_hook(lambda m, i, o: None)  # the replacement declines a hooked activation
+    with caplog.at_level(logging.INFO, logger="slimgrad"), pytest.warns(SlimgradWarning, match="gated MLP .*LlamaMLP"):
+        slim, report = slimgrad.convert(model, report=True)
+    assert type(slim.model.layers[0].mlp) is type(mlp)
+    assert [g.family for g in report.gaps] == ["gated MLP"] and "hooks" in report.gaps[0].reason
+    assert report.gap_paths[report.gaps[0].subject] == ["model.layers.0.mlp"]
+    assert [s.path for s in report.skipped] == ["model.layers.0.mlp"]
+    assert any(r.levelno == logging.WARNING and "LlamaMLP" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(0, 64, (1, 5))
+    assert torch.equal(slim(input_ids=ids).logits, model(input_ids=ids.clone()).logits)

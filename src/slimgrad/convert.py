@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ._gaps import CHUNKED_LOSS, family_gap, model_gap, module_gap, remember_converted
+from ._gaps import CHUNKED_LOSS, claimed_family, family_gap, model_gap, module_gap, remember_converted
 from ._notices import Gap, notify_all
 from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
 from .functional.dropout import POLICY_ATTRIBUTE
@@ -264,11 +264,12 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             continue
         reason_fn = getattr(replacement, "unsupported_reason", None)
         reason = reason_fn(module) if reason_fn is not None else None
-        if reason is not None and kind in OPTIONS:  # an option the user asked for does not engage here
-            result.add_gap(family_gap(kind, OPTIONS[kind], reason), path)
-            continue
         if reason is not None:
             result.skipped.append(Skipped(path, name, reason))
+            # an option the user asked for, or a family the docs claim, that does not engage here: a gap
+            family = OPTIONS.get(kind) or claimed_family(module)
+            if family is not None:
+                result.add_gap(family_gap(kind, family, reason), path)
             continue
         swaps.append((module, replacement))
         result.converted.append((path, kind.__name__))
