@@ -107,11 +107,30 @@ def test_trainer_peft_lora_same_losses_and_adapter_reloads(tmp_path, chunked_los
     stock = peft.get_peft_model(tiny_llama(), lora_config())
     slim = slimgrad.convert(copy.deepcopy(stock), inplace=True, chunked_loss=chunked_loss)
     assert sum(type(m) in ORIGINALS for m in slim.modules()) > len(TARGETS)
+    head = slim.get_base_model()
+    assert (type(head) in ORIGINALS) == chunked_loss, f"chunked_loss={chunked_loss}, head is {type(head).__name__}"
+    logits_gone = []  # per training forward of the head: did it return no logits?
+    handle = head.register_forward_hook(
+        lambda module, args, out: logits_gone.append(out.logits is None) if torch.is_grad_enabled() else None)
     overrides = dict(gradient_checkpointing=checkpointing)
     expected = train_trainer(tmp_path, "stock", stock, **overrides)
     actual = train_trainer(tmp_path, "slim", slim, **overrides)
+    handle.remove()
     assert len(actual.losses) == 3
     assert_same_losses(actual.losses, expected.losses, exact_first=not chunked_loss)
+    assert logits_gone == [chunked_loss] * 3, logits_gone  # the chunked head really ran in every step (or never)
+    if chunked_loss:  # and the bytes kept for backward fall: by the fp32 log-softmax of the logits (tokens x V),
+        # less the hidden states (tokens x 32) the fused loss keeps where stock's frozen lm_head kept none
+        from slimgrad.measure import SavedTensors
+
+        batch = {k: torch.tensor(dataset()[k][:2]) for k in ("input_ids", "attention_mask", "labels")}
+        kept = {}
+        for key, model in (("stock", expected.model), ("slim", actual.model)):
+            model.train()
+            with SavedTensors(exclude=[model]) as rec:
+                model(**batch)
+            kept[key] = rec.bytes
+        assert kept["stock"] - kept["slim"] >= 2 * SEQ * (V - 32) * 4, kept
 
     # The adapter the converted model saves loads into a stock model and gives the trained model's outputs.
     actual.model.save_pretrained(tmp_path / "adapter")
