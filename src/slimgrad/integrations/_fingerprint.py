@@ -30,7 +30,7 @@ import inspect
 import textwrap
 from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["fingerprint", "normalise", "source_fingerprint", "unknown_reason"]
+__all__ = ["Verified", "fingerprint", "normalise", "source_fingerprint", "unknown_reason"]
 
 _EFFECTS = (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)
 _SKIPPED_FIELDS = {"kind", "type_comment", "type_params"}
@@ -278,6 +278,52 @@ def unknown_reason(methods: Mapping[str, object], known: Mapping[str, Mapping[st
 
 def _versions(table: Mapping[str, str]) -> str:
     return ", ".join(sorted(set(table.values()))) or "no version"
+
+
+class Verified:
+    """The upstream functions one replacement reproduces, checked against a table of known fingerprints.
+
+    ``functions`` maps a label to ``(owner, attribute)`` (a class or module and the name of the function on
+    it), read at every check, so a helper renamed upstream is "missing" rather than an ImportError, and a
+    forward monkey-patched after import is seen. :meth:`reason` re-fingerprints only when one of the
+    functions changed identity; while it is not None the ``classes`` are recorded as gaps of ``family``
+    (:func:`slimgrad._notices.record_class_gap`), so ``convert`` warns about them, and forgotten again once
+    the functions are known and the class is registered.
+    """
+
+    def __init__(self, functions: Mapping[str, tuple[object, str]], known: Mapping[str, Mapping[str, str]], *,
+                 classes: tuple[type, ...], library: str, family: str):
+        self.functions, self.known = dict(functions), known
+        self.classes, self.library, self.family = classes, library, family
+        self._seen: tuple | None = None
+        self._reason: str | None = None
+
+    def current(self) -> dict[str, object]:
+        return {label: getattr(owner, name, None) for label, (owner, name) in self.functions.items()}
+
+    def still_known(self) -> bool:
+        """Whether the functions last checked were known and none has been replaced since (cheap: for the
+        forward of a converted module, which runs upstream's own forward otherwise)."""
+        if self._reason is not None or self._seen is None:
+            return False
+        return all(getattr(getattr(owner, name, None), "__func__", getattr(owner, name, None)) is seen
+                   for (owner, name), seen in zip(self.functions.values(), self._seen))
+
+    def reason(self) -> str | None:
+        """None when every function is one slimgrad knows; else why not (and the classes are gaps)."""
+        from slimgrad import _notices
+        from slimgrad._registry import REPLACEMENTS
+
+        functions = self.current()
+        seen = tuple(getattr(f, "__func__", f) for f in functions.values())
+        if self._seen is None or len(seen) != len(self._seen) or any(a is not b for a, b in zip(seen, self._seen)):
+            self._seen, self._reason = seen, unknown_reason(functions, self.known)
+            for cls in self.classes:
+                if self._reason is not None:
+                    _notices.record_class_gap(cls, library=self.library, family=self.family, reason=self._reason)
+                elif cls in REPLACEMENTS:
+                    _notices.forget_class_gap(cls)
+        return self._reason
 
 
 def _main(argv: list[str]) -> int:

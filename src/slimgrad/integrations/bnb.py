@@ -13,28 +13,104 @@ plain adapter through slimgrad's LoRA Function with no base term, in peft's orde
 output cast to the base result's dtype and added). That needs ``LoraLinearFunction`` to accept
 ``weight=None``; with a ``lora.py`` that does not, the wrappers are not registered and run peft's forward
 (over a converted base layer, which already keeps no input).
+
+All of this re-implements upstream code (the layers' forwards, the helpers they call, the autograd
+Functions :mod:`slimgrad.functional.quantized` mirrors, peft's forwards), so each class is registered only
+when every one of those functions is a version slimgrad has read (:data:`KNOWN`, compared by
+:mod:`slimgrad.integrations._fingerprint`), and re-checked at every convert. A helper renamed upstream, a
+new parameter on a forward, any edit: the class is left to bitsandbytes (or peft), recorded as a gap
+(family "bitsandbytes linear" or "LoRA layer") that ``convert`` warns about, and this module still imports.
 """
 
 from __future__ import annotations
 
-import torch
-from bitsandbytes.nn.modules import Linear4bit, Linear8bitLt, LinearFP4, LinearNF4
-from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module as _fix_quant_state
+import importlib
 
-from slimgrad._registry import register, register_forward
+import torch
+
+from slimgrad._registry import ORIGINALS, register, register_forward
 from slimgrad.functional.dropout import module_policy
 from slimgrad.functional.lora import LoraLinearFunction
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
+from slimgrad.integrations._fingerprint import Verified
 
-__all__ = ["SlimLinear4bit", "SlimLinear8bitLt", "SlimLinearFP4", "SlimLinearNF4"]
+
+def _module(name: str):
+    """``name`` imported, or None where this bitsandbytes (or peft) has no such module."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+_modules = _module("bitsandbytes.nn.modules")
+_functions = _module("bitsandbytes.autograd._functions")
+Linear4bit = getattr(_modules, "Linear4bit", None)
+LinearFP4 = getattr(_modules, "LinearFP4", None)
+LinearNF4 = getattr(_modules, "LinearNF4", None)
+Linear8bitLt = getattr(_modules, "Linear8bitLt", None)
+
+__all__ = ["KNOWN"]
+
+_BNB_050 = "bitsandbytes 0.50.0-0.50.2"
+_PEFT_017, _PEFT_018 = "peft 0.17.0-0.17.1", "peft 0.18.0-0.21.2"
+#: function -> {fingerprint: versions it was read in}. bitsandbytes 0.45-0.49 differ in the 4-bit prelude, the
+#: int8 Functions or the 4-bit matmul dispatch: slimgrad reproduces (and tests) 0.50 only.
+KNOWN = {
+    "Linear4bit.forward": {"a3b23774264b2005": _BNB_050},
+    "Linear4bit.set_compute_type": {"cf17dda6d0c9a273": _BNB_050},
+    "fix_4bit_weight_quant_state_from_module": {"8e18f78f3322c557": _BNB_050},
+    "matmul_4bit": {"a4706aefcddc4064": _BNB_050},
+    "MatMul4Bit.forward": {"e0c65ea12c035e4f": _BNB_050},
+    "MatMul4Bit.backward": {"ac3c9b7c460f1b89": _BNB_050},
+    "Linear8bitLt.forward": {"e2036fe36408f3de": "bitsandbytes 0.45.0-0.50.2"},
+    "Linear8bitLt.init_8bit_state": {"014d8756b59140d0": "bitsandbytes 0.45.0-0.50.2"},
+    "matmul": {"b94a79660fe4fa2b": "bitsandbytes 0.48.2-0.50.2"},
+    "MatMul8bitLt.forward": {"72870703e8402fd7": _BNB_050},
+    "MatMul8bitLt.backward": {"5d1eaac0a16409b9": "bitsandbytes 0.49.2-0.50.2"},
+    "MatMul8bitFp.forward": {"5472b599b1e0a64e": "bitsandbytes 0.48.2-0.50.2"},
+    "MatMul8bitFp.backward": {"cc9ace20627e3733": "bitsandbytes 0.47.0-0.50.2"},
+    # peft 0.17 differs from 0.18 only in the LoRA-variant and adapter_names branches (peft's forward here)
+    "lora.bnb.Linear4bit.forward": {"c5b1701f232c2721": _PEFT_017, "34154b70abc91c77": _PEFT_018},
+    "lora.bnb.Linear8bitLt.forward": {"9693bc4022de0f34": _PEFT_017, "54c13d91d3f7f15b": _PEFT_018},
+    "BaseTunerLayer._cast_input_dtype": {"205581c1e8c84685": "peft 0.17.0-0.21.2"},
+}
+_MATMUL_4BIT = {"fix_4bit_weight_quant_state_from_module": (_modules, "fix_4bit_weight_quant_state_from_module"),
+                "matmul_4bit": (_functions, "matmul_4bit"),
+                "MatMul4Bit.forward": (getattr(_functions, "MatMul4Bit", None), "forward"),
+                "MatMul4Bit.backward": (getattr(_functions, "MatMul4Bit", None), "backward")}
+_MATMUL_8BIT = {"matmul": (_functions, "matmul"),
+                "MatMul8bitLt.forward": (getattr(_functions, "MatMul8bitLt", None), "forward"),
+                "MatMul8bitLt.backward": (getattr(_functions, "MatMul8bitLt", None), "backward"),
+                "MatMul8bitFp.forward": (getattr(_functions, "MatMul8bitFp", None), "forward"),
+                "MatMul8bitFp.backward": (getattr(_functions, "MatMul8bitFp", None), "backward")}
+
+
+def _check_4bit(cls: type) -> Verified:
+    return Verified({"Linear4bit.forward": (cls, "forward"), "Linear4bit.set_compute_type": (cls, "set_compute_type"),
+                     **_MATMUL_4BIT}, KNOWN, classes=(cls,), library="bitsandbytes", family="bitsandbytes linear")
+
+
+_CHECKS: dict[type, Verified] = {cls: _check_4bit(cls) for cls in (Linear4bit, LinearFP4, LinearNF4) if cls is not None}
+if Linear8bitLt is not None:
+    _CHECKS[Linear8bitLt] = Verified({"Linear8bitLt.forward": (Linear8bitLt, "forward"),
+                                      "Linear8bitLt.init_8bit_state": (Linear8bitLt, "init_8bit_state"),
+                                      **_MATMUL_8BIT}, KNOWN, classes=(Linear8bitLt,), library="bitsandbytes",
+                                     family="bitsandbytes linear")
+
+
+def _known_now(self) -> bool:
+    """Whether the upstream functions this module's forward reproduces are still the ones checked."""
+    check = _CHECKS.get(ORIGINALS.get(type(self), type(self)))
+    return check is not None and check.still_known()
 
 
 def _forward_4bit(self: Linear4bit, x: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' ``Linear4bit.forward`` with the matmul in a Function that keeps no input."""
-    stock = Linear4bit.forward
-    if not isinstance(x, torch.Tensor) or not getattr(self.weight, "bnb_quantized", False):
+    stock = ORIGINALS[type(self)].forward
+    if not isinstance(x, torch.Tensor) or not getattr(self.weight, "bnb_quantized", False) or not _known_now(self):
         return stock(self, x)
-    _fix_quant_state(self)
+    _modules.fix_4bit_weight_quant_state_from_module(self)
     qs = self.weight.quant_state
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
     if not wants_grad or qs is None or getattr(qs, "packing_format_for_cpu", False) or x.numel() == 0:
@@ -55,9 +131,9 @@ def _forward_4bit(self: Linear4bit, x: torch.Tensor) -> torch.Tensor:
 
 def _forward_8bit(self: Linear8bitLt, x: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' ``Linear8bitLt.forward`` with the matmul in a Function that keeps no input."""
-    stock = Linear8bitLt.forward
+    stock = ORIGINALS[type(self)].forward
     state = self.state
-    if not isinstance(x, torch.Tensor) or state.has_fp16_weights or x.numel() == 0:
+    if not isinstance(x, torch.Tensor) or state.has_fp16_weights or x.numel() == 0 or not _known_now(self):
         return stock(self, x)
     state.is_training = self.training
     if self.weight.CB is not None:
@@ -73,16 +149,22 @@ def _forward_8bit(self: Linear8bitLt, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _unsupported_8bit(module: Linear8bitLt) -> str | None:
-    if module.state.has_fp16_weights:
+def _unsupported_4bit(module) -> str | None:
+    return _CHECKS[ORIGINALS.get(type(module), type(module))].reason()
+
+
+def _unsupported_8bit(module) -> str | None:
+    reason = _CHECKS[ORIGINALS.get(type(module), type(module))].reason()
+    if reason is None and module.state.has_fp16_weights:
         return "has_fp16_weights=True: the weight trains in fp16 and is requantized every step"
-    return None
+    return reason
 
 
-SlimLinear4bit = register_forward(Linear4bit, _forward_4bit, module=__name__)
-SlimLinearFP4 = register_forward(LinearFP4, _forward_4bit, module=__name__)
-SlimLinearNF4 = register_forward(LinearNF4, _forward_4bit, module=__name__)
-SlimLinear8bitLt = register_forward(Linear8bitLt, _forward_8bit, module=__name__, unsupported_reason=_unsupported_8bit)
+for _cls, _fwd, _why in ((Linear4bit, _forward_4bit, _unsupported_4bit), (LinearFP4, _forward_4bit, _unsupported_4bit),
+                         (LinearNF4, _forward_4bit, _unsupported_4bit),
+                         (Linear8bitLt, _forward_8bit, _unsupported_8bit)):
+    if _cls is not None and _CHECKS[_cls].reason() is None:  # otherwise a gap, recorded by the check
+        __all__.append(register_forward(_cls, _fwd, module=__name__, unsupported_reason=_why).__name__)
 
 
 def _adapters_only_supported() -> bool:
@@ -105,7 +187,7 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     stock = _stock_type(self).forward
     adapters = None
     if (not args and not kwargs and not self.disable_adapters and not self.merged and isinstance(x, torch.Tensor)
-            and not self.lora_variant and not torch.is_autocast_enabled()):
+            and not self.lora_variant and not torch.is_autocast_enabled() and _known_now(self)):
         adapters = _adapters(self, x)
     if adapters is None:
         return stock(self, x, *args, **kwargs)
@@ -123,20 +205,49 @@ try:
 except ImportError:  # peft not installed: only bitsandbytes' own layers
     _peft_bnb = None
 
+
+def _peft_check(cls: type, label: str) -> Verified:
+    return Verified({label: (cls, "forward"), "BaseTunerLayer._cast_input_dtype": (cls, "_cast_input_dtype")},
+                    KNOWN, classes=(cls,), library="peft", family="LoRA layer")
+
+
+def _unsupported_lora(module) -> str | None:
+    return _CHECKS[ORIGINALS.get(type(module), type(module))].reason()
+
+
+_PEFT_CLASSES = {name: getattr(_peft_bnb, name, None) for name in ("Linear4bit", "Linear8bitLt")}
+for _name, _cls in _PEFT_CLASSES.items():
+    if _cls is not None:
+        _CHECKS[_cls] = _peft_check(_cls, f"lora.bnb.{_name}.forward")
+
 if _peft_bnb is not None and _adapters_only_supported():
     # Declared, not built by register_forward: peft's classes share bitsandbytes' names (Linear4bit), and the
     # generated "SlimLinear4bit" would shadow bitsandbytes' replacement in this module (breaking pickling).
+    _LoraLinear4bit, _LoraLinear8bitLt = _PEFT_CLASSES["Linear4bit"], _PEFT_CLASSES["Linear8bitLt"]
 
-    @register(_peft_bnb.Linear4bit)
-    class SlimLoraLinear4bit(_peft_bnb.Linear4bit):
-        """slimgrad's drop-in for peft.tuners.lora.bnb.Linear4bit (forward only)."""
+    if _LoraLinear4bit is not None and _CHECKS[_LoraLinear4bit].reason() is None:
+        @register(_LoraLinear4bit)
+        class SlimLoraLinear4bit(_LoraLinear4bit):
+            """slimgrad's drop-in for peft.tuners.lora.bnb.Linear4bit (forward only)."""
 
-        forward = _lora_forward
+            forward = _lora_forward
+            unsupported_reason = classmethod(lambda cls, m: _unsupported_lora(m))
 
-    @register(_peft_bnb.Linear8bitLt)
-    class SlimLoraLinear8bitLt(_peft_bnb.Linear8bitLt):
-        """slimgrad's drop-in for peft.tuners.lora.bnb.Linear8bitLt (forward only)."""
+        __all__.append("SlimLoraLinear4bit")
 
-        forward = _lora_forward
+    if _LoraLinear8bitLt is not None and _CHECKS[_LoraLinear8bitLt].reason() is None:
+        @register(_LoraLinear8bitLt)
+        class SlimLoraLinear8bitLt(_LoraLinear8bitLt):
+            """slimgrad's drop-in for peft.tuners.lora.bnb.Linear8bitLt (forward only)."""
 
-    __all__ += ["SlimLoraLinear4bit", "SlimLoraLinear8bitLt"]
+            forward = _lora_forward
+            unsupported_reason = classmethod(lambda cls, m: _unsupported_lora(m))
+
+        __all__.append("SlimLoraLinear8bitLt")
+
+
+def refresh() -> None:
+    """Re-check the upstream functions on every convert (called by
+    :func:`slimgrad.integrations.load_available`): one patched since import makes its class a gap."""
+    for check in _CHECKS.values():
+        check.reason()

@@ -12,6 +12,11 @@ hooks, string paddings, autocast regions and adapters of mixed dtypes.
 
 ``lora.Embedding`` is not replaced: measured, peft's forward keeps only the int64 indices (for dA) and
 ``A[ids]`` (for dB), the frozen base embedding nothing, which is already the minimum (tests check it).
+
+As for ``lora.Linear`` (:mod:`slimgrad.integrations.peft_lora`), the adapters' branch re-implements peft's
+``_ConvNd.forward``: each class is registered only when its forward and ``_cast_input_dtype`` are versions
+slimgrad has read (:data:`KNOWN`), re-checked at every convert, and otherwise left to peft and recorded as
+a gap (family "LoRA layer").
 """
 
 from __future__ import annotations
@@ -26,11 +31,22 @@ from slimgrad._registry import register_forward
 from slimgrad.functional._common import autocast_enabled
 from slimgrad.functional.dropout import module_policy
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
+from slimgrad.integrations._fingerprint import Verified
 from slimgrad.integrations.peft_lora import _dropout_p, _has_hooks, _stock_type
 
-__all__ = ["SlimConv1d", "SlimConv2d", "SlimConv3d"]
+__all__ = ["KNOWN"]
 
 _STOCK = {LoraConv1d: nn.Conv1d, LoraConv2d: nn.Conv2d, LoraConv3d: nn.Conv3d}
+
+#: function -> {fingerprint: versions it was read in}; peft 0.17 differs from 0.18 only in the LoRA-variant
+#: branch, which runs peft's own forward here.
+KNOWN = {
+    "lora._ConvNd.forward": {"95801dd94603e71b": "peft 0.17.0-0.17.1", "ff4151947623f646": "peft 0.18.0-0.21.2"},
+    "BaseTunerLayer._cast_input_dtype": {"205581c1e8c84685": "peft 0.17.0-0.21.2"},
+}
+_CHECKS = {cls: Verified({"lora._ConvNd.forward": (cls, "forward"),
+                          "BaseTunerLayer._cast_input_dtype": (cls, "_cast_input_dtype")},
+                         KNOWN, classes=(cls,), library="peft", family="LoRA layer") for cls in _STOCK}
 
 
 def _lora_class(module: nn.Module) -> type:
@@ -38,6 +54,10 @@ def _lora_class(module: nn.Module) -> type:
 
 
 def _unsupported(module) -> str | None:
+    return _CHECKS[_lora_class(module)].reason() or _unsupported_layer(module)
+
+
+def _unsupported_layer(module) -> str | None:
     base, conv = module.base_layer, _STOCK[_lora_class(module)]
     if _stock_type(base) is not conv:
         return f"base layer is {type(base).__name__}, not {conv.__name__}"
@@ -80,10 +100,11 @@ def _adapters(self, x: torch.Tensor):
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less."""
-    stock = _lora_class(self).forward
+    cls = _lora_class(self)
+    stock = cls.forward
     if (args or kwargs or self.disable_adapters or self.merged or not isinstance(x, torch.Tensor)
             or x.dim() != self.base_layer.weight.dim() or autocast_enabled(x.device.type)
-            or _has_hooks(self.base_layer) or _unsupported(self) is not None):
+            or _has_hooks(self.base_layer) or not _CHECKS[cls].still_known() or _unsupported_layer(self) is not None):
         return stock(self, x, *args, **kwargs)
     adapters = _adapters(self, x)
     if adapters is None:
@@ -92,6 +113,12 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
                      dropout_policy=module_policy(self))
 
 
-SlimConv1d = register_forward(LoraConv1d, _forward, module=__name__, unsupported_reason=_unsupported)
-SlimConv2d = register_forward(LoraConv2d, _forward, module=__name__, unsupported_reason=_unsupported)
-SlimConv3d = register_forward(LoraConv3d, _forward, module=__name__, unsupported_reason=_unsupported)
+for _cls in _STOCK:
+    if _CHECKS[_cls].reason() is None:  # otherwise left to peft, recorded as a gap by the check
+        __all__.append(register_forward(_cls, _forward, module=__name__, unsupported_reason=_unsupported).__name__)
+
+
+def refresh() -> None:
+    """Re-check peft's functions on every convert (see :func:`slimgrad.integrations.peft_lora.refresh`)."""
+    for check in _CHECKS.values():
+        check.reason()
