@@ -5,7 +5,8 @@ one set of library releases: the oldest ``pyproject.toml`` allows (``constraints
 ones CI runs (``constraints-tested.txt``), the newest (``scripts/newest.sh``). In each, a probe (this file with
 ``--probe``, run by that venv's Python) runs every case of ``tests/test_claims.py`` (the drift test: one tiny
 model per family the README claims) and reports engaged / total per case and the installed versions. The table
-is printed and, unless ``--no-write``, written to docs/compat.md with the command that made it.
+is printed and, unless ``--no-write``, written into docs/compat.md's marked section with the command that
+made it.
 
     python benchmarks/compat_table.py --venv oldest=/work/venvs/oldest --venv pinned=.venv \\
         --venv newest=/tmp/slimgrad-newest
@@ -26,6 +27,9 @@ import platform
 import re
 import subprocess
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _docs import write_section  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPAT_MD = ROOT / "docs" / "compat.md"
@@ -108,20 +112,18 @@ def _feature(case: str) -> str:
 
 def render(names: list[str], probes: list[dict], census: list[str] | None, command: str) -> str:
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
-    lines = ["# Compatibility", "",
-             "Which families that the README claims engage (modules converted / modules of that class in a tiny",
-             "model; for the chunked loss: no logits and stock's loss), on each set of library releases tested.",
-             "Made by `benchmarks/compat_table.py`, which runs the cases of the drift test (`tests/test_claims.py`)",
-             "in each virtual environment. A **NO** names a family that stopped engaging there; `convert` warns",
-             "about it (see the drift test's message for the recorded reason).", "",
-             f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; machine: {machine}; "
+    lines = ["## The table", "",
+             "Cells: modules converted / modules of that class in the case's tiny model (chunked loss: 1/1 when a",
+             "training forward with labels returns no logits and stock's loss). A **NO** is a claimed family that",
+             "does not engage on those releases; `convert` warns about it, and the reason is listed below.", "",
+             f"Made by: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; machine: {machine}; "
              f"Python {probes[0]['python']}.", "",
-             "## Releases", "", "| library | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+             "### Releases", "", "| library | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for lib in LIBRARIES:
         lines.append(f"| {lib} | " + " | ".join(p["versions"].get(lib, "?") for p in probes) + " |")
     if census is not None:
         lines.append("| chunked-loss heads engaged (census) | " + " | ".join(census) + " |")
-    lines += ["", "## Families engaged", "", "| feature | case (class) | " + " | ".join(names) + " |",
+    lines += ["", "### Families engaged", "", "| feature | case (class) | " + " | ".join(names) + " |",
               "|---|---|" + "---|" * len(names)]
     for case in probes[0]["results"]:
         subject = next((p["results"][case].get("subject") for p in probes if p["results"].get(case, {}).get("subject")),
@@ -133,7 +135,7 @@ def render(names: list[str], probes: list[dict], census: list[str] | None, comma
     reasons = [(n, case, p["results"][case]) for n, p in zip(names, probes) for case in p["results"]
                if p["results"][case].get("why") or p["results"][case].get("error")]
     if reasons:
-        lines += ["", "## Why not", ""]
+        lines += ["", "### Why not", ""]
         for n, case, r in reasons:
             lines.append(f"- {n}, {case}: {r.get('why') or r.get('error')}")
     return "\n".join(lines) + "\n"
@@ -169,9 +171,8 @@ def main(argv=None) -> None:
     command += " --census" if args.census else ""
     text = render(names, probes, census, command)
     print(text)
-    if not args.no_write:
-        args.output.parent.mkdir(exist_ok=True)
-        args.output.write_text(text)
+    if not args.no_write:  # only the marked section: the prose around it in docs/compat.md is hand-written
+        write_section("compat-table", text.rstrip("\n"), args.output)
         print(f"wrote {args.output}", file=sys.stderr)
 
 
