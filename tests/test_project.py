@@ -1,17 +1,90 @@
-"""Project hygiene that CI relies on: lint clean, and .ci/run runs exactly the README's test command."""
+"""Project hygiene that CI relies on: lint clean, .ci/run runs exactly the README's test command, that command
+installs pinned releases of every direct dependency, the floors in pyproject.toml are the releases the oldest set
+pins, the README's version table says what the constraints files say, and the licence is the declared one."""
 
 import pathlib
+import re
 import shutil
 import subprocess
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: floors pyproject declares without a venv that tests them (the README says so): only torch 2.13.0 is tested here
+UNTESTED_FLOORS = {"torch", "numba", "pytest"}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _pins(path: pathlib.Path) -> dict[str, str]:
+    """name -> version of every ``name==version`` line of a constraints file."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"{path.name}: {line!r} is not a name==version pin"
+            pins[_normal(name)] = version
+    return pins
+
+
+def _requirements():
+    """The packaging Requirements of pyproject's dependencies and dev extra (what the test command installs)."""
+    tomllib = pytest.importorskip("tomllib")
+    requirements = pytest.importorskip("packaging.requirements")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [requirements.Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
 
 
 def test_ci_runs_the_readme_test_command():
     ci_command = (ROOT / ".ci/run").read_text().strip().splitlines()[-1]
     assert ci_command in (ROOT / "README.md").read_text()
+    assert "-c constraints-tested.txt -e '.[dev]'" in ci_command, "CI must install the tested pins"
+
+
+def test_the_test_command_pins_every_direct_dependency():
+    pins = _pins(ROOT / "constraints-tested.txt")
+    for requirement in _requirements():
+        name = _normal(requirement.name)
+        assert name in pins, f"constraints-tested.txt does not pin {requirement.name}: a new release could turn CI red"
+        assert requirement.specifier.contains(pins[name], prereleases=True), \
+            f"constraints-tested.txt pins {name}=={pins[name]}, outside pyproject's {requirement}"
+
+
+def test_floors_are_the_oldest_tested_releases():
+    pins = _pins(ROOT / "constraints-oldest.txt")
+    for requirement in _requirements():
+        name = _normal(requirement.name)
+        assert name in pins, f"constraints-oldest.txt does not pin {requirement.name}"
+        floors = [s.version for s in requirement.specifier if s.operator == ">="]
+        if floors and name not in UNTESTED_FLOORS:
+            assert pins[name] == floors[0], (f"pyproject allows {requirement} but the oldest set tests {name}=="
+                                             f"{pins[name]}: the floor must be a tested release")
+
+
+def test_readme_version_table_matches_the_constraints_files():
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("### Supported versions"):]
+    oldest, tested = _pins(ROOT / "constraints-oldest.txt"), _pins(ROOT / "constraints-tested.txt")
+    for library in ("transformers", "peft", "bitsandbytes", "diffusers", "trl", "accelerate", "torchao", "torch"):
+        row = re.search(rf"^\| {library} \| ([^|]+) \| ([^|]+) \|", table, re.MULTILINE)
+        assert row, f"README's Supported versions table has no {library} row"
+        assert row.group(1).strip() == oldest[library], f"README oldest {library} != constraints-oldest.txt"
+        assert row.group(2).strip() == tested[library], f"README pinned {library} != constraints-tested.txt"
+
+
+def test_license_matches_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]["text"]
+    licence = (ROOT / "LICENSE").read_text()
+    assert declared == "MIT" and licence.startswith("MIT License"), (declared, licence[:40])
+
+
+def test_newest_script_runs_the_drift_test():
+    script = (ROOT / "scripts/newest.sh").read_text()
+    assert "-c constraints.txt" in script and "tests/test_claims.py" in script
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is installed by the dev extra")
