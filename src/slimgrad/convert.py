@@ -191,6 +191,13 @@ def _deepcopy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _chunked_engaged(model: nn.Module, swaps) -> bool:
+    """Whether a chunked-loss head runs in ``model`` once ``swaps`` are applied (converted now or before)."""
+    if any(OPTIONS.get(type(m)) == CHUNKED_LOSS for m, _ in swaps):
+        return True
+    return any(OPTIONS.get(ORIGINALS[type(m)]) == CHUNKED_LOSS for m in model.modules() if type(m) in ORIGINALS)
+
+
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
             chunked_loss: bool = False, dropout: str | None = None, strict: bool = False):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
@@ -215,10 +222,10 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     Gaps are never silent. A module of a family slimgrad claims (RMSNorms, gated MLPs, peft LoRA layers,
     bitsandbytes linears, diffusers activations) that stays stock because no integration recognised its
     class, a ``chunked_loss=True`` that engages on nothing (or on a head it must decline), and a disabled
-    integration of a library the model uses: each is a :class:`slimgrad._notices.SlimgradWarning` and a
+    integration of a library the model uses: each is a :class:`slimgrad.SlimgradWarning` and a
     WARNING on the ``slimgrad`` logger, once per (class, reason), naming the class, the library version and
     the reason, also with ``report=True`` (the report lists them as ``gaps``). ``strict=True`` raises
-    :class:`slimgrad._notices.SlimgradGapError` instead, before anything is swapped. Modules left out by
+    :class:`slimgrad.SlimgradGapError` instead, before anything is swapped. Modules left out by
     ``include`` / ``exclude`` are never gaps.
     """
     if not isinstance(model, nn.Module):
@@ -274,9 +281,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         swaps.append((module, replacement))
         result.converted.append((path, kind.__name__))
         result.converted_types[name] = result.converted_types.get(name, 0) + 1
-    engaged = any(OPTIONS.get(ORIGINALS[type(m)]) == CHUNKED_LOSS for m in target.modules() if type(m) in ORIGINALS)
-    engaged = engaged or any(OPTIONS.get(type(m)) == CHUNKED_LOSS for m, _ in swaps)
-    if chunked_loss and not engaged and not any(g.family == CHUNKED_LOSS for g in result.gaps):
+    if chunked_loss and not _chunked_engaged(target, swaps) and not any(g.family == CHUNKED_LOSS for g in result.gaps):
         result.add_gap(family_gap(type(target), CHUNKED_LOSS, _CHUNKED_ON_NOTHING), "")
     result.gaps[:0] = [g for g in gaps if g not in result.gaps]
     notify_all(result.gaps, strict=strict)  # before any swap: strict leaves an inplace model untouched
