@@ -98,7 +98,6 @@ class _Call:
     body_args: dict
     labels: torch.Tensor
     head: nn.Linear
-    softcap: float | None
     ignore_index: int
     shift_labels: torch.Tensor | None
     num_items: object
@@ -168,12 +167,10 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
     vocab = _config_value(self.config, "vocab_size")
     if head.out_features != vocab:
         return f"its output embedding has {head.out_features} outputs but the config's vocab_size is {vocab}"
-    softcap = _config_value(self.config, "final_logit_softcapping")
-    if softcap is not None and not softcap > 0:
-        return f"final_logit_softcapping is {softcap!r}"
-    body = self.base_model
-    if body is self or not isinstance(body, nn.Module):
-        return f"it has no body module (base_model_prefix {getattr(self, 'base_model_prefix', None)!r})"
+    body = _body(self, head)
+    if body is None:
+        return (f"it has no body module (base_model_prefix {getattr(self, 'base_model_prefix', None)!r}, and not "
+                f"exactly one child besides the output embedding)")
     body_sig = _signature(type(body))
     names = {p.name for p in body_sig.parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in body_sig.parameters.values())
@@ -188,17 +185,77 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
     ignore_index = extra.get("ignore_index", -100)
     if not isinstance(ignore_index, int):
         return f"ignore_index is {type(ignore_index).__name__}, not an int"
-    return _Call(body, body_args, labels, head, softcap, ignore_index, extra.get("shift_labels"),
+    return _Call(body, body_args, labels, head, ignore_index, extra.get("shift_labels"),
                  extra.get("num_items_in_batch"), bool(return_dict))
 
 
-def _loss(call: _Call, probe=None):
+def _body(self, head) -> nn.Module | None:
+    """The body: ``base_model`` (``base_model_prefix``), else the one child that is not the output embedding."""
+    body = getattr(self, "base_model", self)
+    if isinstance(body, nn.Module) and body is not self:
+        return body
+    others = [c for c in self.children() if c is not head]
+    return others[0] if len(others) == 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """What a head does to its logits besides the linear layer, read from its config and verified by the check:
+    a scale (``logits * scale``; ``where="hidden"``: the head scales its input instead, as MiniCPM3) computed
+    as a scale of the head's input (and bias), and a soft cap ``tanh(z / softcap) * softcap``."""
+
+    softcap: float | None = None
+    scale: float | None = None
+    divide: bool = False  # scale by dividing (the config's value divides, as Granite's logits_scaling)
+    where: str = "logits"
+
+    def head_input(self, hidden, bias):
+        if self.scale is None:
+            return hidden, bias
+        if self.divide:
+            return hidden / self.scale, (None if bias is None or self.where == "hidden" else bias / self.scale)
+        return hidden * self.scale, (None if bias is None or self.where == "hidden" else bias * self.scale)
+
+    def describe(self) -> str:
+        parts = [f"soft cap {self.softcap}"] if self.softcap is not None else []
+        if self.scale is not None:
+            parts.append(f"{self.where} {'divided' if self.divide else 'multiplied'} by {self.scale}")
+        return ", ".join(parts) or "plain"
+
+
+_PLAIN = _Recipe()
+#: config attributes holding a logit scale (TRL's add_fused_lm_head reads the same): (name, divides)
+_SCALES = (("logit_scale", False), ("output_multiplier", False), ("lm_head_multiplier", False),
+           ("logits_scaling", True), ("logits_scaling", False))
+_SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")
+
+
+def _recipes(config) -> list[_Recipe]:
+    """The recipes the check tries, plainest first (a scale of 1 is no scale)."""
+    softcaps = [v for v in (_config_value(config, n) for n in _SOFTCAPS) if isinstance(v, (int, float)) and v > 0]
+    softcap = float(softcaps[0]) if softcaps else None
+    found = [_Recipe(softcap=softcap)]
+    for name, divide in _SCALES:
+        value = _config_value(config, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+            for where in ("logits", "hidden"):
+                found.append(_Recipe(softcap=softcap, scale=float(value), divide=divide, where=where))
+    return found
+
+
+def _loss(call: _Call, recipe: _Recipe, probe=None):
     """The body's output and ``ForCausalLMLoss`` of it, without the logits. ``probe`` (the check) may replace
-    the hidden states before the head."""
+    the hidden states where the stock head's linear layer would receive them."""
     outputs = call.body(**call.body_args)
     hidden = outputs.last_hidden_state
-    if probe is not None:
-        hidden = probe(hidden)
+    if recipe.where == "hidden":
+        hidden, bias = recipe.head_input(hidden, call.head.bias)
+        if probe is not None:
+            hidden = probe(hidden)
+    else:
+        if probe is not None:
+            hidden = probe(hidden)
+        hidden, bias = recipe.head_input(hidden, call.head.bias)
     shift_labels = call.shift_labels
     if shift_labels is None:
         labels = F.pad(call.labels, (0, 1), value=call.ignore_index)
@@ -206,8 +263,8 @@ def _loss(call: _Call, probe=None):
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
     reduction = "sum" if call.num_items is not None else "mean"
     loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), call.head.weight, shift_labels,
-                                      call.head.bias, ignore_index=call.ignore_index, reduction=reduction,
-                                      softcap=call.softcap)
+                                      bias, ignore_index=call.ignore_index, reduction=reduction,
+                                      softcap=recipe.softcap)
     if call.num_items is not None:
         num_items = call.num_items.to(loss.device) if torch.is_tensor(call.num_items) else call.num_items
         loss = loss / num_items
@@ -225,6 +282,7 @@ class _Verified:
     fields: tuple[str, ...]  # its fields (besides loss and logits) the body's output has under the same name
     missing: tuple[str, ...]  # its fields the body's output lacks (a MoE's aux_loss): computed by the head
     seen: frozenset  # the body output fields set in the check
+    recipe: _Recipe = _PLAIN
 
     def unreproducible(self, outputs) -> list[str]:
         """Body fields this call set that the check did not see, where the head may compute more from them."""
@@ -375,23 +433,36 @@ def _compare_all(module, stock, head) -> _Verified | str:
         call["use_cache"] = False
     seeded = _Seeded(device)
     rtol = _tolerance(head.weight.dtype)
+    first = None
+    for recipe in _recipes(module.config):
+        result = _compare_recipe(module, stock, head, call, seeded, rtol, recipe, takes_any)
+        if not isinstance(result, str) or not result.startswith(_NUMBERS):
+            return result
+        first = first or result  # numbers differ: a scale the config names may explain them
+    return first[len(_NUMBERS):]
+
+
+_NUMBERS = "numbers: "
+
+
+def _compare_recipe(module, stock, head, call, seeded, rtol, recipe, takes_any) -> _Verified | str:
     verified = None
     for training in (True, False):
         module.train(training)
-        result = _compare(module, stock, head, call, seeded, rtol, grads=True)
+        result = _compare(module, stock, head, call, seeded, rtol, recipe, grads=True)
         if isinstance(result, str):
             return f"{result} ({'training' if training else 'eval'} mode)"
         verified = verified or result
     if takes_any:
         module.train(True)
-        n = torch.tensor(float(CHECK_TOKENS + 3), device=device)
-        result = _compare(module, stock, head, {**call, "num_items_in_batch": n}, seeded, rtol, grads=False)
+        n = torch.tensor(float(CHECK_TOKENS + 3), device=head.weight.device)
+        result = _compare(module, stock, head, {**call, "num_items_in_batch": n}, seeded, rtol, recipe, grads=False)
         if isinstance(result, str):
             return f"{result} (with num_items_in_batch)"
     return verified
 
 
-def _compare(module, stock, head, call, seeded, rtol, grads: bool) -> _Verified | str:
+def _compare(module, stock, head, call, seeded, rtol, recipe, grads: bool) -> _Verified | str:
     plan = _plan(module, stock, (), call)
     if not isinstance(plan, _Call):
         return plan or "the chunked path declined the check's call"
@@ -426,18 +497,19 @@ def _compare(module, stock, head, call, seeded, rtol, grads: bool) -> _Verified 
         return leaves["slim"]
 
     with seeded(0):
-        loss, outputs = _loss(plan, probe)
+        loss, outputs = _loss(plan, recipe, probe)
     if leaves["stock"].shape != leaves["slim"].shape or not _close(leaves["slim"], leaves["stock"], rtol):
-        return ("the hidden states reaching its output embedding differ from its body's output (the head "
-                "transforms them)")
+        return (_NUMBERS + "the hidden states reaching its output embedding differ from its body's output (the "
+                "head transforms them)")
     if not _close(loss.detach().reshape(()), expected.loss.detach().reshape(()).to(loss.dtype), rtol):
-        return (f"the chunked loss {loss.item():.6g} differs from stock's {expected.loss.item():.6g} (the head scales "
-                f"or post-processes its logits, or its loss is not the plain causal-LM loss)")
+        return (_NUMBERS + f"the chunked loss {loss.item():.6g} differs from stock's {expected.loss.item():.6g} (the "
+                f"head post-processes its logits in a way its config does not name, or its loss is not the plain "
+                f"causal-LM loss)")
     if grads:
         (want,) = torch.autograd.grad(expected.loss, leaves["stock"], allow_unused=True)
         (have,) = torch.autograd.grad(loss, leaves["slim"], allow_unused=True)
         if want is None or have is None or not _close(have, want, rtol):
-            return "the gradient reaching the hidden states differs from stock's"
+            return _NUMBERS + "the gradient reaching the hidden states differs from stock's"
     names = [f.name for f in dataclasses.fields(expected)] if dataclasses.is_dataclass(expected) else list(expected)
     body_names = (set(f.name for f in dataclasses.fields(outputs)) if dataclasses.is_dataclass(outputs)
                   else set(outputs.keys()))
@@ -450,7 +522,7 @@ def _compare(module, stock, head, call, seeded, rtol, grads: bool) -> _Verified 
             return f"its stock output has {name!r}, which its body's output does not give"
         if not _close(getattr(outputs, name, None), expected[name], rtol):
             return f"its stock output's {name!r} differs from its body's"
-    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()))
+    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()), recipe)
 
 
 # -- the replacement forward -----------------------------------------------------------------------------------
@@ -468,7 +540,7 @@ def _forward(self, *args, **kwargs):
         if not isinstance(verified, _Verified):
             _decline(stock, verified or "the module was not checked (first seen under torch.compile)")
         else:
-            loss, outputs = _loss(plan)
+            loss, outputs = _loss(plan, verified.recipe)
             extra = verified.unreproducible(outputs)
             if not extra:
                 return verified.build(loss, outputs, plan.return_dict)
@@ -492,8 +564,6 @@ def _structural_reason(cls) -> str | None:
         return "it has no forward"
     if not callable(getattr(cls, "get_output_embeddings", None)):
         return "it has no get_output_embeddings()"
-    if not isinstance(getattr(cls, "base_model_prefix", None), str) or not cls.base_model_prefix:
-        return "it names no body (base_model_prefix)"
     try:
         _signature(cls)
     except (TypeError, ValueError) as e:
