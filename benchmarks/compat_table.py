@@ -123,6 +123,11 @@ def render(names: list[str], probes: list[dict], census: list[str] | None, comma
         lines.append(f"| {lib} | " + " | ".join(p["versions"].get(lib, "?") for p in probes) + " |")
     if census is not None:
         lines.append("| chunked-loss heads engaged (census) | " + " | ".join(census) + " |")
+    same = [(a, b) for i, (a, pa) in enumerate(zip(names, probes)) for b, pb in zip(names[i + 1:], probes[i + 1:])
+            if pa["versions"] == pb["versions"]]
+    if same:
+        lines += [""] + [f"`{b}` has the same releases as `{a}` today: the newest releases are the pinned ones."
+                         for a, b in same]
     lines += ["", "### Families engaged", "", "| feature | case (class) | " + " | ".join(names) + " |",
               "|---|---|" + "---|" * len(names)]
     for case in probes[0]["results"]:
