@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+MAX_PARAMETERS = 30_000_000  # a tiny model has well under 1M; more means the shrinking missed a size
+
 #: config attribute -> tiny value (set only where the default config has the attribute, as an int)
 TINY = {
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "num_decoder_layers": 2,
@@ -74,32 +76,93 @@ def _heads(transformers):
     return heads, failed
 
 
-def _tiny_config(cls):
+#: the sizes every level shrinks (levels past 0 keep the config's own values for the others)
+CORE = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "vocab_size")
+#: what the head does to its logits, set away from the identity where the config has it, so that the census
+#: checks the scale / soft cap the chunked path applies, not a no-op
+MODIFIERS = {"final_logit_softcapping": 5.0, "logits_soft_cap": 5.0, "logit_scale": 0.25, "logits_scaling": 4.0,
+             "output_multiplier": 0.5, "lm_head_multiplier": 0.5}
+
+
+def _overrides(defaults: dict, level: int) -> dict:
+    """Tiny values for the sizes ``defaults`` has: level 0 all of TINY, 1 without MoE and MLA sizes, 2 only
+    layers and vocabulary, 3 only the vocabulary (configs whose layer lists fix the depth)."""
+    keys = list(TINY) if level == 0 else [k for k in TINY if k in CORE or k.endswith("token_id")] if level == 2 \
+        else [k for k in TINY if k == "vocab_size" or k.endswith("token_id")] if level == 3 \
+        else [k for k in TINY if k in CORE or k.endswith("token_id") or k in (
+            "hidden_size", "n_embd", "d_model", "intermediate_size", "num_attention_heads", "n_head",
+            "num_key_value_heads", "head_dim")]
+    overrides = {}
+    for name in keys:
+        value = TINY[name]
+        if name in defaults and (isinstance(defaults[name], int) and not isinstance(defaults[name], bool)):
+            if value is not None:
+                overrides[name] = value
+    if level == 0 and "qk_rope_head_dim" in overrides and "head_dim" in overrides:
+        overrides["head_dim"] = overrides["qk_rope_head_dim"]  # MLA configs tie the two
+    for name, value in defaults.items():  # token ids beyond the tiny vocabulary
+        if name.endswith("token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
+            overrides[name] = 3
+    for name, value in MODIFIERS.items():
+        if isinstance(defaults.get(name), (int, float)) and not isinstance(defaults.get(name), bool):
+            overrides[name] = value
+    return overrides
+
+
+def _tiny_config(cls, level=0):
     config_class = getattr(cls, "config_class", None)
     if config_class is None:
         raise RuntimeError("no config_class")
     defaults = config_class().to_dict()
-    overrides = {}
-    for name, value in TINY.items():
-        if name in defaults and (isinstance(defaults[name], int) and not isinstance(defaults[name], bool)):
-            if value is not None:
-                overrides[name] = value
-    for name, value in defaults.items():  # token ids beyond the tiny vocabulary
-        if name.endswith("token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
-            overrides[name] = 3
+    overrides = _overrides(defaults, level)
+    if isinstance(defaults.get("text_config"), dict):  # a composite config: shrink the text model too
+        overrides["text_config"] = {**defaults["text_config"], **_overrides(defaults["text_config"], level)}
     if "layer_types" in defaults:
         overrides["layer_types"] = None
     try:
         config = config_class(**overrides)
-    except Exception:  # noqa: BLE001 - some configs refuse a None layer_types: keep theirs
+    except Exception:  # noqa: BLE001 - some configs refuse a None layer_types (or a modifier): keep theirs
         overrides.pop("layer_types", None)
+        for name in MODIFIERS:
+            overrides.pop(name, None)
         config = config_class(**overrides)
+    for name, value in MODIFIERS.items():  # properties the constructor does not take
+        if name in defaults and getattr(config, name, None) != value and name not in overrides:
+            try:
+                setattr(config, name, value)
+            except Exception:  # noqa: BLE001 - a read-only property: its own value stays
+                pass
     layer_types = getattr(config, "layer_types", None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, n)),
                   None)
     if isinstance(layer_types, list) and isinstance(layers, int) and len(layer_types) != layers:
         config.layer_types = layer_types[:layers]
     return config
+
+
+def _build(cls):
+    """A tiny instance whose stock forward runs on a tiny batch (the first shrink level that gives one), or
+    (None, why not)."""
+    error = None
+    for level in range(4):
+        try:
+            config = _tiny_config(cls, level)
+            with torch.device("meta"):  # count first: a config the shrinking missed could need gigabytes
+                size = sum(p.numel() for p in cls(config).parameters())
+            if size > MAX_PARAMETERS:
+                raise MemoryError(f"{size / 1e6:.0f}M parameters after shrinking (census limit "
+                                  f"{MAX_PARAMETERS / 1e6:.0f}M)")
+            torch.manual_seed(0)
+            model = cls(config)
+            vocab = getattr(model.get_output_embeddings(), "out_features", TINY["vocab_size"])
+            ids = torch.randint(3, min(TINY["vocab_size"], vocab), (1, 8))
+            with torch.no_grad():
+                model(input_ids=ids, labels=ids, use_cache=False)  # stock itself must run on the tiny config
+            return model, None
+        except Exception as e:  # noqa: BLE001
+            text = str(e).splitlines()[0] if str(e) else ""
+            error = error or f"{type(e).__name__}: {_norm(text)[:90]}"
+    return None, error
 
 
 def census(transformers, progress=True):
@@ -121,11 +184,11 @@ def census(transformers, progress=True):
             gap = _notices.class_gap(cls)
             left[gap.reason if gap else "not registered"].append(name)
             continue
-        try:
-            torch.manual_seed(0)
-            model = cls(_tiny_config(cls))
-        except Exception as e:  # noqa: BLE001
-            unbuildable[f"{type(e).__name__}: {_norm(str(e).splitlines()[0] if str(e) else '')[:90]}"].append(name)
+        if progress:
+            iterator.set_postfix_str(name)
+        model, error = _build(cls)
+        if model is None:
+            unbuildable[error].append(name)
             continue
         _, report = slimgrad.convert(model, chunked_loss=True, include=[cls], report=True, inplace=True)
         if type(model) is not cls:

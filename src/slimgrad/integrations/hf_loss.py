@@ -96,6 +96,7 @@ def _signature(cls) -> inspect.Signature:
 class _Call:
     body: nn.Module
     body_args: dict
+    pre_head: nn.Module | None  # the child of the model holding the output embedding (a BERT-like MLM head)
     labels: torch.Tensor
     head: nn.Linear
     ignore_index: int
@@ -185,7 +186,7 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
     ignore_index = extra.get("ignore_index", -100)
     if not isinstance(ignore_index, int):
         return f"ignore_index is {type(ignore_index).__name__}, not an int"
-    return _Call(body, body_args, labels, head, ignore_index, extra.get("shift_labels"),
+    return _Call(body, body_args, _pre_head(self, head), labels, head, ignore_index, extra.get("shift_labels"),
                  extra.get("num_items_in_batch"), bool(return_dict))
 
 
@@ -198,6 +199,37 @@ def _body(self, head) -> nn.Module | None:
     return others[0] if len(others) == 1 else None
 
 
+def _pre_head(self, head) -> nn.Module | None:
+    """The model's child that holds the output embedding deeper inside (BERT's ``cls``: a transform, then the
+    decoder), or None where the output embedding is a child itself."""
+    for child in self.children():
+        if child is head:
+            return None
+        if any(m is head for m in child.modules()):
+            return child
+    return None
+
+
+class _Reached(Exception):
+    """Raised by a pre-hook on the output embedding: what the head module hands it, with its autograd graph."""
+
+
+def _through(pre_head: nn.Module, head: nn.Module, hidden):
+    """Run ``pre_head`` on ``hidden`` up to its output embedding, and return that layer's input (the rest of
+    ``pre_head``, the logits, never runs)."""
+    def reached(module, args):
+        raise _Reached(args[0])
+
+    handle = head.register_forward_pre_hook(reached)
+    try:
+        pre_head(hidden)
+    except _Reached as e:
+        return e.args[0]
+    finally:
+        handle.remove()
+    raise RuntimeError(f"{type(pre_head).__name__} did not call its output embedding")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
     """What a head does to its logits besides the linear layer, read from its config and verified by the check:
@@ -208,6 +240,7 @@ class _Recipe:
     scale: float | None = None
     divide: bool = False  # scale by dividing (the config's value divides, as Granite's logits_scaling)
     where: str = "logits"
+    shift: bool = True  # ForCausalLMLoss; False: CrossEntropyLoss()(logits.view(-1, V), labels.view(-1)) (BART-like)
 
     def head_input(self, hidden, bias):
         if self.scale is None:
@@ -220,6 +253,8 @@ class _Recipe:
         parts = [f"soft cap {self.softcap}"] if self.softcap is not None else []
         if self.scale is not None:
             parts.append(f"{self.where} {'divided' if self.divide else 'multiplied'} by {self.scale}")
+        if not self.shift:
+            parts.append("unshifted mean cross-entropy")
         return ", ".join(parts) or "plain"
 
 
@@ -240,6 +275,7 @@ def _recipes(config) -> list[_Recipe]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
             for where in ("logits", "hidden"):
                 found.append(_Recipe(softcap=softcap, scale=float(value), divide=divide, where=where))
+    found.append(_Recipe(softcap=softcap, shift=False))
     return found
 
 
@@ -248,6 +284,8 @@ def _loss(call: _Call, recipe: _Recipe, probe=None):
     the hidden states where the stock head's linear layer would receive them."""
     outputs = call.body(**call.body_args)
     hidden = outputs.last_hidden_state
+    if call.pre_head is not None:
+        hidden = _through(call.pre_head, call.head, hidden)
     if recipe.where == "hidden":
         hidden, bias = recipe.head_input(hidden, call.head.bias)
         if probe is not None:
@@ -256,6 +294,10 @@ def _loss(call: _Call, recipe: _Recipe, probe=None):
         if probe is not None:
             hidden = probe(hidden)
         hidden, bias = recipe.head_input(hidden, call.head.bias)
+    if not recipe.shift:  # the head's own CrossEntropyLoss: labels as given, the mean, no keyword honoured
+        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), call.head.weight,
+                                          call.labels.reshape(-1).to(hidden.device), bias, softcap=recipe.softcap,
+                                          ), outputs
     shift_labels = call.shift_labels
     if shift_labels is None:
         labels = F.pad(call.labels, (0, 1), value=call.ignore_index)
