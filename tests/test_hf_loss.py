@@ -103,7 +103,7 @@ def _close(actual, expected, what, **tol):
 
 def _compare_grads(slim, stock, dtype):
     for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
-        if not p.requires_grad:
+        if not p.requires_grad or p.grad is None:  # frozen, or unused (cross-attention without an encoder)
             assert q.grad is None and p.grad is None, name
             continue
         _close(q.grad, p.grad, name, **TOL[dtype])
@@ -398,3 +398,39 @@ def test_trl_fused_head_on_the_instance_is_left_to_trl_with_a_warning():
     with pytest.warns(SlimgradWarning, match="TRL"):
         slim = slimgrad.convert(model, chunked_loss=True, include=[type(model)], inplace=True)
     assert type(slim) is transformers.LlamaForCausalLM
+
+
+def _tiny(config_name, model_name, **kwargs):
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+BERT_LIKE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
+                 is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+#: heads that do more than a plain linear layer, each verified by the check with what its config names
+OTHER_HEADS = {
+    "cohere logit_scale": lambda: _tiny("CohereConfig", "CohereForCausalLM", **LLAMA_LIKE, logit_scale=0.25,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "granite logits_scaling": lambda: _tiny("GraniteConfig", "GraniteForCausalLM", **LLAMA_LIKE, logits_scaling=4.0),
+    "bert transform head": lambda: _tiny("BertConfig", "BertLMHeadModel", **BERT_LIKE),
+    "bart unshifted loss": lambda: _tiny("BartConfig", "BartForCausalLM", d_model=32, decoder_layers=2,
+                                         decoder_attention_heads=4, decoder_ffn_dim=48, vocab_size=V, dropout=0.0,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                                         forced_eos_token_id=2),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_HEADS))
+def test_heads_beyond_a_plain_linear_layer_engage_with_stock_numbers(name):
+    stock = OTHER_HEADS[name]()
+    slim = _converted(stock)
+    ids, labels = _batch()
+    expected = stock(input_ids=ids, labels=labels)
+    actual = slim(input_ids=ids, labels=labels)
+    assert actual.logits is None
+    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
+    expected.loss.backward()
+    actual.loss.backward()
+    _compare_grads(slim, stock, torch.float32)
