@@ -170,8 +170,9 @@ def main(argv=None) -> None:
         names.append(name)
         probes.append(_run_probe(python))
         if census is not None:
+            earlier = next((c for p, c in zip(probes, census) if p["versions"] == probes[-1]["versions"]), None)
             print(f"census in {name} ...", file=sys.stderr, flush=True)
-            census.append(_run_census(python))
+            census.append(earlier if earlier is not None else _run_census(python))  # same releases: same census
     command = "python benchmarks/compat_table.py " + " ".join(f"--venv {v}" for v in args.venv)
     command += " --census" if args.census else ""
     text = render(names, probes, census, command)
