@@ -2,10 +2,13 @@
 installs pinned releases of every direct dependency, the floors in pyproject.toml are the releases the oldest set
 pins, the README's version table says what the constraints files say, and the licence is the declared one."""
 
+import ast
+import importlib.metadata
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -51,6 +54,29 @@ def test_the_test_command_pins_every_direct_dependency():
         assert name in pins, f"constraints-tested.txt does not pin {requirement.name}: a new release could turn CI red"
         assert requirement.specifier.contains(pins[name], prereleases=True), \
             f"constraints-tested.txt pins {name}=={pins[name]}, outside pyproject's {requirement}"
+
+
+def _imported_top_level_modules() -> set[str]:
+    """Top-level modules the test files import: import statements and ``pytest.importorskip("name")``."""
+    modules = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" and node.args
+                  and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                modules.add(node.args[0].value.split(".")[0])
+    return modules - set(sys.stdlib_module_names)
+
+
+def test_every_installed_library_the_tests_import_is_pinned():
+    pins = _pins(ROOT / "constraints-tested.txt")
+    distributions = importlib.metadata.packages_distributions()
+    unpinned = {module: dist for module in _imported_top_level_modules() for dist in distributions.get(module, ())
+                if _normal(dist) not in pins and _normal(dist) != "slimgrad"}
+    assert not unpinned, f"tests import {unpinned} (module: distribution), which constraints-tested.txt does not pin"
 
 
 def test_floors_are_the_oldest_tested_releases():
