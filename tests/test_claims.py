@@ -276,3 +276,45 @@ CASES: dict[str, Callable[[], Engagement]] = {
 def test_claimed_family_engages(case):
     result = CASES[case]()
     assert result.ok, result.message()
+
+
+_DRIFTED = '''
+import sys
+
+import transformers
+from transformers.models.llama import modeling_llama
+
+
+def forward(self, hidden_states):  # a plausible next release: another formula, other numbers
+    variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * (variance + self.variance_epsilon).rsqrt()).to(hidden_states.dtype)
+
+
+modeling_llama.LlamaRMSNorm.forward = forward  # before slimgrad first sees the class, as an upstream edit would be
+
+import importlib.util
+
+spec = importlib.util.spec_from_file_location("claims", sys.argv[1])
+claims = sys.modules["claims"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(claims)
+result = claims.CASES["rmsnorm-llama"]()
+print(result.ok)
+print(result.message().splitlines()[0])
+'''
+
+
+def test_a_family_that_stops_engaging_fails_naming_the_cause(tmp_path):
+    """The drift test's own check: an upstream forward slimgrad does not know makes the case fail with the class,
+    the library version and slimgrad's recorded reason (run in a fresh process, as a new release would be)."""
+    import subprocess
+    import sys
+
+    _require("transformers", "transformers")
+    script = tmp_path / "drifted.py"
+    script.write_text(_DRIFTED)
+    out = subprocess.run([sys.executable, str(script), __file__], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ok, message = out.stdout.strip().splitlines()[-2:]
+    assert ok == "False", f"a changed LlamaRMSNorm.forward still counted as engaged: {message}"
+    assert "LlamaRMSNorm" in message and f"transformers {library_version('transformers')}" in message, message
+    assert "no reason recorded" not in message and ("recorded reason" in message or "reported gap" in message), message
