@@ -86,11 +86,21 @@ class SavedTensors:
             key, nbytes = _storage_key(t)
             if key is not None and key not in self._seen and key not in self._excluded:
                 self._seen.add(key)
+                self._alive.append(t)
                 self.records.append(SavedRecord(tuple(t.shape), t.dtype, nbytes))
         return t
 
     def __enter__(self) -> SavedTensors:
         self._excluded = _excluded_keys(self._exclude_items)
+        # Storages are told apart by address, so none of those counted or excluded may be freed before the block
+        # ends: the allocator may give a freed one's address to a new saved tensor, which was then taken for it
+        # (excluded, or merged). A parameter's storage is freed when a layer replaces it in its forward
+        # (bitsandbytes packs a Linear4bit weight for its CPU kernel on a first eval-mode forward: 48 or 49
+        # storages between identical runs of a QLoRA Llama); a saved one when its graph branch is dropped.
+        # Detached aliases hold them (for the block only; the graph holds the saved ones anyway).
+        self._alive = [t.detach() for item in self._exclude_items
+                       for t in (list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module)
+                                 else [item])]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -98,6 +108,7 @@ class SavedTensors:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         self._hooks = None
+        self._alive = []
 
 
 def saved_bytes(fn: Callable, *args, exclude: Iterable = (), **kwargs) -> int:
