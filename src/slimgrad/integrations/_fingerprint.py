@@ -269,10 +269,10 @@ def unknown_reason(methods: Mapping[str, object], known: Mapping[str, Mapping[st
             return f"{label} is missing (slimgrad knows it from {_versions(table)})"
         fp = fingerprint(fn)
         if fp is None:
-            return f"the source of {_qualified(fn)} cannot be read, so slimgrad cannot check it"
+            return f"the source of {label} ({_qualified(fn)}) cannot be read, so slimgrad cannot check it"
         if fp not in table:
-            return (f"{_qualified(fn)} (fingerprint {fp}) is not a version slimgrad has read and reproduces "
-                    f"(known from {_versions(table)})")
+            return (f"{label} ({_qualified(fn)}, fingerprint {fp}) is not a version slimgrad has read and "
+                    f"reproduces (known from {_versions(table)})")
     return None
 
 
