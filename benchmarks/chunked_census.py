@@ -48,7 +48,11 @@ TINY = {
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "conv_kernel": 4, "state_size": 16, "ssm_state_size": 16, "mamba_d_state": 16, "mamba_n_heads": 4,
     "mamba_d_head": 16, "mamba_expand": 2, "num_memory_blocks": 1, "chunk_size": 16,
+    "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16, "emb_dim": 64, "n_groups": 1,
 }
+#: sizes set even where the default config leaves them None (derived values some models need)
+SET_IF_NONE = ("head_dim", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size", "n_shared_experts",
+               "num_key_value_heads")
 
 
 def _heads(transformers):
@@ -95,11 +99,19 @@ def _overrides(defaults: dict, level: int) -> dict:
     overrides = {}
     for name in keys:
         value = TINY[name]
-        if name in defaults and (isinstance(defaults[name], int) and not isinstance(defaults[name], bool)):
+        have = defaults.get(name, 0)
+        if name in defaults and ((isinstance(have, int) and not isinstance(have, bool))
+                                 or (have is None and name in SET_IF_NONE)):
             if value is not None:
                 overrides[name] = value
     if level == 0 and "qk_rope_head_dim" in overrides and "head_dim" in overrides:
         overrides["head_dim"] = overrides["qk_rope_head_dim"]  # MLA configs tie the two
+    if level == 0 and "kv_lora_rank" in overrides and "num_key_value_heads" in overrides:
+        overrides["num_key_value_heads"] = overrides.get("num_attention_heads", 4)  # MLA: one KV head per head
+    if "attention_types" in defaults and "num_layers" in overrides:  # GPT-Neo: the layer pattern fixes the depth
+        overrides["attention_types"] = [[["global", "local"], overrides["num_layers"] // 2]]
+    if isinstance(defaults.get("expand"), int) and "num_heads" in overrides and "hidden_size" in overrides:
+        overrides["head_dim"] = overrides["hidden_size"] * defaults["expand"] // overrides["num_heads"]  # Mamba-2
     for name, value in defaults.items():  # token ids beyond the tiny vocabulary
         if name.endswith("token_id") and isinstance(value, int) and value >= TINY["vocab_size"]:
             overrides[name] = 3
@@ -115,17 +127,24 @@ def _tiny_config(cls, level=0):
         raise RuntimeError("no config_class")
     defaults = config_class().to_dict()
     overrides = _overrides(defaults, level)
-    if isinstance(defaults.get("text_config"), dict):  # a composite config: shrink the text model too
-        overrides["text_config"] = {**defaults["text_config"], **_overrides(defaults["text_config"], level)}
+    for name, value in defaults.items():  # a composite config: shrink its sub-models too (text, vision, audio)
+        if isinstance(value, dict) and "model_type" in value:
+            overrides[name] = {**value, **_overrides(value, level)}
     if "layer_types" in defaults:
         overrides["layer_types"] = None
     try:
         config = config_class(**overrides)
-    except Exception:  # noqa: BLE001 - some configs refuse a None layer_types (or a modifier): keep theirs
-        overrides.pop("layer_types", None)
+    except Exception:  # noqa: BLE001 - some configs refuse a None layer_types (or a modifier)
+        layers = next((overrides[n] for n in CORE if n in overrides and n != "vocab_size"), None)
+        if isinstance(defaults.get("layer_types"), list) and layers is not None:
+            overrides["layer_types"] = defaults["layer_types"][:layers]  # the first layers of the default pattern
         for name in MODIFIERS:
             overrides.pop(name, None)
-        config = config_class(**overrides)
+        try:
+            config = config_class(**overrides)
+        except Exception:  # noqa: BLE001 - keep the config's own pattern
+            overrides.pop("layer_types", None)
+            config = config_class(**overrides)
     for name, value in MODIFIERS.items():  # properties the constructor does not take
         if name in defaults and getattr(config, name, None) != value and name not in overrides:
             try:
@@ -135,6 +154,9 @@ def _tiny_config(cls, level=0):
     layer_types = getattr(config, "layer_types", None)
     layers = next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, n)),
                   None)
+    if layer_types is None and isinstance(defaults.get("layer_types"), list):  # not derived: keep the pattern
+        layer_types = list(defaults["layer_types"])
+        config.layer_types = layer_types
     if isinstance(layer_types, list) and isinstance(layers, int) and len(layer_types) != layers:
         config.layer_types = layer_types[:layers]
     return config
@@ -169,10 +191,11 @@ def census(transformers, progress=True):
     import slimgrad
     from slimgrad import _notices
     from slimgrad._registry import REPLACEMENTS
+    from slimgrad.integrations import hf_loss
 
     heads, failed_imports = _heads(transformers)
     slimgrad.integrations.load_available()
-    engaged, left, unbuildable = [], defaultdict(list), defaultdict(list)
+    engaged, left, unbuildable, recipes = [], defaultdict(list), defaultdict(list), defaultdict(list)
     iterator = heads
     if progress:
         from tqdm import tqdm
@@ -193,10 +216,15 @@ def census(transformers, progress=True):
         _, report = slimgrad.convert(model, chunked_loss=True, include=[cls], report=True, inplace=True)
         if type(model) is not cls:
             engaged.append(name)
+            verified = hf_loss._MODULES.get(model)
+            how = verified.recipe.describe() if hasattr(verified, "recipe") else "?"
+            if hf_loss._pre_head(model, model.get_output_embeddings()) is not None:
+                how = f"{how}, through a head module (transform before the output embedding)"
+            recipes[how].append(name)
         else:
             reasons = [g.reason for g in report.gaps if g.subject.endswith(f".{cls.__qualname__}")]
             left[reasons[0] if reasons else "not converted"].append(name)
-    return heads, failed_imports, engaged, left, unbuildable
+    return heads, failed_imports, engaged, left, unbuildable, recipes
 
 
 def _norm(text: str) -> str:
@@ -211,7 +239,7 @@ def _group(left):
     return sorted(groups.items(), key=lambda kv: -len(kv[1]))
 
 
-def render(transformers, heads, failed_imports, engaged, left, unbuildable) -> str:
+def render(transformers, heads, failed_imports, engaged, left, unbuildable, recipes) -> str:
     n_left = sum(len(v) for v in left.values())
     n_unbuilt = sum(len(v) for v in unbuildable.values())
     lines = [f"transformers {transformers.__version__}, torch {torch.__version__}, "
@@ -221,6 +249,12 @@ def render(transformers, heads, failed_imports, engaged, left, unbuildable) -> s
              f"| engaged (converted, check passed) | {len(engaged)} |",
              f"| left as stock, with a reason | {n_left} |",
              f"| not buildable tiny (not counted against slimgrad) | {n_unbuilt} |", ""]
+    if recipes:
+        lines += ["Engaged, by what the check found the head does besides its linear layer:", ""]
+        for how, names in sorted(recipes.items(), key=lambda kv: -len(kv[1])):
+            shown = ", ".join(sorted(names)) if len(names) <= 12 else f"{', '.join(sorted(names)[:12])}, ..."
+            lines.append(f"- {len(names)}: {how} ({shown})")
+        lines.append("")
     if left:
         lines += ["Left as stock, by reason:", ""]
         for reason, names in _group(left):

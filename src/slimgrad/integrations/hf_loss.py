@@ -10,14 +10,17 @@ and the targets.
 Why behaviour, not source: transformers edits its heads' forwards every few releases (5.24 renamed
 ``past_key_values`` to ``cache`` in 315 files and added a decorator), and matching their text stopped the
 feature silently. So the chunked path is built from the model's public parts only, the ones every release
-keeps: the body (``model.base_model``), the output embedding (``get_output_embeddings()``), the config's
-vocabulary and ``final_logit_softcapping``, and ``model.loss_function``. Every transformers class named
-``*ForCausalLM`` / ``*LMHeadModel`` is registered; whether the chunked path gives stock's numbers is checked
-by running it, once per (class, config, dtype), when ``convert`` meets the module: on a tiny random batch,
-the stock forward and the chunked path must agree on the loss (also with ``num_items_in_batch``) and on the
-gradient reaching the hidden states, in training and eval mode. A head that does anything else between the
-body and the loss (scales its logits, adds an auxiliary loss, transforms the hidden states) fails that check
-and is left as stock with a warning (``SlimgradWarning``). The check leaves the model as it found it
+keeps: the body (``model.base_model``, else the one child besides the output embedding), the output
+embedding (``get_output_embeddings()``), the config's vocabulary, and ``model.loss_function``. Every
+transformers class named ``*ForCausalLM`` / ``*LMHeadModel`` with a forward and ``get_output_embeddings`` is
+registered; whether the chunked path gives stock's numbers is checked by running it, once per (class, config,
+dtype, device type), when ``convert`` meets the module: on a tiny random batch, the stock forward and the
+chunked path must agree on the loss (also with ``num_items_in_batch``) and on the gradient reaching the
+hidden states, in training and eval mode. What a head does besides its linear layer is tried from what its
+config names, plainest first (:func:`_recipes`: a soft cap, a logit scale, BART's unshifted loss), and a head
+module around the output embedding (BERT's transform) runs up to that layer. A head that does anything else
+(a logit transform its config does not name, an auxiliary loss, other outputs) fails the check and is left
+as stock with a warning (``SlimgradWarning`` via ``convert``). The check leaves the model as it found it
 (training flags, buffers, ``.grad``, the RNG).
 
 When the chunked path runs, per call: grad enabled, ``labels`` given, ``logits_to_keep`` absent or 0, the
@@ -26,7 +29,8 @@ model's ``loss_function`` is transformers' ``ForCausalLMLoss`` itself, the outpu
 argument can be handed to the body. Then the body is called with the stock arguments (less ``labels``,
 ``logits_to_keep``, ``return_dict``) and the loss follows ``ForCausalLMLoss``: labels shifted left and padded
 with ``ignore_index`` (or ``shift_labels`` as given), mean over non-ignored tokens, or sum divided by
-``num_items_in_batch``; ``final_logit_softcapping`` is applied in the head's dtype before the fp32 upcast. The
+``num_items_in_batch``; a soft cap is applied in the head's dtype before the fp32 upcast, a scale to the head's
+input and bias (rounding like stock's within the check's tolerance). The
 output is the class stock returns (learnt by the check), ``logits=None``, the body's fields of the same names;
 a tuple where stock would return one. No grad, no labels or ``logits_to_keep`` set run the stock forward
 silently (logits wanted); every other reason to run stock (a wrapped loss function, a hooked or LoRA head, an
@@ -161,7 +165,8 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
     if ORIGINALS.get(type(head), type(head)) is not nn.Linear:
         return (f"its output embedding is {type(head).__module__}.{type(head).__qualname__}, not torch.nn.Linear "
                 f"(a LoRA or quantized head?); the chunked loss reads its weight directly")
-    if (head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook")
+    if (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks
+            or hasattr(head, "_hf_hook")
             or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
         return "its output embedding has forward hooks (accelerate offload, a user hook), which the chunked path " \
                "would skip"
