@@ -434,3 +434,26 @@ def test_heads_beyond_a_plain_linear_layer_engage_with_stock_numbers(name):
     expected.loss.backward()
     actual.loss.backward()
     _compare_grads(slim, stock, torch.float32)
+
+
+def test_trl_fused_head_over_a_converted_head_does_the_work_once():
+    """convert first, then what SFTTrainer does: TRL's fused head computes the loss from the body, slimgrad's
+    head forward does not run on top (no double work), and the numbers are TRL's on a stock model."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    stock = _build("llama")
+    slim = _converted(stock)
+    trl_utils.add_fused_lm_head(stock)
+    trl_utils.add_fused_lm_head(slim)
+    calls = []
+    handle = slim.lm_head.register_forward_pre_hook(lambda m, a: calls.append("lm_head"))
+    original = hf_loss._loss
+    hf_loss._loss = lambda *a, **k: calls.append("chunked") or original(*a, **k)
+    try:
+        ids, labels = _batch()
+        expected = stock(input_ids=ids, labels=labels, fused_lm_head=True)
+        actual = slim(input_ids=ids, labels=labels, fused_lm_head=True)
+    finally:
+        hf_loss._loss = original
+        handle.remove()
+    assert calls == []  # neither slimgrad's chunked loss nor the head's linear layer ran
+    _close(actual.loss, expected.loss, "TRL loss", rtol=0, atol=0)
