@@ -11,6 +11,7 @@
 #              <version> = the installed peft). Missing: fetched as below.
 #   OUT        results: OUT/{stock,converted}.{xml,log}, OUT/converted.jsonl (default /tmp/peft-suite-out)
 #   MODES      "stock converted" (default), or one of them
+#   PEFT_GIT_DIR  a peft clone's git directory: conftest.py is taken from it instead of from GitHub
 #
 # Fetch step (automatic when PEFT_SRC is missing): peft's source distribution on PyPI carries tests/ for exactly
 # the installed release (`pip download --no-deps --no-binary :all: peft==<version>`); it lacks tests/__init__.py
@@ -42,11 +43,15 @@ if [ ! -f "$src/tests/test_custom_models.py" ]; then
 fi
 [ -f "$src/tests/__init__.py" ] || : > "$src/tests/__init__.py"
 if [ ! -f "$src/tests/conftest.py" ]; then
-    url="https://raw.githubusercontent.com/huggingface/peft/${PEFT_CONFTEST_COMMIT:-$conftest_commit}/tests/conftest.py"
-    curl -fsSL "$url" -o "$src/tests/conftest.py" || {
-        echo "scripts/peft_suite.sh: could not fetch $url; put peft's tests/conftest.py into $src/tests" >&2
+    commit="${PEFT_CONFTEST_COMMIT:-$conftest_commit}"
+    url="https://raw.githubusercontent.com/huggingface/peft/$commit/tests/conftest.py"
+    if [ -n "${PEFT_GIT_DIR:-}" ]; then
+        git --git-dir="$PEFT_GIT_DIR" show "$commit:tests/conftest.py" > "$src/tests/conftest.py"
+    elif ! curl -fsSL "$url" -o "$src/tests/conftest.py"; then
+        echo "scripts/peft_suite.sh: could not fetch $url; put peft's tests/conftest.py into $src/tests" \
+             "or set PEFT_GIT_DIR to a peft clone's git directory" >&2
         exit 2
-    }
+    fi
 fi
 sdist_version="$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$src/src/peft/__init__.py" 2>/dev/null || true)"
 if [ -n "$sdist_version" ] && [ "$sdist_version" != "$version" ]; then
