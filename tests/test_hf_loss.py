@@ -457,3 +457,15 @@ def test_trl_fused_head_over_a_converted_head_does_the_work_once():
         handle.remove()
     assert calls == []  # neither slimgrad's chunked loss nor the head's linear layer ran
     _close(actual.loss, expected.loss, "TRL loss", rtol=0, atol=0)
+
+
+def test_a_config_change_after_convert_is_checked_again():
+    stock = OTHER_HEADS["granite logits_scaling"]()
+    slim = _converted(stock)
+    for model in (stock, slim):
+        model.config.logits_scaling = 2.0  # what the check read at convert time was 4.0
+    ids, labels = _batch()
+    expected = stock(input_ids=ids, labels=labels)
+    actual = slim(input_ids=ids, labels=labels)
+    assert actual.logits is None
+    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])

@@ -270,6 +270,12 @@ _SCALES = (("logit_scale", False), ("output_multiplier", False), ("lm_head_multi
 _SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")
 
 
+def _modifiers(config) -> tuple:
+    """The config values a recipe is read from: a change after the check (a user setting ``logit_scale``)
+    makes the module be checked again before its next chunked call."""
+    return tuple(_config_value(config, n) for n in (*_SOFTCAPS, *dict(_SCALES), "vocab_size"))
+
+
 def _recipes(config) -> list[_Recipe]:
     """The recipes the check tries, plainest first (a scale of 1 is no scale)."""
     softcaps = [v for v in (_config_value(config, n) for n in _SOFTCAPS) if isinstance(v, (int, float)) and v > 0]
@@ -330,6 +336,7 @@ class _Verified:
     missing: tuple[str, ...]  # its fields the body's output lacks (a MoE's aux_loss): computed by the head
     seen: frozenset  # the body output fields set in the check
     recipe: _Recipe = _PLAIN
+    modifiers: tuple = ()  # _modifiers(config) when checked
 
     def unreproducible(self, outputs) -> list[str]:
         """Body fields this call set that the check did not see, where the head may compute more from them."""
@@ -569,7 +576,7 @@ def _compare(module, stock, head, call, seeded, rtol, recipe, grads: bool) -> _V
             return f"its stock output has {name!r}, which its body's output does not give"
         if not _close(getattr(outputs, name, None), expected[name], rtol):
             return f"its stock output's {name!r} differs from its body's"
-    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()), recipe)
+    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()), recipe, _modifiers(module.config))
 
 
 # -- the replacement forward -----------------------------------------------------------------------------------
@@ -583,7 +590,12 @@ def _forward(self, *args, **kwargs):
     if isinstance(plan, str):
         _decline(stock, plan)
     elif plan is not None:
-        verified = check(self) if not torch.compiler.is_compiling() else _MODULES.get(self)
+        verified = _MODULES.get(self)
+        if isinstance(verified, _Verified) and verified.modifiers != _modifiers(self.config):
+            verified = None  # the config changed since the check: check again (compiled: run stock)
+            _MODULES.pop(self, None)
+        if verified is None and not torch.compiler.is_compiling():
+            verified = check(self)
         if not isinstance(verified, _Verified):
             _decline(stock, verified or "the module was not checked (first seen under torch.compile)")
         else:
