@@ -24,13 +24,12 @@ prints a fingerprint and the normalised source it was taken from (to extend the 
 from __future__ import annotations
 
 import ast
-import copy
 import hashlib
 import inspect
 import textwrap
 from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["Verified", "fingerprint", "normalise", "source_fingerprint", "unknown_reason"]
+__all__ = ["Verified", "fingerprint", "names_read", "normalise", "source_fingerprint", "unknown_reason"]
 
 _EFFECTS = (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)
 _SKIPPED_FIELDS = {"kind", "type_comment", "type_params"}
@@ -140,15 +139,7 @@ def _post_order(node: ast.AST, target: ast.Name, found: list) -> bool:
     return not isinstance(node, _EFFECTS)
 
 
-def _substitution_site(stmt: ast.stmt) -> ast.AST | None:
-    """The part of ``stmt`` evaluated first and unconditionally, where a temporary may be substituted."""
-    if isinstance(stmt, (ast.Return, ast.Expr)):
-        return stmt.value
-    if isinstance(stmt, ast.Assign):
-        return stmt.value  # the value is evaluated before any target
-    if isinstance(stmt, ast.If):
-        return stmt.test
-    return None
+_SITE_FIELD = {ast.Return: "value", ast.Expr: "value", ast.Assign: "value", ast.If: "test"}
 
 
 class _Replace(ast.NodeTransformer):
@@ -157,33 +148,6 @@ class _Replace(ast.NodeTransformer):
 
     def visit_Name(self, node):
         return self.value if node is self.target else node
-
-
-def _inline_once(fn: ast.FunctionDef, body: list[ast.stmt]) -> bool:
-    """Inline one single-use temporary of statement list ``body``; returns whether anything changed."""
-    declared = {n for node in ast.walk(fn) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
-    for i in range(len(body) - 1):
-        stmt, nxt = body[i], body[i + 1]
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-            continue
-        name = stmt.targets[0].id
-        if name in declared:
-            continue
-        uses = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name]
-        binds = [n for n in ast.walk(fn) if isinstance(n, ast.arg) and n.arg == name]
-        if len(uses) != 2 or binds:  # bound here, read once: nothing else sees the name
-            continue
-        site = _substitution_site(nxt)
-        read = next((n for n in uses if n is not stmt.targets[0]), None)
-        if site is None or read is None or not isinstance(read.ctx, ast.Load):
-            continue
-        found: list = []
-        if not _post_order(site, read, found) or not found:
-            continue
-        _Replace(read, stmt.value).visit(nxt)
-        del body[i]
-        return True
-    return False
 
 
 def _statement_lists(node: ast.AST) -> Iterator[list[ast.stmt]]:
@@ -195,9 +159,42 @@ def _statement_lists(node: ast.AST) -> Iterator[list[ast.stmt]]:
 
 
 def _inline_temporaries(fn: ast.FunctionDef) -> None:
-    changed = True
-    while changed:
-        changed = any(_inline_once(fn, body) for body in list(_statement_lists(fn)))
+    """Substitute each single-use temporary into the next statement, where that reorders nothing.
+
+    A temporary qualifies when the whole function names it exactly twice (this binding, one read) and never
+    as a parameter or ``global``/``nonlocal``, the read lies in the part of the very next statement that is
+    evaluated first and unconditionally (a return or expression value, an assignment's value, an ``if``
+    test), and nothing with an effect is evaluated before the read there. Each statement list is swept
+    backwards, so chains (``a = f(x); b = g(a); return b``) collapse in one pass.
+    """
+    counts: dict[str, int] = {}
+    excluded: set[str] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name):
+            counts[node.id] = counts.get(node.id, 0) + 1
+        elif isinstance(node, ast.arg):
+            excluded.add(node.arg)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            excluded.update(node.names)
+    for body in list(_statement_lists(fn)):
+        for i in range(len(body) - 2, -1, -1):
+            stmt, nxt = body[i], body[i + 1]
+            if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+                continue
+            name = stmt.targets[0].id
+            field = _SITE_FIELD.get(type(nxt))
+            if name in excluded or counts.get(name) != 2 or field is None:
+                continue
+            site = getattr(nxt, field)
+            read = next((n for n in ast.walk(site) if isinstance(n, ast.Name) and n.id == name), None)
+            if read is None or not isinstance(read.ctx, ast.Load):
+                continue
+            found: list = []
+            if not _post_order(site, read, found) or not found:
+                continue
+            setattr(nxt, field, stmt.value if site is read else _Replace(read, stmt.value).visit(site))
+            del body[i]
+            counts[name] = 0
 
 
 def normalise(obj: Callable | str) -> ast.FunctionDef | None:
@@ -207,7 +204,7 @@ def normalise(obj: Callable | str) -> ast.FunctionDef | None:
     fn = _function_node(source) if source is not None else None
     if fn is None:
         return None
-    fn = _Strip().visit(copy.deepcopy(fn))
+    fn = _Strip().visit(fn)  # a tree parsed for this call: changed in place
     fn.name = "f"
     _rename_parameters(fn)
     _inline_temporaries(fn)
@@ -242,6 +239,18 @@ def fingerprint(obj: Callable | str) -> str | None:
     source cannot be read."""
     fn = normalise(obj)
     return None if fn is None else _hash(fn)
+
+
+def names_read(obj: Callable | str) -> frozenset[str]:
+    """The global and attribute names function ``obj``'s code reads (its ``co_names``): equal fingerprints
+    imply equal sets, so comparing them first spares fingerprinting functions that cannot match. Empty
+    when ``obj`` has no code object."""
+    if isinstance(obj, str):
+        module = compile(textwrap.dedent(obj), "<source>", "exec")
+        code = next((c for c in module.co_consts if hasattr(c, "co_names")), None)
+    else:
+        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+    return frozenset(getattr(code, "co_names", ()))
 
 
 def source_fingerprint(source: str) -> str:

@@ -22,7 +22,7 @@ from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.layer_norm_2d import layer_norm_2d, layer_norm_2d_formula
 from slimgrad.functional.norms import layer_norm
-from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
+from slimgrad.integrations._fingerprint import fingerprint, names_read, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["REFERENCE_FORWARDS", "register_class", "register_loaded"]
@@ -57,6 +57,8 @@ REFERENCE_FORWARDS = {"convnext": _CONVNEXT, "layernorm2d": _LAYERNORM2D, "formu
 
 
 _REFERENCE = {source_fingerprint(src): kind for kind, src in REFERENCE_FORWARDS.items()}
+#: the names each reference reads: a class reading others cannot match (no need to fingerprint it)
+_REFERENCE_NAMES = {names_read(src) for src in REFERENCE_FORWARDS.values()}
 _VERIFIED: dict[type, object] = {}  # stock class -> its forward as verified
 _KIND: dict[type, str] = {}
 _checked: set[type] = set()
@@ -67,13 +69,16 @@ def _check(cls: type) -> tuple[str | None, str | None]:
     ``nn.LayerNorm`` subclass (or a ``*LayerNorm2d``) whose forward it does not; (None, None) otherwise."""
     if "forward" not in cls.__dict__:
         return None, None
+    layer_norm = issubclass(cls, nn.LayerNorm) or "LayerNorm2d" in cls.__name__
+    if not layer_norm and names_read(cls.forward) not in _REFERENCE_NAMES:
+        return None, None
     fp = fingerprint(cls.forward)
     kind = _REFERENCE.get(fp)
     # the permute forms call nn.LayerNorm's forward or read its attributes; the formula stands alone
     base = {"convnext": (nn.LayerNorm,), "layernorm2d": (nn.LayerNorm,), "formula": (nn.Module,)}.get(kind)
     if kind is not None and cls.__bases__ == base:
         return kind, None
-    if not (issubclass(cls, nn.LayerNorm) or "LayerNorm2d" in cls.__name__):
+    if not layer_norm:
         return None, None
     if kind is not None:
         return None, f"{cls.__name__}.forward is the {kind} one, but its base is not {base[0].__name__}"

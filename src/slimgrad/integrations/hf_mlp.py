@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import textwrap
 
 from torch import nn
@@ -30,7 +29,7 @@ from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register, register_forward
 from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import gelu_new, gelu_python, quick_gelu
-from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
+from slimgrad.integrations._fingerprint import fingerprint, names_read, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
 __all__ = ["activation_kind", "register_loaded"]
@@ -190,15 +189,10 @@ def _unique_register(stock: type, forward, reason) -> type:
 _REJECTED: set[type] = set()  # classes whose forward source was already read and matched no known MLP
 
 
-def _looks_gated(cls: type) -> bool:
-    """Named like an MLP and reading a gate projection: a class of the family slimgrad claims."""
-    if "MLP" not in cls.__name__:
-        return False
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return "gate_proj" in source or "gate_up_proj" in source
+def _looks_gated(cls: type, names: frozenset[str]) -> bool:
+    """Named like an MLP and reading a gate projection (``names``: what its forward's code reads): a class
+    of the family slimgrad claims."""
+    return "MLP" in cls.__name__ and bool(names & {"gate_proj", "gate_up_proj"})
 
 
 def _register_mlp(cls: type) -> bool:
@@ -206,11 +200,15 @@ def _register_mlp(cls: type) -> bool:
         return False
     if "forward" not in cls.__dict__:
         return False
-    fp = _canonical(cls.forward)
+    # every known forward reads self.down_proj: a cheap test (the names the code object reads) spares
+    # fingerprinting the hundreds of other classes of the modeling modules
+    names = names_read(cls.forward)
+    fp = _canonical(cls.forward) if "down_proj" in names else None
     layout = _MLP_FORWARDS.get(fp)
     if layout is None:
         _REJECTED.add(cls)
-        if _looks_gated(cls):
+        if _looks_gated(cls, names):
+            fp = fp or _canonical(cls.forward)
             _notices.record_class_gap(cls, library="transformers", family="gated MLP", reason=(
                 f"{cls.__name__}.forward (fingerprint {fp}) is not a gated-MLP forward slimgrad reproduces "
                 f"(down(act(gate(x)) * up(x)), or gate, up = gate_up(x).chunk(2))"))
