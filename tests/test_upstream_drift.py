@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from slimgrad.integrations._fingerprint import Verified, fingerprint, normalise, unknown_reason
+from slimgrad.integrations._fingerprint import Verified, fingerprint, names_read, normalise, unknown_reason
 
 # --- the fingerprint --------------------------------------------------------------------------------------
 
@@ -85,6 +85,14 @@ DIFFERENT = {
 def test_cosmetic_edits_keep_the_fingerprint(edit):
     assert SAME[edit] != LLAMA_NORM
     assert fingerprint(SAME[edit]) == fingerprint(LLAMA_NORM)
+
+
+@pytest.mark.parametrize("edit", sorted(SAME))
+def test_names_read_agree_with_the_fingerprint(edit):
+    """The cheap pre-test integrations run before fingerprinting never rejects an equal fingerprint."""
+    assert names_read(SAME[edit]) == names_read(LLAMA_NORM) == {"dtype", "to", "torch", "float32", "pow", "mean",
+                                                                 "rsqrt", "variance_epsilon", "weight"}
+    assert names_read(DIFFERENT["attribute"]) != names_read(LLAMA_NORM)
 
 
 @pytest.mark.parametrize("edit", sorted(DIFFERENT))
