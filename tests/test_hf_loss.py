@@ -391,8 +391,15 @@ def test_meta_device_is_left_as_stock_with_a_warning():
     _converted(real)
 
 
-def test_trl_fused_head_on_the_instance_is_left_to_trl_with_a_warning():
+def _trl_with_fused_head():
     trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head (SFTTrainer calls the model's own forward)")
+    return trl_utils
+
+
+def test_trl_fused_head_on_the_instance_is_left_to_trl_with_a_warning():
+    trl_utils = _trl_with_fused_head()
     model = _build("llama")
     trl_utils.add_fused_lm_head(model)  # what SFTTrainer does to its model
     with pytest.warns(SlimgradWarning, match="TRL"):
@@ -439,7 +446,7 @@ def test_heads_beyond_a_plain_linear_layer_engage_with_stock_numbers(name):
 def test_trl_fused_head_over_a_converted_head_does_the_work_once():
     """convert first, then what SFTTrainer does: TRL's fused head computes the loss from the body, slimgrad's
     head forward does not run on top (no double work), and the numbers are TRL's on a stock model."""
-    trl_utils = pytest.importorskip("trl.trainer.utils")
+    trl_utils = _trl_with_fused_head()
     stock = _build("llama")
     slim = _converted(stock)
     trl_utils.add_fused_lm_head(stock)

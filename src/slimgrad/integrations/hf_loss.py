@@ -66,7 +66,7 @@ __all__ = ["check", "register_loaded"]
 CORE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "phi3", "gpt2")
 
 FAMILY = "chunked_loss"
-_HEAD_ONLY = ("labels", "logits_to_keep", "return_dict")  # stock arguments the body never gets
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # ForCausalLMLoss's keywords
 #: body output fields whose presence never changes the loss stock computes
 _HARMLESS = frozenset({"last_hidden_state", "past_key_values", "cache", "hidden_states", "attentions",
                        "cross_attentions"})
@@ -186,6 +186,8 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
             body_args[name] = value
         elif name in sig.parameters and value is sig.parameters[name].default:
             continue  # a head parameter at its default: stock passes nothing of note
+        elif name in _LOSS_KWARGS:
+            continue  # the loss's own keywords: a body that does not take them never got them
         else:
             return f"the argument {name!r} cannot be passed to its body {type(body).__name__}.forward"
     ignore_index = extra.get("ignore_index", -100)
