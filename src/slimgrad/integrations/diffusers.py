@@ -42,7 +42,7 @@ passing it will raise an error in the future. `scale` should directly be passed 
 pipeline component i.e., via `cross_attention_kwargs`."
             deprecate("scale", "1.0.0", deprecation_message)''')
 
-#: class name -> {method: source} as read in diffusers 0.41 and 0.42 (``diffusers/models/activations.py``)
+#: class name -> {method: source} as read in diffusers 0.35, 0.41 and 0.42 (``diffusers/models/activations.py``)
 REFERENCE_SOURCES = {
     "GEGLU": {
         "forward": '''
@@ -91,7 +91,7 @@ def _mismatch(cls: type, name: str) -> str | None:
         fp = fingerprint(fn) if fn is not None else None
         if fp != want:
             return (f"{name}.{method} (fingerprint {fp}) is not the one slimgrad has read and reproduces "
-                    f"(diffusers 0.41-0.42)")
+                    f"(read in diffusers 0.35.0, 0.41.0 and 0.42.1)")
     return None
 
 
