@@ -248,6 +248,8 @@ class _Recipe:
     divide: bool = False  # scale by dividing (the config's value divides, as Granite's logits_scaling)
     where: str = "logits"
     shift: bool = True  # ForCausalLMLoss; False: CrossEntropyLoss()(logits.view(-1, V), labels.view(-1)) (BART-like)
+    num_items: bool = True  # False: the head does not hand num_items_in_batch to its loss (transformers 4.x Mamba)
+    loss_kwargs_to_body: bool = True  # False: the loss's keywords go to the loss only (transformers 4.x Bloom)
 
     def head_input(self, hidden, bias):
         if self.scale is None:
@@ -262,6 +264,10 @@ class _Recipe:
             parts.append(f"{self.where} {'divided' if self.divide else 'multiplied'} by {self.scale}")
         if not self.shift:
             parts.append("unshifted mean cross-entropy")
+        if not self.num_items:
+            parts.append("num_items_in_batch not passed to the loss")
+        if not self.loss_kwargs_to_body:
+            parts.append("the loss's keywords not passed to the body")
         return ", ".join(parts) or "plain"
 
 
@@ -288,6 +294,8 @@ def _recipes(config) -> list[_Recipe]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
             for where in ("logits", "hidden"):
                 found.append(_Recipe(softcap=softcap, scale=float(value), divide=divide, where=where))
+    found.append(_Recipe(softcap=softcap, num_items=False))
+    found.append(_Recipe(softcap=softcap, loss_kwargs_to_body=False))
     found.append(_Recipe(softcap=softcap, shift=False))
     return found
 
@@ -295,7 +303,10 @@ def _recipes(config) -> list[_Recipe]:
 def _loss(call: _Call, recipe: _Recipe, probe=None):
     """The body's output and ``ForCausalLMLoss`` of it, without the logits. ``probe`` (the check) may replace
     the hidden states where the stock head's linear layer would receive them."""
-    outputs = call.body(**call.body_args)
+    body_args = call.body_args
+    if not recipe.loss_kwargs_to_body:
+        body_args = {k: v for k, v in body_args.items() if k not in _LOSS_KWARGS}
+    outputs = call.body(**body_args)
     hidden = outputs.last_hidden_state
     if call.pre_head is not None:
         hidden = _through(call.pre_head, call.head, hidden)
@@ -316,12 +327,13 @@ def _loss(call: _Call, recipe: _Recipe, probe=None):
         labels = F.pad(call.labels, (0, 1), value=call.ignore_index)
         shift_labels = labels[..., 1:].contiguous()
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
-    reduction = "sum" if call.num_items is not None else "mean"
+    num_items = call.num_items if recipe.num_items else None
+    reduction = "sum" if num_items is not None else "mean"
     loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), call.head.weight, shift_labels,
                                       bias, ignore_index=call.ignore_index, reduction=reduction,
                                       softcap=recipe.softcap)
-    if call.num_items is not None:
-        num_items = call.num_items.to(loss.device) if torch.is_tensor(call.num_items) else call.num_items
+    if num_items is not None:
+        num_items = num_items.to(loss.device) if torch.is_tensor(num_items) else num_items
         loss = loss / num_items
     return loss, outputs
 
@@ -339,6 +351,7 @@ class _Verified:
     seen: frozenset  # the body output fields set in the check
     recipe: _Recipe = _PLAIN
     modifiers: tuple = ()  # _modifiers(config) when checked
+    refuses_num_items: bool = False  # stock raises when given num_items_in_batch: such calls run stock
 
     def unreproducible(self, outputs) -> list[str]:
         """Body fields this call set that the check did not see, where the head may compute more from them."""
@@ -485,7 +498,7 @@ def _compare_all(module, stock, head) -> _Verified | str:
     labels = ids.clone()
     labels[0, CHECK_TOKENS // 2] = -100
     call = {"input_ids": ids, "labels": labels}
-    if "use_cache" in sig.parameters or takes_any:
+    if "use_cache" in sig.parameters:
         call["use_cache"] = False
     seeded = _Seeded(device)
     rtol = _tolerance(head.weight.dtype)
@@ -511,8 +524,16 @@ def _compare_recipe(module, stock, head, call, seeded, rtol, recipe, takes_any) 
         verified = verified or result
     if takes_any:
         module.train(True)
-        n = torch.tensor(float(CHECK_TOKENS + 3), device=head.weight.device)
-        result = _compare(module, stock, head, {**call, "num_items_in_batch": n}, seeded, rtol, recipe, grads=False)
+        with_items = {**call, "num_items_in_batch": torch.tensor(float(CHECK_TOKENS + 3), device=head.weight.device)}
+        try:
+            result = _compare(module, stock, head, with_items, seeded, rtol, recipe, grads=False)
+        except Exception as e:  # noqa: BLE001
+            try:
+                with seeded(0), torch.no_grad():
+                    stock.forward(module, **with_items)
+            except Exception:  # noqa: BLE001 - stock refuses the keyword: so will we (stock runs such calls)
+                return dataclasses.replace(verified, refuses_num_items=True)
+            return _NUMBERS + f"the chunked path raised {type(e).__name__} where stock did not"
         if isinstance(result, str):
             return f"{result} (with num_items_in_batch)"
     return verified
@@ -600,6 +621,8 @@ def _forward(self, *args, **kwargs):
             verified = check(self)
         if not isinstance(verified, _Verified):
             _decline(stock, verified or "the module was not checked (first seen under torch.compile)")
+        elif plan.num_items is not None and verified.refuses_num_items:
+            pass  # stock raises its own error
         else:
             loss, outputs = _loss(plan, verified.recipe)
             extra = verified.unreproducible(outputs)
