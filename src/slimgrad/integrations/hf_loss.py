@@ -498,8 +498,11 @@ def _compare_all(module, stock, head) -> _Verified | str:
     labels = ids.clone()
     labels[0, CHECK_TOKENS // 2] = -100
     call = {"input_ids": ids, "labels": labels}
-    if "use_cache" in sig.parameters:
-        call["use_cache"] = False
+    body = _body(module, head)
+    body_params = _signature(type(body)).parameters.values() if body is not None else ()
+    if "use_cache" in sig.parameters or (takes_any and any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD
+                                                           for p in body_params)):
+        call["use_cache"] = False  # where stock or its body takes it (transformers 4.x OpenAI GPT takes neither)
     seeded = _Seeded(device)
     rtol = _tolerance(head.weight.dtype)
     first = None
