@@ -476,3 +476,12 @@ def test_a_config_change_after_convert_is_checked_again():
     actual = slim(input_ids=ids, labels=labels)
     assert actual.logits is None
     _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
+
+
+def test_a_refusal_for_one_instance_is_not_remembered_for_another_of_the_same_config():
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(_build("llama"), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.warns(SlimgradWarning, match="not torch.nn.Linear"):
+        slim = slimgrad.convert(wrapped, chunked_loss=True, include=[transformers.LlamaForCausalLM])
+    assert type(slim.get_base_model()) is transformers.LlamaForCausalLM
+    _converted(_build("llama"))  # same class, config and dtype, a plain head: engages

@@ -364,7 +364,7 @@ class _Verified:
         return out if return_dict else out.to_tuple()
 
 
-#: (stock class, config, dtype, device type) -> what the check found
+#: (stock class, config, dtype and device type, module structure) -> what the check found
 _CHECKS: dict[tuple, _Verified | str] = {}
 #: module -> its check result (a module's config key is computed once)
 _MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -380,11 +380,13 @@ def _key(module, stock):
     except Exception:  # noqa: BLE001 - an odd config: checked per config object
         text = f"id:{id(config)}"
     try:
-        weight = module.get_output_embeddings().weight
-        where = (weight.dtype, weight.device.type)
+        head = module.get_output_embeddings()
+        where = (head.weight.dtype, head.weight.device.type, bool(head._forward_hooks or head._forward_pre_hooks))
     except Exception:  # noqa: BLE001
         where = None
-    return stock, text, where
+    # the module's structure too: the same config with a LoRA-wrapped head, say, is another case
+    structure = hash(tuple(ORIGINALS.get(type(m), type(m)) for m in module.modules()))
+    return stock, text, where, structure
 
 
 def check(module) -> _Verified | str:
