@@ -221,6 +221,34 @@ def test_callback_logs_gaps_on_both_loggers_and_passes_strict(caplog):
         _notices.reset_warned()
 
 
+def test_callback_leaves_chunked_loss_off_under_an_sft_trainer_that_reads_logits(tmp_path, monkeypatch):
+    """TRL releases without add_fused_lm_head (0.x) read outputs.logits after a forward with labels: the
+    callback converts everything but the head there, and says so; with TRL 1.x's fused head it converts it."""
+    trl = pytest.importorskip("trl")
+    from trl.trainer import utils as trl_utils
+
+    from slimgrad import _notices
+
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("this TRL has no add_fused_lm_head: the monkeypatch below simulates that release")
+    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), report_to=[], use_cpu=True)
+    model = tiny_llama()
+    SlimgradCallback(chunked_loss=True).on_train_begin(args, None, None, model=model)
+    assert type(model) is not transformers.LlamaForCausalLM  # TRL 1.x: the head is converted as asked
+
+    _notices.reset_warned()
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head")
+    model = tiny_llama()
+    callback = SlimgradCallback(chunked_loss=True)
+    with pytest.warns(_notices.SlimgradWarning, match="trl.SFTTrainer.*reads outputs.logits"):
+        callback.on_train_begin(args, None, None, model=model)
+    assert type(model) is transformers.LlamaForCausalLM  # the head stays stock: logits stay there
+    assert type(model.model.norm) in ORIGINALS  # the rest is converted
+    with pytest.raises(_notices.SlimgradGapError, match="trl.SFTTrainer"):
+        SlimgradCallback(chunked_loss=True, strict=True).on_train_begin(args, None, None, model=tiny_llama())
+    _notices.reset_warned()
+
+
 class _StepGradients(transformers.TrainerCallback):
     """Keeps every trainable parameter's gradient of every optimizer step, before the step."""
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 
 from torch import nn
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
+from slimgrad import _notices
 from slimgrad._registry import ORIGINALS
 from slimgrad.convert import ConversionReport, convert
 
@@ -54,6 +56,21 @@ def _is_wrapper(model: nn.Module) -> bool:
     known = isinstance(model, (DataParallel, DistributedDataParallel)) or type(model).__name__ in (
         "OptimizedModule", "DeepSpeedEngine", "PipelineEngine")
     return known and any(isinstance(getattr(model, a, None), nn.Module) for a in _WRAPPER_ATTRIBUTES)
+
+
+def _sft_reads_logits(args) -> bool:
+    """Whether ``args`` configure a TRL ``SFTTrainer`` of a release that reads ``outputs.logits`` after a forward
+    with labels: before ``trl.trainer.utils.add_fused_lm_head`` (TRL 1.x), its entropy and token-accuracy metrics
+    did, so a head returning ``logits=None`` fails there."""
+    trl = sys.modules.get("trl")
+    if trl is None or args is None:
+        return False
+    try:
+        from trl import SFTConfig
+        from trl.trainer import utils as trl_utils
+    except ImportError:
+        return False
+    return isinstance(args, SFTConfig) and not hasattr(trl_utils, "add_fused_lm_head")
 
 
 class SlimgradCallback(TrainerCallback):
@@ -92,7 +109,16 @@ class SlimgradCallback(TrainerCallback):
             raise ValueError("SlimgradCallback: the trainer passed no 'model' to on_train_begin; slimgrad needs "
                              "the model to convert it")
         target = _unwrap(model)
-        _, report = convert(target, inplace=True, report=True, **self.convert_options)
+        options = dict(self.convert_options)
+        if options.get("chunked_loss") and _sft_reads_logits(args):
+            options["chunked_loss"] = False
+            _notices.notify(_notices.Gap(
+                "trl", _notices.library_version("trl"), "trl.SFTTrainer", "chunked_loss",
+                "this TRL's SFTTrainer calls the model with labels and then reads outputs.logits for its metrics "
+                "(TRL releases without add_fused_lm_head), which chunked_loss=True leaves None; chunked_loss is "
+                "left off for this run, everything else is converted (use_liger_kernel=True is TRL's own chunked "
+                "loss there)"), strict=bool(options.get("strict", False)))
+        _, report = convert(target, inplace=True, report=True, **options)
         self.report = report
         if state is None or getattr(state, "is_local_process_zero", True):
             self._log(target, report)
