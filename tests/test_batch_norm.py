@@ -414,14 +414,14 @@ def test_module_wrong_input_dim_same_error_as_stock(stock_cls, shape):
 
 
 def test_registered_classes():
-    from slimgrad._registry import REPLACEMENTS
+    from slimgrad._registry import FACADE, REPLACEMENTS
 
     assert REPLACEMENTS[nn.BatchNorm1d] is BatchNorm1d
     assert REPLACEMENTS[nn.BatchNorm2d] is BatchNorm2d
     assert REPLACEMENTS[nn.BatchNorm3d] is BatchNorm3d
     for cls in (BatchNorm1d, BatchNorm2d, BatchNorm3d):
         assert set(vars(cls)) - {"__module__", "__doc__", "__qualname__", "__firstlineno__",
-                                 "__static_attributes__"} == {"forward"}
+                                 "__static_attributes__"} == {"forward", *FACADE}
 
 
 @pytest.mark.slow

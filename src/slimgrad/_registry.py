@@ -51,6 +51,10 @@ def register(stock: type[nn.Module], *, option: str | None = None):
     return decorate
 
 
+#: members :func:`_stock_facade` adds to every replacement class besides its ``forward``
+FACADE = ("_get_name", "__prepare_scriptable__", "_slow_forward")
+
+
 def _stock_facade(cls, stock) -> None:
     """What a replacement shows the outside besides its forward: stock's name in reprs, and clear errors
     from TorchScript.
