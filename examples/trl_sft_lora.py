@@ -108,6 +108,7 @@ def run(tiny: bool = False, steps: int = 3, batch_size: int = 4, max_length: int
         bf16: bool = False, checkpointing: bool = False, **callback_options) -> dict:
     """Train stock and slimgrad SFT runs; returns per-run losses, kept bytes, peaks and what was converted."""
     import datasets
+    import transformers
     import trl
     from peft import LoraConfig
 
@@ -128,6 +129,9 @@ def run(tiny: bool = False, steps: int = 3, batch_size: int = 4, max_length: int
                                    gradient_checkpointing=checkpointing, seed=0, data_seed=0, disable_tqdm=True,
                                    dataloader_num_workers=0)
             callback = SlimgradCallback(**callback_options) if label == "slimgrad" else None
+            # TRL 0.24 (at least) wraps the model in peft inside SFTTrainer's constructor, before Trainer seeds:
+            # the LoRA A initialization then drew from wherever the previous run left the RNG; seed each run alike
+            transformers.set_seed(config.seed)
             trainer = trainer_class(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                                     peft_config=LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                            target_modules=TARGETS),

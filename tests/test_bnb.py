@@ -213,7 +213,8 @@ def test_torchao_nf4_weight_through_the_same_function():
         pytest.skip("torchao not installed")
     torch.manual_seed(0)
     w = nf4.from_tensor(torch.randn(IN, IN, dtype=torch.bfloat16), 64, 64)
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+    # torchao's own linear_nf4 sits beside NF4Tensor, whose module moved (torchao.dtypes.nf4tensor up to 0.13)
+    linear_nf4 = sys.modules[nf4.__module__].linear_nf4
 
     x = torch.randn(*ROWS, IN, dtype=torch.bfloat16)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -77,9 +77,12 @@ def vit():
                                  image_size=32, patch_size=8, num_labels=5, hidden_dropout_prob=0.0,
                                  attention_probs_dropout_prob=0.0)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    model = transformers.ViTForImageClassification(cfg)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]  # transformers 5 names
+    if not any(n.endswith(".fc1") for n, _ in model.named_modules()):  # transformers 4: BERT-style names
+        targets = ["query", "key", "value", "dense"]
     inputs = {"pixel_values": pixels, "labels": torch.tensor([1, 3])}
-    return transformers.ViTForImageClassification(cfg), inputs, targets
+    return model, inputs, targets
 
 
 MODELS = {f.__name__: f for f in (llama, qwen3, mistral, gemma3, phi3, gpt2, bert, t5, vit)}
