@@ -238,8 +238,8 @@ def _two_adapters(dtype, dropout=0.0):
     stock = peft_layer(dtype, dropout=dropout)
     stock.add_adapter("second", LoraConfig(r=2 * R, lora_alpha=3, target_modules=["proj"], use_rslora=True,
                                            lora_dropout=dropout, init_lora_weights=False))
-    # peft < 0.18's add_adapter leaves a bf16 model's new adapter in bf16 (get_peft_model upcasts the first);
-    # later releases upcast it too: do what they do, so that both adapters are fp32 on every release
+    # peft 0.17's add_adapter leaves a bf16 model's new adapter in bf16 (get_peft_model upcasts the first);
+    # later releases (0.21) upcast it too: do what they do, so that both adapters are fp32 on every release
     stock.base_model._cast_adapter_dtype(adapter_name="second", autocast_adapter_dtype=True)
     stock.base_model.set_adapter(["default", "second"])
     layer = lora_modules(stock)[0]
