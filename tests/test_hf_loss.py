@@ -108,6 +108,17 @@ def _compare_grads(slim, stock, dtype):
             continue
         _close(q.grad, p.grad, name, **TOL[dtype])
 
+def _assert_chunked_like_stock(slim, stock) -> None:
+    """One fp32 training step of both: slimgrad's returns no logits, the same loss and the same gradients."""
+    ids, labels = _batch()
+    expected = stock(input_ids=ids, labels=labels)
+    actual = slim(input_ids=ids, labels=labels)
+    assert actual.logits is None
+    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
+    expected.loss.backward()
+    actual.loss.backward()
+    _compare_grads(slim, stock, torch.float32)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
@@ -239,14 +250,7 @@ def test_peft_lora_model_finds_the_head_inside():
     slim = _converted(stock, transformers.LlamaForCausalLM)
     inner = slim.get_base_model()
     assert type(inner) is not transformers.LlamaForCausalLM and isinstance(inner, transformers.LlamaForCausalLM)
-    ids, labels = _batch()
-    expected = stock(input_ids=ids, labels=labels)
-    actual = slim(input_ids=ids, labels=labels)
-    assert actual.logits is None
-    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
-    expected.loss.backward()
-    actual.loss.backward()
-    _compare_grads(slim, stock, torch.float32)
+    _assert_chunked_like_stock(slim, stock)
     assert slim.get_base_model().lm_head.weight.grad is None  # frozen by peft
 
 
@@ -254,13 +258,7 @@ def test_with_every_other_converter():
     stock = _build("llama")
     slim = slimgrad.convert(stock, chunked_loss=True)
     assert type(slim) in ORIGINALS, "LlamaForCausalLM not converted by convert(chunked_loss=True)"
-    ids, labels = _batch()
-    expected, actual = stock(input_ids=ids, labels=labels), slim(input_ids=ids, labels=labels)
-    assert actual.logits is None
-    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
-    expected.loss.backward()
-    actual.loss.backward()
-    _compare_grads(slim, stock, torch.float32)
+    _assert_chunked_like_stock(slim, stock)
 
 
 # -- simulated upstream edits ----------------------------------------------------------------------------------
@@ -433,14 +431,7 @@ OTHER_HEADS = {
 def test_heads_beyond_a_plain_linear_layer_engage_with_stock_numbers(name):
     stock = OTHER_HEADS[name]()
     slim = _converted(stock)
-    ids, labels = _batch()
-    expected = stock(input_ids=ids, labels=labels)
-    actual = slim(input_ids=ids, labels=labels)
-    assert actual.logits is None
-    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
-    expected.loss.backward()
-    actual.loss.backward()
-    _compare_grads(slim, stock, torch.float32)
+    _assert_chunked_like_stock(slim, stock)
 
 
 def test_trl_fused_head_over_a_converted_head_does_the_work_once():
