@@ -110,3 +110,14 @@ def input_grad_as_returned(module: nn.Module, x: torch.Tensor, grad: torch.Tenso
 
 __all__ = ["FLOAT_DTYPES", "assert_same", "grad_combos", "input_grad_as_returned", "laid_out", "run_step",
            "saved_bytes", "set_requires_grad", "slim_copy"]
+
+
+class OneLayer(nn.Module):
+    """A model that is one wrapped layer (``.proj``), as peft and the converter see a layer inside a model."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.proj = layer
+
+    def forward(self, x):
+        return self.proj(x)

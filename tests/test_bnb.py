@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from tests._util import OneLayer as _One
 from tests._util import assert_same
 from torch import nn
 
@@ -237,15 +238,6 @@ peft_lora_wrappers = pytest.mark.skipif(
 
 def _peft():
     return pytest.importorskip("peft"), pytest.importorskip("transformers")
-
-
-class _One(nn.Module):
-    def __init__(self, layer):
-        super().__init__()
-        self.proj = layer
-
-    def forward(self, x):
-        return self.proj(x)
 
 
 @peft_lora_wrappers

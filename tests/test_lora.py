@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from tests._util import OneLayer as _Base
 from tests._util import assert_same
 from torch import nn
 
@@ -27,15 +28,6 @@ from slimgrad.integrations.peft_lora import SlimLinear  # noqa: E402
 from slimgrad.measure import SavedTensors  # noqa: E402
 
 IN, OUT, R, ROWS = 12, 10, 4, (3, 2)
-
-
-class _Base(nn.Module):
-    def __init__(self, layer):
-        super().__init__()
-        self.proj = layer
-
-    def forward(self, x):
-        return self.proj(x)
 
 
 def peft_layer(dtype=torch.float32, *, conv1d=False, dropout=0.0, seed=0, **config):

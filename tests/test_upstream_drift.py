@@ -21,17 +21,11 @@ import textwrap
 import pytest
 
 from slimgrad.integrations._fingerprint import Verified, fingerprint, names_read, normalise, unknown_reason
+from slimgrad.integrations.hf_norms import REFERENCE_FORWARDS
 
 # --- the fingerprint --------------------------------------------------------------------------------------
 
-LLAMA_NORM = '''
-def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    return self.weight * hidden_states.to(input_dtype)
-'''
+LLAMA_NORM = REFERENCE_FORWARDS["llama"][0][0]  # the source hf_norms reproduces, annotations and all
 MLP = '''
 def forward(self, x):
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -223,27 +223,16 @@ for _name, _cls in _PEFT_CLASSES.items():
 if _peft_bnb is not None and _adapters_only_supported():
     # Declared, not built by register_forward: peft's classes share bitsandbytes' names (Linear4bit), and the
     # generated "SlimLinear4bit" would shadow bitsandbytes' replacement in this module (breaking pickling).
-    _LoraLinear4bit, _LoraLinear8bitLt = _PEFT_CLASSES["Linear4bit"], _PEFT_CLASSES["Linear8bitLt"]
-
-    if _LoraLinear4bit is not None and _CHECKS[_LoraLinear4bit].reason() is None:
-        @register(_LoraLinear4bit)
-        class SlimLoraLinear4bit(_LoraLinear4bit):
-            """slimgrad's drop-in for peft.tuners.lora.bnb.Linear4bit (forward only)."""
-
-            forward = _lora_forward
-            unsupported_reason = classmethod(lambda cls, m: _unsupported_lora(m))
-
-        __all__.append("SlimLoraLinear4bit")
-
-    if _LoraLinear8bitLt is not None and _CHECKS[_LoraLinear8bitLt].reason() is None:
-        @register(_LoraLinear8bitLt)
-        class SlimLoraLinear8bitLt(_LoraLinear8bitLt):
-            """slimgrad's drop-in for peft.tuners.lora.bnb.Linear8bitLt (forward only)."""
-
-            forward = _lora_forward
-            unsupported_reason = classmethod(lambda cls, m: _unsupported_lora(m))
-
-        __all__.append("SlimLoraLinear8bitLt")
+    for _name, _cls in _PEFT_CLASSES.items():
+        if _cls is None or _CHECKS[_cls].reason() is not None:
+            continue
+        _slim_name = f"SlimLora{_name}"
+        _slim = type(_slim_name, (_cls,), {
+            "__module__": __name__, "__qualname__": _slim_name,
+            "__doc__": f"slimgrad's drop-in for peft.tuners.lora.bnb.{_name} (forward only).",
+            "forward": _lora_forward, "unsupported_reason": classmethod(lambda cls, m: _unsupported_lora(m))})
+        globals()[_slim_name] = register(_cls)(_slim)
+        __all__.append(_slim_name)
 
 
 def refresh() -> None:
