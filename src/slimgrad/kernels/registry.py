@@ -17,6 +17,8 @@ Preference (``SLIMGRAD_KERNELS`` at import, or :func:`set_preference` / :func:`p
   when ``TRITON_INTERPRET=1`` is set, on CPU tensors (how tests check Triton kernels without a GPU);
   the torch implementation elsewhere.
 * ``numba``: the numba (CPU JIT) implementation wherever one exists, else torch.
+* ``core``: the compiled core's kernel (:mod:`slimgrad.csrc`) wherever one exists, else torch. Core kernels are
+  skipped while the core is disabled (``SLIMGRAD_CORE=0``, ``slimgrad.csrc.disabled()``) or cannot be built.
 
 An unknown value, or ``triton`` when triton cannot be imported, is an error that says so.
 
@@ -51,10 +53,10 @@ __all__ = [
     "triton_interpreting",
 ]
 
-PREFERENCES = ("auto", "torch", "triton", "numba")
+PREFERENCES = ("auto", "torch", "triton", "numba", "core")
 
 #: Backend names with a meaning to the preference logic.
-TORCH, TRITON, NUMBA = "torch", "triton", "numba"
+TORCH, TRITON, NUMBA, CORE = "torch", "triton", "numba", "core"
 
 
 @dataclasses.dataclass
@@ -161,8 +163,8 @@ def preference(value: str):
 def register(family: str, backend: str, *, devices: Iterable[str], dtypes: Iterable[torch.dtype],
              load: Callable[[], object], priority: int = 0, note: str = "") -> Kernel:
     """Declare an implementation of ``family``. Registering is cheap: nothing is imported until used."""
-    if backend not in (TORCH, TRITON, NUMBA):
-        raise ValueError(f"slimgrad.kernels.register: 'backend' must be torch, triton or numba, got {backend!r}")
+    if backend not in (TORCH, TRITON, NUMBA, CORE):
+        raise ValueError(f"slimgrad.kernels.register: 'backend' must be torch, triton, numba or core, got {backend!r}")
     kernel = Kernel(family, backend, tuple(devices), tuple(dtypes), load, priority, note)
     _KERNELS.setdefault(family, []).append(kernel)
     _CACHE.clear()
@@ -171,10 +173,12 @@ def register(family: str, backend: str, *, devices: Iterable[str], dtypes: Itera
 
 def _candidates(family: str, device_type: str, dtype: torch.dtype) -> list[Kernel]:
     kernels = [k for k in _KERNELS.get(family, ()) if k.supports(device_type, dtype)]
+    if not _core_enabled():
+        kernels = [k for k in kernels if k.backend != CORE]
     pref = _PREFERENCE
     if pref == TORCH:
         kernels = [k for k in kernels if k.backend == TORCH]
-    elif pref in (TRITON, NUMBA):
+    elif pref in (TRITON, NUMBA, CORE):
         # The preferred backend first, then torch (never another fast backend).
         kernels = [k for k in kernels if k.backend in (pref, TORCH)]
         kernels.sort(key=lambda k: (k.backend != pref, -k.priority))
@@ -184,6 +188,17 @@ def _candidates(family: str, device_type: str, dtype: torch.dtype) -> list[Kerne
         kernels = [k for k in kernels if not (k.backend == TRITON and device_type != "cuda")]
     kernels.sort(key=lambda k: -k.priority)
     return kernels
+
+
+def _core_enabled() -> bool:
+    from slimgrad import csrc
+
+    return csrc.enabled()
+
+
+def clear_cache() -> None:
+    """Forget the per-(family, device, dtype) choices (after the core is switched on or off)."""
+    _CACHE.clear()
 
 
 def choose_kernel(family: str, device_type: str, dtype: torch.dtype) -> Kernel | None:

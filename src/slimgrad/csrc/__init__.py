@@ -1,0 +1,333 @@
+"""slimgrad's compiled eager core: built on first use, cached, never required.
+
+Why it exists: where slimgrad saves memory, a Python ``autograd.Function`` and slimgrad's per-call Python cost
+45-80 µs a layer call over stock (issue 22's measurements), which on small and mid-sized steps made a converted
+model 1.10-1.28x slower than stock. One C++ ``torch::autograd::Function`` per saving op, called once from the
+module's forward, costs about what stock's op costs, and its one-pass kernels (mask made in the same pass as the
+values) move fewer bytes than stock.
+
+How it is built: ``pip install`` stays compiler-free. The first eager call that can use the core (or
+``python -m slimgrad build``) compiles the C++ files in this directory with ``torch.utils.cpp_extension`` into a
+cache directory keyed by everything the binary depends on (torch version and build, Python, platform, CPU
+capability, the sources themselves), under a file lock, so two processes (pytest-xdist workers, DDP ranks) build
+once and the others wait and load. A cache that fails to load is removed and rebuilt once. Where no compiler
+exists, or the build fails, the Python path runs and :func:`status` (``python -m slimgrad kernels``) says why.
+
+``SLIMGRAD_CORE=0`` (or :func:`set_enabled`/:func:`disabled`) turns the core off: every op then runs its
+Python Function, the reference the core is tested against bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["core", "for_eager", "build", "status", "enabled", "set_enabled", "disabled", "cache_root", "SOURCES_DIR"]
+
+SOURCES_DIR = Path(__file__).resolve().parent
+
+_UNLOADED = object()
+# [loaded module, None when unavailable or not yet tried]; [0] is _UNLOADED until the first core() call.
+_STATE = {"module": _UNLOADED, "reason": None, "enabled": os.environ.get("SLIMGRAD_CORE", "1").strip() not in
+          ("0", "off", "false", "no")}
+_LOCK = threading.Lock()
+
+
+def _sources() -> list[Path]:
+    """Every family file; ``SLIMGRAD_CORE_SOURCES=common.cpp,relu_mask.cpp`` (development only) builds a subset,
+    so that work on one family recompiles two files, not all of them."""
+    subset = os.environ.get("SLIMGRAD_CORE_SOURCES")
+    if subset:
+        names = {"common.cpp", *(n.strip() for n in subset.split(",") if n.strip())}
+        return sorted(SOURCES_DIR / n for n in names)
+    return sorted(SOURCES_DIR.glob("*.cpp"))
+
+
+def _headers() -> list[Path]:
+    return sorted(SOURCES_DIR.glob("*.h"))
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # very old torch
+        return "DEFAULT"
+
+
+def _flags() -> list[str]:
+    """Compiler flags. ``-ffp-contract=off``: no fused multiply-adds the source does not write, so arithmetic
+    rounds as stock's kernels round (bitwise equality is the contract). OpenMP: ATen's ``parallel_for`` is
+    inline OpenMP in the headers; the extension resolves ``libgomp.so.1`` to the runtime torch already loaded."""
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-DNDEBUG"]
+    cap = _cpu_capability()
+    if cap in ("AVX2", "AVX512") and platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return flags
+
+
+def _key() -> str:
+    """What the binary depends on; a change in any of it is a different cache entry."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, str(getattr(torch.version, "git_version", "")), sys.version,
+                 platform.machine(), platform.system(), sysconfig.get_config_var("EXT_SUFFIX") or "",
+                 str(torch._C._GLIBCXX_USE_CXX11_ABI), _cpu_capability(), " ".join(_flags())):
+        h.update(part.encode())
+    for path in _sources() + _headers():
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """``SLIMGRAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/slimgrad``, else ``~/.cache/slimgrad``."""
+    env = os.environ.get("SLIMGRAD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "slimgrad"
+
+
+def _build_dir(key: str) -> Path:
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"torch{torch.__version__.replace('+', '_')}-{py}-{platform.machine()}"
+    return cache_root() / "core" / f"{tag}-{key}"
+
+
+def _module_name(key: str) -> str:
+    return f"slimgrad_core_{key}"
+
+
+def _library_path(directory: Path, name: str) -> Path:
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0] if sys.platform != "win32" else ".pyd"
+    for candidate in (directory / f"{name}.so", directory / f"{name}{suffix}"):
+        if candidate.exists():
+            return candidate
+    return directory / f"{name}.so"
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock across processes (fcntl; on platforms without it, a lock directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: mkdir is atomic
+        lockdir = path.with_suffix(".lockdir")
+        while True:
+            try:
+                lockdir.mkdir()
+                break
+            except FileExistsError:
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            shutil.rmtree(lockdir, ignore_errors=True)
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class _Progress:
+    """One line on stderr while the build runs (elapsed seconds), so a first call that compiles is not mistaken
+    for a hang; silent when ``quiet``."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if not self.quiet:
+            print("slimgrad: building its compiled core (once per torch version and machine, about a minute; "
+                  "`python -m slimgrad build` does it ahead of time) ...", file=sys.stderr, flush=True)
+            if sys.stderr.isatty():
+                self._thread = threading.Thread(target=self._tick, daemon=True)
+                self._thread.start()
+        self._t0 = time.monotonic()
+        return self
+
+    def _tick(self):
+        while not self._stop.wait(1.0):
+            print(f"\rslimgrad: compiling ... {time.monotonic() - self._t0:4.0f} s", end="", file=sys.stderr,
+                  flush=True)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            print(file=sys.stderr)
+        if not self.quiet and exc[0] is None:
+            print(f"slimgrad: compiled core built in {time.monotonic() - self._t0:.0f} s", file=sys.stderr,
+                  flush=True)
+        return False
+
+
+def _compile(directory: Path, name: str, verbose: bool):
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=name,
+        sources=[str(p) for p in _sources()],
+        extra_cflags=_flags(),
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(SOURCES_DIR)],
+        build_directory=str(directory),
+        verbose=verbose,
+        with_cuda=False,
+    )
+
+
+def _why_no_compiler() -> str | None:
+    """A reason the core cannot be built here, found without trying (no C++ compiler, no ninja)."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+        return f"no C++ compiler found (looked for $CXX={cxx!r}, g++, clang++)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja; slimgrad declares it as a dependency)"
+    return None
+
+
+def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
+    """Build (or load from the cache) the compiled core and return its module; raises with the reason on failure.
+
+    ``force`` removes this version's cache entry first. Safe to call from several processes at once."""
+    reason = _why_no_compiler()
+    if reason is not None:
+        raise RuntimeError(f"slimgrad: cannot build the compiled core: {reason}")
+    key = _key()
+    directory, name = _build_dir(key), _module_name(key)
+    with _file_lock(directory.parent / f"{directory.name}.lock"):
+        if force:
+            shutil.rmtree(directory, ignore_errors=True)
+        library = _library_path(directory, name)
+        if library.exists():
+            try:
+                return _finish(_import(library, name))
+            except Exception:  # a broken or truncated cache entry: rebuild it once
+                shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _Progress(quiet or verbose):
+            module = _compile(directory, name, verbose)
+        return _finish(module)
+
+
+def _finish(module):
+    """Hand the core what it takes from Python (the double-backward messages), once per load."""
+    from slimgrad.functional import _common
+
+    for key in _common._LAYERS:
+        module.set_double_backward_message(key, _common.double_backward_message(type(key, (), {})))
+    return module
+
+
+def core():
+    """The loaded core module, or None where it is off or unavailable. Builds it on the first call (once per
+    process); later calls cost one dict lookup."""
+    module = _STATE["module"]
+    if module is not _UNLOADED:
+        return module if _STATE["enabled"] else None
+    if not _STATE["enabled"]:
+        return None
+    with _LOCK:
+        if _STATE["module"] is _UNLOADED:
+            try:
+                _STATE["module"] = build()
+            except Exception as e:  # the Python path runs; `python -m slimgrad kernels` says why
+                _STATE["module"], _STATE["reason"] = None, f"{type(e).__name__}: {_first_line(e)}"
+                _warn(_STATE["reason"])
+    return _STATE["module"] if _STATE["enabled"] else None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def _warn(reason: str) -> None:
+    import warnings
+
+    warnings.warn(f"slimgrad: the compiled core is unavailable ({reason}); slimgrad's Python path runs instead "
+                  "(same numbers and bytes, more time per call). `python -m slimgrad kernels` shows the status.",
+                  RuntimeWarning, stacklevel=3)
+
+
+def enabled() -> bool:
+    """Whether eager calls may use the core (they do when it is also available)."""
+    return _STATE["enabled"]
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn the core on or off, process-wide (``SLIMGRAD_CORE=0`` at start-up is the same as off)."""
+    _STATE["enabled"] = bool(flag)
+    from slimgrad.kernels import registry
+
+    registry.clear_cache()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the Python path inside the block (how the tests check the fallback against the core)."""
+    old = _STATE["enabled"]
+    set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(old)
+
+
+def for_eager(x: torch.Tensor):
+    """The core module when an eager call on ``x`` may run it, else None: the core is on and built, ``x`` is a
+    plain CPU tensor (not a subclass: DTensor, functorch wrappers, fake tensors), and neither torch.compile nor a
+    torch.func transform is tracing. Each family adds its own conditions (dtype, layout, autocast)."""
+    module = _STATE["module"]
+    if module is _UNLOADED:
+        module = core()
+    if (module is None or not _STATE["enabled"] or type(x) is not torch.Tensor or x.device.type != "cpu"
+            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        return None
+    return module
+
+
+def status() -> dict:
+    """What the core is doing here, without building it: enabled, built (in the cache), loaded, and why not."""
+    key = _key()
+    directory, name = _build_dir(key), _module_name(key)
+    loaded = _STATE["module"] not in (_UNLOADED, None)
+    reason = _STATE["reason"]
+    if reason is None and not loaded:
+        reason = _why_no_compiler()
+    return {
+        "enabled": _STATE["enabled"],
+        "loaded": loaded,
+        "cached": _library_path(directory, name).exists(),
+        "cache": str(directory),
+        "reason": reason,
+        "sources": [p.name for p in _sources()],
+        "flags": _flags(),
+    }

@@ -1,0 +1,39 @@
+// Shared by every family file of slimgrad's compiled eager core (see __init__.py for why it exists).
+//
+// Each family file defines its torch::autograd::Function(s) and one-pass kernels, and registers its Python
+// bindings with a file-level `static slimgrad::Register` object: no shared list of families to edit.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+#include <vector>
+
+namespace slimgrad {
+
+using Registrar = void (*)(pybind11::module_&);
+
+// Every family's registration function, called once when the extension module is imported.
+std::vector<Registrar>& registrars();
+
+struct Register {
+  explicit Register(Registrar r) { registrars().push_back(r); }
+};
+
+// The double-backward error text for a Function (keyed by the Python Function's class name, e.g.
+// "BatchNormFunction"), set from Python at load time so the core's message is the Python path's, word for word.
+const std::string& double_backward_message(const std::string& key);
+
+// slimgrad's once_differentiable for C++ Functions: call at the end of backward with the gradients it
+// returns and the gradients it received. Outside create_graph it returns `grads_out` as they are; under it
+// the outputs are routed through torch's DelayedError node, so that differentiating them again raises
+// `double_backward_message(key)` (and only then, as torch's once_differentiable does).
+torch::autograd::variable_list once_differentiable(torch::autograd::variable_list grads_out,
+                                                   const torch::autograd::variable_list& grads_in,
+                                                   const std::string& key);
+
+}  // namespace slimgrad
