@@ -195,10 +195,39 @@ def audit_command(args) -> int:
     return 0
 
 
-def kernels_command(args) -> int:
-    from . import kernels
+def _core_lines(status: dict) -> list[str]:
+    state = ("loaded" if status["loaded"] else "built (cached), not loaded in this process" if status["cached"]
+             else "not built yet (built on first use, or `python -m slimgrad build`)")
+    lines = [f"compiled core: {'enabled' if status['enabled'] else 'disabled (SLIMGRAD_CORE=0)'}; {state}",
+             f"  cache: {status['cache']}",
+             f"  sources: {', '.join(status['sources'])}"]
+    if status["reason"]:
+        lines.append(f"  unavailable: {status['reason']}; the Python path runs (same numbers and bytes, more "
+                     f"time per call)")
+    return lines
 
+
+def kernels_command(args) -> int:
+    from . import csrc, kernels
+
+    for line in _core_lines(csrc.status()):
+        print(line)
     print(kernels.format_table())
+    return 0
+
+
+def build_command(args) -> int:
+    """Build the compiled core ahead of time (CI, Docker images, before launching DDP ranks)."""
+    from . import csrc
+
+    try:
+        module = csrc.build(verbose=args.verbose, force=args.force)
+    except Exception as e:  # noqa: BLE001 - a failed build is reported in one line, the Python path still runs
+        print(f"slimgrad: error: the compiled core did not build: {_first_line(e)}\n"
+              f"slimgrad still works without it (the Python path runs); `python -m slimgrad build --verbose` "
+              f"shows the compiler's output.", file=sys.stderr)
+        return 1
+    print(f"slimgrad: compiled core ready: {module.__file__}")
     return 0
 
 
@@ -237,6 +266,11 @@ def main(argv=None) -> int:
 
     k = sub.add_parser("kernels", help="which kernel runs per op family, device and dtype (SLIMGRAD_KERNELS)")
     k.set_defaults(run=kernels_command, batch_size=1)
+
+    b = sub.add_parser("build", help="build slimgrad's compiled core now (otherwise built on first use)")
+    b.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
+    b.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+    b.set_defaults(run=build_command, batch_size=1)
 
     args = parser.parse_args(argv)
     if args.batch_size < 1 or getattr(args, "image_size", 32) < 32 or getattr(args, "seq_len", 1) < 1:

@@ -1,0 +1,153 @@
+"""The compiled core's build: on first use, cached, never racing, rebuilt when broken, optional.
+
+Each case runs in fresh subprocesses with its own cache directory and builds only ``common.cpp``
+(``SLIMGRAD_CORE_SOURCES``), so it checks the machinery in seconds, not the family files (their own tests
+build those).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import slimgrad
+from slimgrad import csrc
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler on this machine")
+
+_LOAD = textwrap.dedent("""
+    import slimgrad.csrc as c
+    m = c.core()
+    print("LOADED", m is not None, m.__file__ if m is not None else c.status()["reason"])
+""")
+
+
+def _env(cache: Path, **extra) -> dict:
+    env = dict(os.environ, SLIMGRAD_CACHE_DIR=str(cache), SLIMGRAD_CORE_SOURCES="common.cpp", OMP_NUM_THREADS="1")
+    env.pop("SLIMGRAD_CORE", None)
+    env.update(extra)
+    return env
+
+
+def _run(code: str, env: dict, **kwargs):
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def _finish(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    return out, err
+
+
+def test_two_processes_build_once_and_both_load(tmp_path):
+    procs = [_run(_LOAD, _env(tmp_path)) for _ in range(2)]
+    results = [_finish(p) for p in procs]
+    for out, _ in results:
+        assert "LOADED True" in out
+    # one compiled, the other waited on the lock and loaded the cached build
+    assert sum("building its compiled core" in err for _, err in results) == 1
+    paths = {out.split()[-1] for out, _ in results}
+    assert len(paths) == 1 and Path(paths.pop()).exists()
+    # a third process loads from the cache without compiling
+    out, err = _finish(_run(_LOAD, _env(tmp_path)))
+    assert "LOADED True" in out and "building" not in err
+
+
+def test_a_broken_cache_is_rebuilt(tmp_path):
+    out, _ = _finish(_run(_LOAD, _env(tmp_path)))
+    library = Path(out.split()[-1])
+    library.write_bytes(b"not a shared library")
+    out, err = _finish(_run(_LOAD, _env(tmp_path)))
+    assert "LOADED True" in out and "building its compiled core" in err
+    assert library.stat().st_size > 1000
+
+
+def test_without_a_compiler_the_python_path_runs_and_says_why(tmp_path):
+    # only this interpreter's directory on PATH: python and pip's ninja, no C++ compiler
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    os.symlink(sys.executable, bindir / "python")
+    code = textwrap.dedent("""
+        import warnings, torch, slimgrad
+        from slimgrad import csrc
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert csrc.core() is None
+        assert any("compiled core is unavailable" in str(x.message) for x in w), [str(x.message) for x in w]
+        print("REASON", csrc.status()["reason"])
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        slim = slimgrad.convert(net)
+        x = torch.randn(3, 4)
+        slim(x).sum().backward()
+        print("GRAD", net[0].weight.grad is None, slim[0].weight.grad is not None)
+    """)
+    env = _env(tmp_path / "cache", PATH=str(bindir), CXX="no-such-compiler")
+    out, _ = _finish(_run(code, env))
+    assert "REASON" in out and "no C++ compiler" in out
+    assert "GRAD" in out
+    kernels = subprocess.run([sys.executable, "-m", "slimgrad", "kernels"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert kernels.returncode == 0, kernels.stderr
+    assert "unavailable: no C++ compiler" in kernels.stdout
+
+
+def test_slimgrad_core_0_never_builds(tmp_path):
+    out, err = _finish(_run(_LOAD, _env(tmp_path, SLIMGRAD_CORE="0")))
+    assert "LOADED False" in out and "building" not in err
+    assert not (tmp_path / "core").exists()
+
+
+def test_build_command_builds_ahead_of_time(tmp_path):
+    env = _env(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "slimgrad", "build"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "compiled core ready" in done.stdout
+    status = subprocess.run([sys.executable, "-m", "slimgrad", "kernels"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert "compiled core: enabled" in status.stdout
+    assert str(tmp_path) in status.stdout
+
+
+def test_disabled_switches_eager_calls_to_the_python_path():
+    import torch
+
+    x = torch.ones(3)
+    with csrc.disabled():
+        assert not csrc.enabled()
+        assert csrc.for_eager(x) is None
+    assert csrc.enabled() == (os.environ.get("SLIMGRAD_CORE", "1") not in ("0", "off", "false", "no"))
+
+
+def test_for_eager_refuses_what_the_core_does_not_serve():
+    import torch
+
+    if csrc.core() is None:
+        pytest.skip(f"compiled core unavailable: {csrc.status()['reason']}")
+    x = torch.ones(3)
+    assert csrc.for_eager(x) is not None
+    assert csrc.for_eager(torch.nn.Parameter(x)) is None  # subclasses go to the Python path
+    assert csrc.for_eager(torch.ones(3, device="meta")) is None
+    seen = []
+
+    def f(t):
+        seen.append(csrc.for_eager(t))
+        return t.sum()
+
+    torch.func.grad(f)(x)
+    assert seen == [None]  # torch.func transforms run the Python Functions
+
+
+def test_package_ships_the_sources():
+    pyproject = (Path(slimgrad.__file__).parents[2] / "pyproject.toml").read_text()
+    assert '"slimgrad.csrc" = ["*.cpp", "*.h"]' in pyproject
+    assert "common.cpp" in csrc.status()["sources"]
