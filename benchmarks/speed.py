@@ -4,18 +4,20 @@
                                                 [--write]
 
 For every model (small configs, random weights) and case: forward + backward of stock and of
-``slimgrad.convert(model)`` on independent copies, interleaved pair by pair (the order alternates), after
-warm-up. Reported: median step time of each, the median of the pair-by-pair ratios slimgrad / stock,
-bytes kept for backward (saved-tensor hooks, parameters excluded) and the peak over a step (allocator
-records on CPU, ``max_memory_allocated`` on CUDA). A ``noise`` row times stock against an identical
-copy of itself: ratios inside its band are indistinguishable from 1.00 on that machine and load.
-``--write`` puts the table into docs/benchmarks.md (its own section) with the command, torch version
-and machine.
+``slimgrad.convert(model)`` on independent copies, interleaved (the order rotates), after warm-up; the
+converted model runs twice per round, once with the compiled core (``slimgrad.csrc``, the default) and once
+with it disabled (the Python path, what runs where the core cannot be built). Reported: median step time of
+each, the median of the round-by-round ratios slimgrad / stock, bytes kept for backward (saved-tensor hooks,
+parameters excluded) and the peak over a step (allocator records on CPU, ``max_memory_allocated`` on CUDA). A
+``noise`` row times stock against an identical copy of itself: ratios inside its band are indistinguishable
+from 1.00 on that machine and load. ``--write`` puts the table into docs/benchmarks.md (its own section) with
+the command, torch version and machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import platform
@@ -27,6 +29,7 @@ import torch
 from _docs import write_section
 
 import slimgrad
+from slimgrad import csrc
 from slimgrad.cases import apply_case
 from slimgrad.measure import SavedTensors, peak_bytes
 
@@ -197,13 +200,15 @@ def _step(model, batch, loss, input_grad):
     l.backward()
 
 
-def _timed(model, batch, loss, input_grad, device):
+def _timed(model, batch, loss, input_grad, device, core=True):
     """(wall seconds, this process's CPU seconds) of one step. On a shared CPU the CPU time is the steadier
     measure (other processes' load does not enter it, except through caches)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t, c = time.perf_counter(), time.process_time()
-    _step(model, batch, loss, input_grad)
+    switch = contextlib.nullcontext() if core else csrc.disabled()
+    with switch:
+        t, c = time.perf_counter(), time.process_time()
+        _step(model, batch, loss, input_grad)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t, time.process_time() - c
@@ -223,17 +228,20 @@ def measure_row(build, case, kind, pairs, device):
     batch = _to(batch, device)
     other = copy.deepcopy(model) if kind == "noise" else slimgrad.convert(model)
     for m in (model, other):
-        for _ in range(2):  # warm-up (and slimgrad's producer/consumer bookkeeping, JIT loading)
+        for _ in range(2):  # warm-up (and slimgrad's producer/consumer bookkeeping, the core's build or load)
             _step(m, batch, loss, input_grad)
             m.zero_grad(set_to_none=True)
-    ts, tg, ratios, cpu_ratios = [], [], [], []
+    ts, tg, tp, ratios, cpu_ratios, py_ratios = [], [], [], [], [], []
+    providers = [(model, ts, True), (other, tg, True)] + ([(other, tp, False)] if kind != "noise" else [])
     for i in range(pairs):
-        order = ((model, ts), (other, tg)) if i % 2 == 0 else ((other, tg), (model, ts))
-        for m, out in order:
+        order = providers[i % len(providers):] + providers[: i % len(providers)]
+        for m, out, core in order:
             m.zero_grad(set_to_none=True)
-            out.append(_timed(m, batch, loss, input_grad, device))
+            out.append(_timed(m, batch, loss, input_grad, device, core))
         ratios.append(tg[-1][0] / ts[-1][0])
         cpu_ratios.append(tg[-1][1] / max(ts[-1][1], 1e-9))
+        if tp:
+            py_ratios.append(tp[-1][0] / ts[-1][0])
     kept = [_kept(m, batch, loss, input_grad) for m in (model, other)]
     peaks = []
     for m in (model, other):
@@ -243,6 +251,7 @@ def measure_row(build, case, kind, pairs, device):
         "stock_ms": statistics.median(t for t, _ in ts) * 1e3, "slim_ms": statistics.median(t for t, _ in tg) * 1e3,
         "ratio": statistics.median(ratios), "ratio_lo": min(ratios), "ratio_hi": max(ratios),
         "cpu_ratio": statistics.median(cpu_ratios),
+        "py_ratio": statistics.median(py_ratios) if py_ratios else None,
         "kept": kept, "peak": peaks,
     }
 
@@ -272,37 +281,41 @@ def main() -> None:
 
     cmd = "python benchmarks/speed.py " + " ".join(sys.argv[1:])
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    core = csrc.status()
+    core_note = ("compiled core on" if core["loaded"] else f"compiled core unavailable ({core['reason']})")
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)
     else:
         machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     lines = [
-        f"## Speed parity ({device.type})",
+        f"## Speed parity ({device.type}, {threads} thread{'s' if threads != '1' else ''})",
         "",
         f"`OMP_NUM_THREADS={threads} {cmd.strip()}` — torch {torch.__version__}, {machine}; "
-        f"slimgrad kernels: {slimgrad.kernels.get_preference()}. Median of {args.pairs} interleaved "
-        f"forward+backward steps per provider; ratio = median of the pair-by-pair slimgrad/stock ratios "
-        f"(min–max over pairs in brackets); CPU ratio = the same with this process's CPU time (steadier on a "
-        f"shared machine). Kept = bytes saved for backward (parameters excluded); peak = peak bytes over one "
-        f"step.",
+        f"slimgrad kernels: {slimgrad.kernels.get_preference()}, {core_note}. Median of {args.pairs} "
+        f"interleaved forward+backward steps per provider; ratio = median of the round-by-round slimgrad/stock "
+        f"ratios (min–max over rounds in brackets); CPU ratio = the same with this process's CPU time (steadier "
+        f"on a shared machine); Python path = slimgrad with the compiled core disabled (`SLIMGRAD_CORE=0`), "
+        f"timed in the same rounds. Kept = bytes saved for backward (parameters excluded); peak = peak bytes "
+        f"over one step.",
         "",
-        "| model | case | stock ms | slimgrad ms | ratio [min–max] | CPU ratio | kept MiB stock → slimgrad | "
-        "peak MiB stock → slimgrad |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | case | stock ms | slimgrad ms | ratio [min–max] | CPU ratio | Python path ratio | "
+        "kept MiB stock → slimgrad | peak MiB stock → slimgrad |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, case, r in results:
         if "error" in r:
-            lines.append(f"| {name} | {case} | – | – | error: {r['error'][:80]} | | | |")
+            lines.append(f"| {name} | {case} | – | – | error: {r['error'][:80]} | | | | |")
             continue
+        py = f"{r['py_ratio']:.2f}" if r["py_ratio"] is not None else "–"
         lines.append(
             f"| {name} | {case} | {r['stock_ms']:.1f} | {r['slim_ms']:.1f} | {r['ratio']:.2f} "
-            f"[{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}] | {r['cpu_ratio']:.2f} | "
+            f"[{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}] | {r['cpu_ratio']:.2f} | {py} | "
             f"{r['kept'][0] / MiB:.1f} → {r['kept'][1] / MiB:.1f} | "
             f"{r['peak'][0] / MiB:.1f} → {r['peak'][1] / MiB:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_section(f"speed-{device.type}", text)
+        write_section(f"speed-{device.type}-{threads}t", text)
 
 
 if __name__ == "__main__":
