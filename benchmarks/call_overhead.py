@@ -1,15 +1,19 @@
-"""Per-call overhead of slimgrad's layers where they keep exactly what stock keeps (then stock's op runs).
+"""Per-call overhead of slimgrad's layers: where they keep what stock keeps (stock's op runs) and where they save
+(the compiled core's Function runs; the Python path's Function where the core is disabled or unavailable).
 
     OMP_NUM_THREADS=1 python benchmarks/call_overhead.py [--repeats 2000] [--write]
 
 Tiny tensors, so the time is the Python and autograd bookkeeping around the kernels: forward + backward
-of one layer, stock vs converted, interleaved call by call; median over ``--repeats`` calls, reported as
-slimgrad minus stock in microseconds. ``--write`` puts the table into docs/benchmarks.md.
+of one layer, stock vs converted with the core vs converted with the core disabled (``slimgrad.csrc.disabled``),
+interleaved call by call; median over ``--repeats`` calls, reported as slimgrad minus stock in microseconds.
+Issue 22's target for the core: at most 5 µs over stock per call. ``--write`` puts the table into
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import platform
 import statistics
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 import slimgrad
+from slimgrad import csrc
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from _docs import write_section  # noqa: E402
@@ -54,7 +59,30 @@ def _cases():
     yield "[Function] Conv2d frozen, X needs grad", frozen, x4, True
     yield "[Function] BatchNorm2d eval, frozen", nn.BatchNorm2d(4).eval().requires_grad_(False), x4, True
     yield "[Function] ReLU, 1-bit mask", nn.ReLU(), x4, True
+    yield "[Function] LeakyReLU, 1-bit mask", nn.LeakyReLU(0.1), x4, True
+    yield "[Function] Hardtanh, 1-bit mask", nn.Hardtanh(), x4, True
     yield "[Function] MaxPool2d 3/2", nn.MaxPool2d(3, 2, 1), x4, True
+    yield "[Function] ConvTranspose2d frozen, X needs grad", nn.ConvTranspose2d(4, 4, 3).requires_grad_(False), x4, True
+    yield "[Function] Dropout(0.1) fp32", nn.Dropout(0.1), x4, True
+    yield "[Function] Dropout(0.1) bf16", nn.Dropout(0.1), lambda: x4().bfloat16(), True
+    xs = lambda: torch.randn(2, 8, 16)  # noqa: E731
+    yield "[Function] RMSNorm frozen, X needs grad", nn.RMSNorm(16).requires_grad_(False), xs, True
+    yield "[Function] LayerNorm frozen, X needs grad", nn.LayerNorm(16).requires_grad_(False), xs, True
+    yield "[Function] GroupNorm frozen, X needs grad", nn.GroupNorm(2, 4).requires_grad_(False), x4, True
+    lora = _peft_lora()
+    if lora is not None:
+        yield "[Function] peft LoRA Linear r=4, dropout 0.1", lora, xs, False
+
+
+def _peft_lora():
+    """A peft LoRA linear (frozen base, trainable adapters, dropout 0.1); None without peft."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        return None
+    net = nn.Sequential(nn.Linear(16, 16))
+    model = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["0"]))
+    return model.base_model.model[0]
 
 
 def _step(module, x, keep):
@@ -74,14 +102,15 @@ def measure(repeats: int):
         for m in (stock, slim):
             for _ in range(20):  # warm-up (and the ReLU learns that its output is kept)
                 _step(m, x, keep)
-        ts = {"stock": [], "slim": []}
+        ts = {"stock": [], "core": [], "python": []}
+        providers = (("stock", stock, True), ("core", slim, True), ("python", slim, False))
         for _ in range(repeats):
-            for key, m in (("stock", stock), ("slim", slim)):
-                t = time.perf_counter()
-                _step(m, x, keep)
-                ts[key].append(time.perf_counter() - t)
-        s, g = statistics.median(ts["stock"]), statistics.median(ts["slim"])
-        rows.append((name, s * 1e6, g * 1e6))
+            for key, m, core in providers:
+                with contextlib.nullcontext() if core else csrc.disabled():
+                    t = time.perf_counter()
+                    _step(m, x, keep)
+                    ts[key].append(time.perf_counter() - t)
+        rows.append((name, *(statistics.median(ts[k]) * 1e6 for k in ("stock", "core", "python"))))
     return rows
 
 
@@ -91,8 +120,10 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     rows = measure(args.repeats)
+    status = csrc.status()
+    core_note = "loaded" if status["loaded"] else f"unavailable ({status['reason']})"
     lines = [
-        "## Per-call overhead where stock's op runs",
+        "## Per-call overhead",
         "",
         f"`OMP_NUM_THREADS=1 python benchmarks/call_overhead.py --repeats {args.repeats}` — torch "
         f"{torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s). One layer on a "
@@ -100,14 +131,14 @@ def main() -> None:
         f"{args.repeats} interleaved calls. Where slimgrad would keep what stock keeps, the converted "
         f"layer calls stock's op itself; what remains is the check (and, for ReLU, the producer bookkeeping "
         f"and a gradient hook). Rows marked [Function] are calls where slimgrad saves memory and its autograd "
-        f"Function runs: their overhead is the per-call price of the saving, which dominates on tiny "
-        f"activations and vanishes into the kernels' time on large ones.",
+        f"Function runs (the compiled core's C++ Function; with the core disabled, the Python Function): their "
+        f"overhead is the per-call price of the saving. Core: {core_note}.",
         "",
-        "| layer | stock µs | slimgrad µs | overhead µs |",
-        "|---|---:|---:|---:|",
+        "| layer | stock µs | slimgrad µs (core) | overhead µs (core) | overhead µs (Python path) |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for name, s, g in rows:
-        lines.append(f"| {name} | {s:.1f} | {g:.1f} | {g - s:+.1f} |")
+    for name, s, g, p in rows:
+        lines.append(f"| {name} | {s:.1f} | {g:.1f} | {g - s:+.1f} | {p - s:+.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.write:
