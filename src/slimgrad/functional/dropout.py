@@ -27,6 +27,13 @@ one value per (sample, channel), nothing worth saving.
 
 Under ``torch.compile`` the mask is drawn from the default generator (Inductor's RNG) and kept packed, one
 bit per element (``_bitmask.pack_planar``, the layout Inductor fuses into the dropout kernel).
+
+Eager CPU calls with the "bits" policy (the default there) run the compiled core (:mod:`slimgrad.csrc`,
+``csrc/dropout.cpp``): after a few checks, one call into a C++ autograd Function that draws the mask with the
+same aten call as the Python Function (so the generator ends in stock's state), applies and packs it in one
+parallel pass, and keeps the same packed bits; the scale is computed once per ``(p, dtype)``. The Python
+Function stays for torch.compile, torch.func, the "seed" policy, other devices and a core that is off
+(``SLIMGRAD_CORE=0``) or unbuilt; it is the reference the core is tested against bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from slimgrad import csrc
 from slimgrad.functional import _bitmask, _common, _layout
 from slimgrad.functional._common import check_tensor
 from slimgrad.kernels import dropout as kernels
@@ -272,6 +280,20 @@ def _dropout_impl(input, p, training, inplace, policy=None):
     return _finish(input, kernels.choose_seed(xc).forward(xc, p, seed, inplace), perm, inplace)
 
 
+_CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_CORE_POLICIES = ("auto", "bits")  # on the CPU both are "bits"
+
+
+def _core(input, p, policy):
+    """The compiled core when this call may run it (eager CPU, "bits", 0 < p <= 1, a non-empty float input)."""
+    if type(input) is not torch.Tensor or (_POLICY if policy is None else policy) not in _CORE_POLICIES:
+        return None
+    core = csrc.for_eager(input)
+    if core is None or not (type(p) is float and 0.0 < p <= 1.0) or input.dtype not in _CORE_DTYPES:
+        return None
+    return core if input.numel() else None
+
+
 def _check(input, p, fn):
     check_tensor(input, "input", fn=fn)
     if p < 0.0 or p > 1.0:
@@ -284,6 +306,8 @@ def dropout(
     """``F.dropout`` keeping 1 bit per element (policy "bits", bitwise stock's mask on CPU) or an 8-byte
     seed ("seed") for backward instead of an input-sized float mask; ``policy=None``: the process-wide
     one (default "auto": bits on CPU, seed elsewhere)."""
+    if training and (core := _core(input, p, policy)) is not None:
+        return core.dropout_apply(input, p, inplace)
     _check(input, p, "dropout")
     return _dropout_impl(input, p, training, inplace, policy=policy)
 

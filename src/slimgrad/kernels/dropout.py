@@ -35,22 +35,33 @@ slow; seed on CUDA, where a counter-based generator is nearly free).
   ``(seed, element index, p)``: backward regenerates it. ``x``/``grad`` contiguous; ``out = x * noise``,
   ``grad_input = grad * noise`` with ``noise = keep ? scale : 0`` as above. The mask differs from stock's
   (another generator), identically in forward and backward.
+
+The compiled core (:mod:`slimgrad.csrc`, ``csrc/dropout.cpp``) registers ``dropout_bits`` as backend ``core``
+(priority 20, above numba's 10): one parallel pass that applies the mask and packs it (bf16/fp16 in fp32,
+rounded once, as stock's ``mul``), for all four float dtypes, so the Python Function also runs it where the
+core is built. The scale (:func:`noise_scale`) is computed once per ``(p, dtype)``: ``.item()`` per call was a
+measured per-call cost (issue 22).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from . import registry
 
-__all__ = ["BITS", "SEED", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits", "choose_seed", "noise_scale"]
+__all__ = ["BITS", "SEED", "CoreDropoutBits", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits", "choose_seed",
+           "noise_scale"]
 
 BITS, SEED = "dropout_bits", "dropout_seed"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=256)
 def noise_scale(p: float, dtype: torch.dtype) -> float:
-    """The value of stock's noise at kept elements: ``1 / (1 - p)`` rounded by ``div_`` in ``dtype``."""
+    """The value of stock's noise at kept elements: ``1 / (1 - p)`` rounded by ``div_`` in ``dtype`` (once per
+    ``(p, dtype)``: a host sync per call otherwise)."""
     return torch.ones((), dtype=dtype).div_(1 - p).item()
 
 
@@ -107,6 +118,27 @@ SEED_TORCH = TorchDropoutSeed()
 
 registry.register(BITS, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: BITS_TORCH,
                   note="torch ops + numpy packbits (reference)")
+class CoreDropoutBits:
+    """The compiled core's one-pass kernels (``csrc/dropout.cpp``), the ``dropout_bits`` contract."""
+
+    name = "core"
+
+    def __init__(self, core):
+        self.forward = core.dropout_bits_forward
+        self.backward = core.dropout_bits_backward
+
+
+def _load_core():
+    from slimgrad import csrc
+
+    core = csrc.core()
+    if core is None:
+        raise RuntimeError("the compiled core is unavailable (python -m slimgrad kernels says why)")
+    return CoreDropoutBits(core)
+
+
+registry.register(BITS, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20, load=_load_core,
+                  note="compiled core: mask applied and packed in one parallel pass")
 registry.register(SEED, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: SEED_TORCH,
                   note="private torch.Generator per call (reference)")
 
