@@ -1,5 +1,10 @@
 """Drop-in convolution modules: the stock classes with a forward that keeps only what the requested
-gradients need (see :mod:`slimgrad.functional.conv`). Constructor, parameters and state are stock's."""
+gradients need (see :mod:`slimgrad.functional.conv`). Constructor, parameters and state are stock's.
+
+Eager CPU calls go to the compiled core in one call: the core's options object (``conv_Cfg``) is made once per
+module and kept in the module's ``__dict__`` (with the option objects it was made from, so that a changed
+``stride``/``padding``/... is noticed), and a call checks the input's kind, autocast and grad mode before it.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimgrad import csrc
 from slimgrad._registry import register
 from slimgrad.functional import _common
-from slimgrad.functional.conv import asymmetric_same, conv_nd, stock_keeps_weight_for_free
+from slimgrad.functional.conv import (
+    _PLAIN,
+    asymmetric_same,
+    conv_nd,
+    core_cfg,
+    core_conv,
+    stock_keeps_weight_for_free,
+)
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
@@ -27,9 +40,42 @@ def _stock_keeps_what_we_keep(self, input, weight) -> bool:
 # Each forward reads ``self.weight`` and ``self.bias`` once, as stock's does: under a parametrization
 # (spectral_norm, weight_norm) every read runs it, and spectral_norm's power iteration advances per run.
 
+def _core_cfg(self, core, weight, nd: int, transposed: bool):
+    """The module's cached ``conv_Cfg`` (None: the core does not serve its options), remade when an option
+    attribute was replaced since."""
+    d = self.__dict__
+    c = d.get("_slimgrad_conv_core")
+    if (c is not None and c[0] is self.stride and c[1] is self.padding and c[2] is self.dilation
+            and c[3] is self.groups and c[4] is self.padding_mode and c[5] is self.output_padding and c[6] is core):
+        return c[7]
+    cfg = None
+    if self.padding_mode == "zeros":
+        cfg = core_cfg(core, nd, transposed, self.stride, self.padding, self.dilation, self.groups,
+                       self.output_padding, weight, type(self).__name__)
+    d["_slimgrad_conv_core"] = (self.stride, self.padding, self.dilation, self.groups, self.padding_mode,
+                                self.output_padding, core, cfg)
+    return cfg
+
+
+def _core_call(self, input, weight, bias, nd: int, transposed: bool):
+    """The core's convolution where it serves this call (else None)."""
+    core = csrc.for_eager(input)
+    if (core is None or input.dim() != nd + 2 or type(weight) not in _PLAIN
+            or (bias is not None and type(bias) not in _PLAIN) or torch.is_autocast_enabled("cpu")):
+        return None
+    cfg = _core_cfg(self, core, weight, nd, transposed)
+    if cfg is None:
+        return None
+    return core_conv(core, input, weight, bias, cfg, nd, transposed, self.stride, self.padding,
+                     self.output_padding, self.groups, self.dilation)
+
+
 def _conv_forward(self, input, nd: int):
     name = type(self).__name__
     weight, bias = self.weight, self.bias
+    out = _core_call(self, input, weight, bias, nd, False)
+    if out is not None:
+        return out
     if _stock_keeps_what_we_keep(self, input, weight):
         if input.requires_grad:  # only an output that requires grad can have a producer to tell
             _common.note_input_kept(input)
@@ -54,10 +100,14 @@ def _conv_forward(self, input, nd: int):
 def _conv_transpose_forward(self, input, output_size, nd: int):
     if self.padding_mode != "zeros":
         raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
+    weight, bias = self.weight, self.bias
+    if output_size is None:
+        out = _core_call(self, input, weight, bias, nd, True)
+        if out is not None:
+            return out
     output_padding = self._output_padding(
         input, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
     )
-    weight, bias = self.weight, self.bias
     if _stock_keeps_what_we_keep(self, input, weight):
         if input.requires_grad:
             _common.note_input_kept(input)

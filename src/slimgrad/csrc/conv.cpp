@@ -1,0 +1,242 @@
+// Convolutions (1-3d, plain and transposed, zero padding) of slimgrad's compiled eager core: the C++ twin of
+// slimgrad.functional.conv._ConvFunction, with the same decisions (what is kept, which kernel gives dX, which
+// tensor stands in for X), so its numbers and saved bytes are the Python path's and stock's.
+//
+// Kept: X only when the weight needs grad, the weight only when X does. dX: aten's convolution_backward fed a
+// tensor of X's shape and layout whose values it never reads (channels-last X, and 1x1 kernels, where it is
+// faster than the transposed convolution), else the transposed (plain, for a transposed conv) convolution of dY.
+// dW/dB: convolution_backward (a one-element stand-in for the weight when it was not kept), dB alone a sum.
+#include "common.h"
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace slimgrad {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Options that do not change between calls of one module (made once, cached on the module by Python).
+struct ConvCfg : torch::CustomClassHolder {
+  std::vector<int64_t> stride, padding, dilation, output_padding;
+  bool transposed = false;
+  int64_t groups = 1;
+};
+
+// Per-call state for backward (non-tensor; every tensor kept goes through save_for_backward).
+struct ConvState : torch::CustomClassHolder {
+  c10::intrusive_ptr<ConvCfg> cfg;
+  std::vector<int64_t> x_shape, x_stride, w_shape;
+  at::MemoryFormat x_format = at::MemoryFormat::Contiguous;
+  bool need_x = false, need_w = false, need_b = false;
+  bool carrier_dx = false;  // dX through convolution_backward with a carrier of X's shape and layout
+  // X itself while someone else holds it (nothing kept alive): the carrier of choice.
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> x_ref{
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  bool has_x_ref = false;
+};
+
+// slimgrad.functional.conv._format: the layout aten's convolution reads from `t`; a tensor contiguous in both
+// layouts goes by its strides (as aten's choice does).
+at::MemoryFormat conv_format(const at::Tensor& t) {
+  if (t.is_contiguous()) {
+    const auto d = t.dim();
+    if (d == 4 ? !t.is_contiguous(at::MemoryFormat::ChannelsLast)
+               : (d == 5 ? !t.is_contiguous(at::MemoryFormat::ChannelsLast3d) : true))
+      return at::MemoryFormat::Contiguous;
+  }
+  return t.suggest_memory_format();
+}
+
+std::vector<int64_t> dense_strides(at::IntArrayRef shape, at::MemoryFormat fmt) {
+  const int64_t n = static_cast<int64_t>(shape.size());
+  std::vector<int64_t> order;
+  if (fmt == at::MemoryFormat::ChannelsLast || fmt == at::MemoryFormat::ChannelsLast3d) {
+    order.push_back(1);
+    for (int64_t d = n - 1; d >= 2; --d) order.push_back(d);
+    order.push_back(0);
+  } else {
+    for (int64_t d = n - 1; d >= 0; --d) order.push_back(d);
+  }
+  std::vector<int64_t> strides(n, 0);
+  int64_t step = 1;
+  for (auto d : order) {
+    strides[d] = step;
+    step *= std::max<int64_t>(shape[d], 1);
+  }
+  return strides;
+}
+
+int64_t extent(at::IntArrayRef shape, at::IntArrayRef strides) {
+  int64_t e = 1;
+  for (size_t i = 0; i < shape.size(); ++i) e += (shape[i] - 1) * strides[i];
+  return e;
+}
+
+// slimgrad.functional.conv._shape_carrier: X while alive and unchanged in shape and layout; else a view over the
+// incoming gradient's storage where it is large enough; else an uninitialised tensor (stock holds X here). Under
+// a differentiable backward always the latter.
+at::Tensor shape_carrier(const ConvState& st, const at::Tensor& big) {
+  if (!at::GradMode::is_enabled()) {
+    if (st.has_x_ref) {
+      auto impl = st.x_ref.lock();
+      if (impl) {
+        at::Tensor x(std::move(impl));
+        if (x.sizes() == at::IntArrayRef(st.x_shape) && x.strides() == at::IntArrayRef(st.x_stride) &&
+            x.scalar_type() == big.scalar_type() && x.device() == big.device() && x.has_storage() &&
+            static_cast<int64_t>(x.storage().nbytes()) >=
+                (x.storage_offset() + extent(x.sizes(), x.strides())) * static_cast<int64_t>(x.element_size()))
+          return x;
+      }
+    }
+    auto strides = dense_strides(st.x_shape, st.x_format);
+    if (big.has_storage() && static_cast<int64_t>(big.storage().nbytes()) >=
+                                 extent(st.x_shape, strides) * static_cast<int64_t>(big.element_size()))
+      return big.as_strided(st.x_shape, strides, 0);
+  }
+  return at::empty(st.x_shape, big.options().memory_format(st.x_format));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const ConvCfg& c, const at::Tensor& grad,
+                                                               const at::Tensor& x, const at::Tensor& weight,
+                                                               std::array<bool, 3> mask) {
+  const int64_t channels = grad.size(1);
+  at::OptionalIntArrayRef bias_sizes;
+  if (mask[2]) bias_sizes = at::IntArrayRef(&channels, 1);
+  return at::convolution_backward(grad, x, weight, bias_sizes, c.stride, c.padding, c.dilation, c.transposed,
+                                  c.output_padding, c.groups, mask);
+}
+
+// The forward and backward shared by the two Functions below (with and without a bias: autograd cannot take an
+// undefined tensor as an input).
+at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                    const c10::intrusive_ptr<ConvCfg>& cfg, bool grad_mode) {
+  const auto& c = *cfg;
+  auto out = at::convolution(x, weight, bias, c.stride, c.padding, c.dilation, c.transposed, c.output_padding,
+                             c.groups);
+  // ctx->needs_input_grad, also where no input requires grad (the node then has no edges to ask)
+  const bool need_x = grad_mode && x.requires_grad(), need_w = grad_mode && weight.requires_grad();
+  const bool need_b = grad_mode && bias.defined() && bias.requires_grad();
+  if (!(need_x || need_w || need_b)) return out;
+  auto st = c10::make_intrusive<ConvState>();
+  st->cfg = cfg;
+  st->need_x = need_x;
+  st->need_w = need_w;
+  st->need_b = need_b;
+  st->x_shape = x.sizes().vec();
+  st->w_shape = weight.sizes().vec();
+  st->x_format = conv_format(x);
+  if (need_x && !need_w) {
+    bool pointwise = !c.transposed;
+    for (int64_t d = 2; d < weight.dim(); ++d) pointwise = pointwise && weight.size(d) == 1;
+    st->carrier_dx = pointwise || st->x_format != at::MemoryFormat::Contiguous;
+    if (st->carrier_dx) {
+      st->x_stride = x.strides().vec();
+      st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
+      st->has_x_ref = true;
+    }
+  }
+  ctx->save_for_backward({need_w ? x : at::Tensor(), need_x ? weight : at::Tensor()});
+  ctx->saved_data["s"] = c10::IValue::make_capsule(st);
+  return out;
+}
+
+// dX, dW, dB (undefined where not requested)
+std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad) {
+  auto st = c10::static_intrusive_pointer_cast<ConvState>(ctx->saved_data["s"].toCapsule());
+  const auto& c = *st->cfg;
+  auto saved = ctx->get_saved_variables();
+  const at::Tensor& x = saved[0];
+  const at::Tensor& weight = saved[1];
+  at::Tensor dx, dw, db;
+  if (st->need_x && st->need_w) {
+    std::tie(dx, dw, db) = conv_backward(c, grad, x, weight, {true, true, st->need_b});
+    return {dx, dw, st->need_b ? db : at::Tensor()};
+  }
+  if (st->need_x && st->carrier_dx) {
+    auto carrier = shape_carrier(*st, grad);
+    dx = std::get<0>(conv_backward(c, grad, carrier, weight, {true, false, false}));
+  } else if (st->need_x) {
+    // Stock's backward runs in the contiguous layout whatever dY's: the copy is the one its kernel makes.
+    auto g = grad.is_contiguous() ? grad : grad.contiguous();
+    const int64_t nd = static_cast<int64_t>(st->x_shape.size()) - 2;
+    if (c.transposed) {
+      dx = at::convolution(g, weight, {}, c.stride, c.padding, c.dilation, false, std::vector<int64_t>(nd, 0),
+                           c.groups);
+      // With output_padding >= stride the plain conv yields extra trailing rows: drop them.
+      for (int64_t i = 0; i < nd; ++i)
+        if (dx.size(2 + i) != st->x_shape[2 + i]) dx = dx.narrow(2 + i, 0, st->x_shape[2 + i]);
+    } else {
+      std::vector<int64_t> extra(nd);
+      for (int64_t i = 0; i < nd; ++i)
+        extra[i] = st->x_shape[2 + i] - ((grad.size(2 + i) - 1) * c.stride[i] - 2 * c.padding[i] +
+                                         c.dilation[i] * (st->w_shape[2 + i] - 1) + 1);
+      dx = at::convolution(g, weight, {}, c.stride, c.padding, c.dilation, true, extra, c.groups);
+    }
+  }
+  if (st->need_w) {
+    auto w = weight.defined() ? weight : at::empty({}, grad.options()).expand(st->w_shape);
+    auto r = conv_backward(c, grad, x, w, {false, true, st->need_b});
+    dw = std::get<1>(r);
+    db = std::get<2>(r);
+  } else if (st->need_b) {
+    std::vector<int64_t> dims{0};
+    for (int64_t d = 2; d < grad.dim(); ++d) dims.push_back(d);
+    db = grad.sum(dims);
+  }
+  return {st->need_x ? dx : at::Tensor(), dw, st->need_b ? db : at::Tensor()};
+}
+
+class ConvFunction : public torch::autograd::Function<ConvFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const c10::intrusive_ptr<ConvCfg>& cfg, bool grad_mode) {
+    return conv_fwd(ctx, x, weight, bias, cfg, grad_mode);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = conv_bwd(ctx, grads[0]);
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+  }
+};
+
+class ConvNoBiasFunction : public torch::autograd::Function<ConvNoBiasFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::intrusive_ptr<ConvCfg>& cfg, bool grad_mode) {
+    return conv_fwd(ctx, x, weight, at::Tensor(), cfg, grad_mode);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = conv_bwd(ctx, grads[0]);
+    return {g[0], g[1], at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+static Register reg_conv([](pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<ConvCfg, c10::intrusive_ptr<ConvCfg>>(m, "conv_Cfg")
+      .def(py::init([](std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                       bool transposed, std::vector<int64_t> output_padding, int64_t groups) {
+        auto c = c10::make_intrusive<ConvCfg>();
+        c->stride = std::move(stride);
+        c->padding = std::move(padding);
+        c->dilation = std::move(dilation);
+        c->transposed = transposed;
+        c->output_padding = std::move(output_padding);
+        c->groups = groups;
+        return c;
+      }));
+  m.def(
+      "conv_forward",
+      [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+         const c10::intrusive_ptr<ConvCfg>& cfg) {
+        const bool grad_mode = at::GradMode::is_enabled();
+        if (bias.has_value()) return ConvFunction::apply(x, weight, *bias, cfg, grad_mode);
+        return ConvNoBiasFunction::apply(x, weight, cfg, grad_mode);
+      },
+      "slimgrad's convolution (see conv.cpp): keeps X only for dW, the weight only for dX");
+});
+
+}  // namespace slimgrad
