@@ -28,7 +28,9 @@ import torch
 from torch._prims_common import suggest_memory_format as _prims_suggest_memory_format
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
+from slimgrad import csrc
 from slimgrad.functional import _common, _layout
+from slimgrad.kernels import registry as _registry
 
 __all__ = [
     "RMSNormFunction",
@@ -59,6 +61,26 @@ _FUSED_RMS_DEVICES = ("cuda", "xpu", "mps")
 
 for _family in ("rms_norm", "rms_norm_hf", "fused_add_rms_norm", "layer_norm"):
     _common.register_torch_kernel(_family)
+
+
+#: RMS_STYLES' codes in the compiled core (``norms_rms``'s ``style``).
+_STYLE_CODE = {style: i for i, style in enumerate(RMS_STYLES)}
+
+
+def _core(input):
+    """The compiled core for an eager call on ``input``, or None (see the module docstring): the core must be on,
+    built and fit ``input`` (``csrc.for_eager``), and no Triton kernel be preferred (the Triton tests run under the
+    interpreter on CPU tensors, through the Python Function)."""
+    core = csrc.for_eager(input)
+    if core is None or _registry.get_preference() == _registry.TRITON:
+        return None
+    return core
+
+
+def _note():
+    """What the core calls with the input when it keeps it (the producer/consumer rule), None when no producer
+    is waiting to hear (the common case: one length check)."""
+    return _common.note_input_kept if _common._PRODUCERS else None
 
 
 def _numel(shape) -> int:
@@ -295,6 +317,11 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
     """Drop-in for ``torch.nn.functional.rms_norm``: same output and gradients, keeping x and rstd only."""
     if has_torch_function_variadic(input, weight):
         return handle_torch_function(rms_norm, (input, weight), input, normalized_shape, weight=weight, eps=eps)
+    core = _core(input)
+    if core is not None:
+        out = core.norms_rms(input, weight, eps, normalized_shape, 0, _note())
+        if out is not None:
+            return out
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = tuple(normalized_shape)
@@ -310,6 +337,11 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
     ``style="gemma"`` scales by ``1 + weight``."""
     if has_torch_function_variadic(input, weight):
         return handle_torch_function(rms_norm_hf, (input, weight), input, weight, eps=eps, style=style)
+    core = _core(input)
+    if core is not None and style in _STYLE_CODE and style != "torch":
+        out = core.norms_rms(input, weight, eps, None, _STYLE_CODE[style], _note())
+        if out is not None:
+            return out
     if style not in RMS_STYLES or style == "torch":
         raise ValueError(f"rms_norm_hf: argument 'style' must be one of {RMS_STYLES[1:]}, got {style!r}")
     _check_rms("rms_norm_hf", input, weight, eps)
@@ -393,6 +425,11 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
     if has_torch_function_variadic(input, weight, bias):
         return handle_torch_function(layer_norm, (input, weight, bias), input, normalized_shape, weight=weight,
                                      bias=bias, eps=eps)
+    core = _core(input)
+    if core is not None:
+        out = core.norms_layer(input, normalized_shape, weight, bias, eps, _note())
+        if out is not None:
+            return out
     _common.check_tensor(input, "input", fn="layer_norm")
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
@@ -465,6 +502,11 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     if has_torch_function_variadic(input, weight, bias):
         return handle_torch_function(group_norm, (input, weight, bias), input, num_groups, weight=weight,
                                      bias=bias, eps=eps)
+    core = _core(input)
+    if core is not None:
+        out = core.norms_group(input, num_groups, weight, bias, eps, _note())
+        if out is not None:
+            return out
     _common.check_tensor(input, "input", fn="group_norm")
     if input.dim() < 2:
         raise RuntimeError(f"slimgrad: group_norm: argument 'input' must have at least 2 dims (N, C, ...), got "

@@ -4,6 +4,12 @@ which have no stock counterpart.
 The stock modules' forwards are one functional call each; ours call slimgrad's twin with the same
 arguments, so every constructor option (``elementwise_affine=False``, ``bias=False``, ``eps=None``,
 multi-dim ``normalized_shape``, ``affine=False``) is honoured by construction.
+
+Eager CPU calls go straight to the compiled core (:mod:`slimgrad.csrc`, one C++ autograd Function running the
+Python Function's aten sequence, so the same bits and bytes) with the module's own attributes, read from the
+instance dict (a parameter replaced by a plain attribute is looked up as the module itself, which the core
+refuses); the core returns None for anything it does not take (autocast, wrong shapes, other devices), and
+the functional form then runs as before.
 """
 
 from __future__ import annotations
@@ -12,7 +18,16 @@ import torch
 from torch import Tensor, nn
 
 from slimgrad._registry import register
-from slimgrad.functional.norms import RMS_STYLES, fused_add_rms_norm, group_norm, layer_norm, poly_norm, rms_norm
+from slimgrad.functional.norms import (
+    RMS_STYLES,
+    _core,
+    _note,
+    fused_add_rms_norm,
+    group_norm,
+    layer_norm,
+    poly_norm,
+    rms_norm,
+)
 
 __all__ = ["FusedAddRMSNorm", "GroupNorm", "LayerNorm", "PolyNorm", "RMSNorm"]
 
@@ -20,18 +35,35 @@ __all__ = ["FusedAddRMSNorm", "GroupNorm", "LayerNorm", "PolyNorm", "RMSNorm"]
 @register(nn.RMSNorm)
 class RMSNorm(nn.RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
+        core = _core(x)
+        if core is not None:
+            out = core.norms_rms(x, self._parameters.get("weight", self), self.eps, self.normalized_shape, 0, _note())
+            if out is not None:
+                return out
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 
 @register(nn.LayerNorm)
 class LayerNorm(nn.LayerNorm):
     def forward(self, input: Tensor) -> Tensor:
+        core = _core(input)
+        if core is not None:
+            params = self._parameters
+            out = core.norms_layer(input, self.normalized_shape, params.get("weight", self), params.get("bias", self), self.eps, _note())
+            if out is not None:
+                return out
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 @register(nn.GroupNorm)
 class GroupNorm(nn.GroupNorm):
     def forward(self, input: Tensor) -> Tensor:
+        core = _core(input)
+        if core is not None:
+            params = self._parameters
+            out = core.norms_group(input, self.num_groups, params.get("weight", self), params.get("bias", self), self.eps, _note())
+            if out is not None:
+                return out
         if self.affine and isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
             # Stock raises a RuntimeError here too, but blames the weight; the input is what is wrong.
             raise RuntimeError(f"slimgrad: {type(self).__name__}: argument 'input' must have num_channels="

@@ -1,0 +1,458 @@
+// The norms' eager CPU path: RMSNorm (torch.rms_norm and the Hugging Face casting styles), LayerNorm and GroupNorm
+// as one C++ torch::autograd::Function each.
+//
+// Each Function runs, op for op, the aten sequence of its Python Function in slimgrad/functional/norms.py (the
+// reference the tests compare bit for bit, itself bitwise stock's / Hugging Face's): the same ops in the same
+// dtypes and operand order give the same bits and the same output/gradient layouts, and the same decisions of
+// what to keep give the same saved bytes. What this file removes is the Python cost per call (the Function
+// object, its checks and bookkeeping), not a kernel: RMSNorm's reductions are aten's sums, whose summation order
+// a hand-written kernel would have to reproduce bit for bit.
+//
+// Entry points return None (the caller then runs the Python Function, which raises the errors or handles the
+// case) for anything not plain: wrong types or shapes, autocast on, non-CPU parameters.
+#include "common.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace slimgrad {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+namespace py = pybind11;
+
+// RMS_STYLES of functional/norms.py, in order.
+enum Style : int64_t { kTorch = 0, kLlama = 1, kOlmo2 = 2, kGemma = 3, kT5 = 4 };
+
+at::ScalarType opmath(at::ScalarType t) {
+  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Whether the last forward on this thread kept its input (the Python caller then runs note_input_kept).
+thread_local bool last_kept_x = false;
+
+std::vector<int64_t> trailing_dims(const Tensor& x, int64_t ndim) {
+  std::vector<int64_t> dims;
+  for (int64_t d = x.dim() - ndim; d < x.dim(); ++d) dims.push_back(d);
+  return dims;
+}
+
+// ------------------------------------------------------------------------------------------------ RMSNorm
+struct RmsForward {
+  Tensor out, rstd, normed;
+};
+
+// _rms_forward_impl
+RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndim, int64_t style) {
+  if (style == kTorch) {
+    auto up = x.to(opmath(x.scalar_type()));
+    auto rstd = at::rsqrt(up.pow(2).mean(trailing_dims(x, ndim), true).add_(eps));
+    auto h = up * rstd;
+    auto out = (w.defined() ? h * w : h).type_as(x);
+    if (x.suggest_memory_format() == at::MemoryFormat::Contiguous) out = out.contiguous();
+    return {out, rstd, h};
+  }
+  if (style == kT5) {
+    auto rstd = at::rsqrt(x.to(at::kFloat).pow(2).mean({-1}, true) + eps);
+    auto h = x * rstd;
+    if (is_half(w.scalar_type())) h = h.to(w.scalar_type());
+    return {w * h, rstd, h};
+  }
+  auto up = x.to(at::kFloat);
+  auto rstd = at::rsqrt(up.pow(2).mean({-1}, true) + eps);
+  auto h = up * rstd;
+  if (style == kLlama) {
+    auto normed = h.to(x.scalar_type());
+    return {w * normed, rstd, normed};
+  }
+  if (style == kOlmo2) return {(w * h).to(x.scalar_type()), rstd, h};
+  return {(h * w.to(at::kFloat).add(1.0)).type_as(x), rstd, h};  // gemma: Python's 1.0 + w.float()
+}
+
+Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, const Tensor& h) {
+  if (style == kLlama || style == kT5) return dy;
+  if (style == kGemma) return dy.to(at::kFloat);
+  return dy.to(at::promote_types(w.scalar_type(), h.scalar_type()));
+}
+
+Tensor weight_grad(const Tensor& g, const Tensor& h, const Tensor& w) {
+  return (g * h).sum_to_size(w.sizes()).to(w.scalar_type());
+}
+
+Tensor variance_path_grad(const Tensor& d_rstd, const Tensor& rstd, const Tensor& up, int64_t n) {
+  auto d_var = (d_rstd * -0.5) * rstd.pow(3);
+  return (d_var / n) * (up.pow(1) * 2.0);
+}
+
+std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w,
+                                       int64_t ndim, int64_t style, bool need_x, bool need_w,
+                                       at::ScalarType x_dtype) {
+  int64_t n = 1;
+  for (int64_t d = x.dim() - ndim; d < x.dim(); ++d) n *= x.size(d);
+  Tensor dx, dw;
+  if (style == kT5) {
+    auto xf = x.to(at::kFloat);
+    auto h = x * rstd;
+    auto hd = h.scalar_type();
+    auto ht = is_half(w.scalar_type()) ? h.to(w.scalar_type()) : h;
+    if (need_w) dw = weight_grad(dy, ht, w);
+    if (!need_x) return {dx, dw};
+    auto dh = (dy * w).to(ht.scalar_type()).to(hd);
+    auto dx1 = (dh * rstd).to(x.scalar_type());
+    auto d_rstd = (dh * x).sum({-1}, true).to(rstd.scalar_type());
+    auto dx2 = variance_path_grad(d_rstd, rstd, xf, n).to(x.scalar_type());
+    return {dx1.add_(dx2), dw};
+  }
+  auto up = x.to(rstd.scalar_type());
+  auto h = up * rstd;
+  Tensor g_h;
+  if (!w.defined()) {
+    g_h = dy.to(h.scalar_type());
+  } else if (style == kLlama) {
+    if (need_w) dw = weight_grad(dy, h.to(x_dtype), w);
+    if (need_x) g_h = (dy * w).to(x_dtype).to(h.scalar_type());
+  } else if (style == kTorch || style == kOlmo2) {
+    auto g = upstream_of_product(dy, style, w, h);
+    if (need_w) dw = weight_grad(g, h, w);
+    if (need_x) g_h = (g * w).to(h.scalar_type());
+  } else {  // gemma
+    auto g = upstream_of_product(dy, style, w, h);
+    if (need_w) dw = weight_grad(g, h, w);
+    if (need_x) g_h = g * w.to(at::kFloat).add(1.0);
+  }
+  if (need_x) {
+    h.reset();
+    auto d_rstd = (g_h * up).sum(trailing_dims(x, ndim), true);
+    dx = (g_h * rstd).add_(variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype);
+  }
+  return {dx, dw};
+}
+
+struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
+  // weight/bias as optionals: an undefined Tensor argument would count as a variable input
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& w_opt, double eps,
+                        int64_t ndim, int64_t style, bool need_x, bool need_w) {
+    const Tensor w = w_opt.value_or(Tensor());
+    auto f = rms_forward(x, w, eps, ndim, style);
+    ctx->saved_data["need_x"] = need_x;
+    ctx->saved_data["need_w"] = need_w;
+    ctx->saved_data["ndim"] = ndim;
+    ctx->saved_data["style"] = style;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["has_w"] = w.defined();
+    if (w.defined()) {
+      ctx->saved_data["w_shape"] = w.sizes().vec();
+      ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
+    }
+    if (!(need_x || need_w)) return f.out;
+    // save_rms: x in its own dtype (or its fp32 copy for an fp64 input in the fp32 styles) and rstd, or, where
+    // only dW is requested, the normalised input when it is no bigger (a view pins its whole storage).
+    const auto& rstd = f.rstd;
+    bool narrow = (style == kLlama || style == kOlmo2 || style == kGemma) && x.element_size() > rstd.element_size();
+    int64_t kept_bytes = x.numel() * (narrow ? rstd.element_size() : x.element_size());
+    if (!narrow) kept_bytes = std::max<int64_t>(kept_bytes, static_cast<int64_t>(x.storage().nbytes()));
+    const auto& normed = f.normed;
+    if (!need_x && normed.numel() * static_cast<int64_t>(normed.element_size()) <=
+                       kept_bytes + rstd.numel() * static_cast<int64_t>(rstd.element_size())) {
+      ctx->save_for_backward({Tensor(), Tensor(), Tensor(), normed});
+    } else {
+      last_kept_x = true;
+      ctx->save_for_backward({narrow ? x.to(rstd.scalar_type()) : x, rstd, need_x ? w : Tensor(), Tensor()});
+    }
+    return f.out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    bool need_x = ctx->saved_data["need_x"].toBool(), need_w = ctx->saved_data["need_w"].toBool();
+    variable_list result(7);
+    if (!(need_x || need_w)) return result;
+    Tensor dx, dw;
+    {
+      at::NoGradGuard no_grad;
+      auto saved = ctx->get_saved_variables();
+      Tensor x = saved[0], rstd = saved[1], w = saved[2], normed = saved[3];
+      const auto& dy = grads[0];
+      int64_t style = ctx->saved_data["style"].toInt();
+      if (!w.defined() && ctx->saved_data["has_w"].toBool()) {  // the weight's shape and dtype are all dW reads
+        auto dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+        w = at::empty({}, dy.options().dtype(dtype)).expand(ctx->saved_data["w_shape"].toIntVector());
+      }
+      if (normed.defined()) {
+        dw = weight_grad(upstream_of_product(dy, style, w, normed), normed, w);
+      } else {
+        std::tie(dx, dw) =
+            rms_backward(dy, x, rstd, w, ctx->saved_data["ndim"].toInt(), style, need_x, need_w,
+                         static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+      }
+    }
+    result[0] = need_x ? dx : Tensor();
+    result[1] = need_w ? dw : Tensor();
+    return once_differentiable(std::move(result), grads, "RMSNormFunction");
+  }
+};
+
+// ------------------------------------------------------------------------------------- LayerNorm / GroupNorm
+struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& w_opt,
+                        const std::optional<Tensor>& b_opt, std::vector<int64_t> shape, double eps, bool need_x,
+                        bool need_w, bool need_b) {
+    const Tensor w = w_opt.value_or(Tensor()), b = b_opt.value_or(Tensor());
+    auto [out, mean, rstd] = at::native_layer_norm(x, shape, w, b, eps);
+    ctx->saved_data["mask"] = std::vector<bool>{need_x, need_w, need_b};
+    bool keep = need_x || need_w;
+    if (keep || need_b) {
+      ctx->saved_data["shape"] = shape;
+      ctx->saved_data["stat_shape"] = mean.sizes().vec();
+      ctx->saved_data["stat_dtype"] = static_cast<int64_t>(mean.scalar_type());
+      last_kept_x = keep;
+      ctx->save_for_backward({keep ? x : Tensor(), keep ? mean : Tensor(), keep ? rstd : Tensor(), w, b});
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto mask = ctx->saved_data["mask"].toBoolList();
+    bool need_x = mask[0], need_w = mask[1], need_b = mask[2];
+    variable_list result(8);
+    if (!(need_x || need_w || need_b)) return result;
+    {
+      at::NoGradGuard no_grad;
+      auto saved = ctx->get_saved_variables();
+      Tensor x = saved[0], mean = saved[1], rstd = saved[2];
+      Tensor dy = grads[0];
+      if (!x.defined()) {  // only dB: dY stands in for x (the kernel reads only its shape then)
+        dy = dy.contiguous();
+        x = dy;
+        mean = rstd = at::zeros(ctx->saved_data["stat_shape"].toIntVector(),
+                                dy.options().dtype(static_cast<at::ScalarType>(
+                                    ctx->saved_data["stat_dtype"].toInt())));
+      }
+      auto [dx, dw, db] = at::native_layer_norm_backward(dy, x, ctx->saved_data["shape"].toIntVector(), mean, rstd,
+                                                         saved[3], saved[4], {need_x, need_w, need_b});
+      result[0] = need_x ? dx : Tensor();
+      result[1] = need_w ? dw : Tensor();
+      result[2] = need_b ? db : Tensor();
+    }
+    return once_differentiable(std::move(result), grads, "LayerNormFunction");
+  }
+};
+
+// _suggest_memory_format of functional/norms.py: asked only where x is 4-d/5-d and not plain contiguous.
+at::MemoryFormat group_norm_format(const Tensor& x) {
+  if ((x.dim() != 4 && x.dim() != 5) || x.is_contiguous()) return at::MemoryFormat::Contiguous;
+  return x.suggest_memory_format();
+}
+
+struct GroupNormFn : public torch::autograd::Function<GroupNormFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& w_opt,
+                        const std::optional<Tensor>& b_opt, int64_t groups, double eps, bool need_x, bool need_w,
+                        bool need_b) {
+    const Tensor w = w_opt.value_or(Tensor()), b = b_opt.value_or(Tensor());
+    int64_t n = x.size(0), c = x.size(1);
+    int64_t hxw = n * c ? x.numel() / (n * c) : 1;
+    auto fmt = group_norm_format(x);
+    auto xc = x.contiguous(fmt);
+    auto [out, mean, rstd] = at::native_group_norm(xc, w, b, n, c, hxw, groups, eps);
+    ctx->saved_data["mask"] = std::vector<bool>{need_x, need_w, need_b};
+    bool keep = need_x || need_w;
+    if (keep || need_b) {
+      ctx->saved_data["dims"] = std::vector<int64_t>{n, c, hxw, groups};
+      ctx->saved_data["channels_last"] = fmt != at::MemoryFormat::Contiguous;
+      ctx->saved_data["fmt"] = static_cast<int64_t>(fmt);
+      ctx->saved_data["stat_shape"] = mean.sizes().vec();
+      ctx->saved_data["stat_dtype"] = static_cast<int64_t>(mean.scalar_type());
+      last_kept_x = keep;
+      ctx->save_for_backward({keep ? xc : Tensor(), keep ? mean : Tensor(), keep ? rstd : Tensor(), w});
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto mask = ctx->saved_data["mask"].toBoolList();
+    bool need_x = mask[0], need_w = mask[1], need_b = mask[2];
+    variable_list result(8);
+    if (!(need_x || need_w || need_b)) return result;
+    {
+      at::NoGradGuard no_grad;
+      auto saved = ctx->get_saved_variables();
+      Tensor x = saved[0], mean = saved[1], rstd = saved[2];
+      auto fmt = static_cast<at::MemoryFormat>(ctx->saved_data["fmt"].toInt());
+      if (!need_x && fmt != at::MemoryFormat::Contiguous) {
+        // torch 2.13's channels-last CPU kernel writes dX unconditionally (stock segfaults when dX is not
+        // requested): the contiguous kernel computes dW/dB, as the Python path does.
+        fmt = at::MemoryFormat::Contiguous;
+        if (x.defined()) x = x.contiguous();
+      }
+      auto dy = grads[0].contiguous(fmt);
+      if (!x.defined()) {
+        x = dy;
+        mean = rstd = at::zeros(ctx->saved_data["stat_shape"].toIntVector(),
+                                dy.options().dtype(static_cast<at::ScalarType>(
+                                    ctx->saved_data["stat_dtype"].toInt())));
+      }
+      auto d = ctx->saved_data["dims"].toIntVector();
+      auto [dx, dw, db] = at::native_group_norm_backward(dy, x, mean, rstd, saved[3], d[0], d[1], d[2], d[3],
+                                                         {need_x, need_w, need_b});
+      result[0] = need_x ? dx : Tensor();
+      result[1] = need_w ? dw : Tensor();
+      result[2] = need_b ? db : Tensor();
+    }
+    return once_differentiable(std::move(result), grads, "GroupNormFunction");
+  }
+};
+
+// ---------------------------------------------------------------------------------------- Python entry points
+// Argument reading that refuses (nullopt) instead of raising: the Python path then gives the exact error.
+std::optional<Tensor> cpu_tensor(py::handle obj, bool allow_none) {
+  if (obj.is_none()) return allow_none ? std::optional<Tensor>(Tensor()) : std::nullopt;
+  // exactly torch.Tensor or nn.Parameter: a subclass may override __torch_function__ (the Python path honours it)
+  auto type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
+  if (type != THPVariableClass && type != ParameterClass) return std::nullopt;
+  const auto& t = THPVariable_Unpack(obj.ptr());
+  if (!t.defined() || t.device().type() != at::kCPU || t.layout() != at::kStrided) return std::nullopt;
+  return t;
+}
+
+std::optional<double> nonnegative(py::handle obj) {
+  if (PyBool_Check(obj.ptr()) || !(PyFloat_Check(obj.ptr()) || PyLong_Check(obj.ptr()))) return std::nullopt;
+  double v = PyFloat_Check(obj.ptr()) ? PyFloat_AS_DOUBLE(obj.ptr()) : obj.cast<double>();
+  if (!(v >= 0)) return std::nullopt;
+  return v;
+}
+
+std::optional<std::vector<int64_t>> int_list(py::handle obj) {
+  std::vector<int64_t> out;
+  if (PyLong_Check(obj.ptr()) && !PyBool_Check(obj.ptr())) {
+    out.push_back(obj.cast<int64_t>());
+    return out;
+  }
+  if (!PyTuple_Check(obj.ptr()) && !PyList_Check(obj.ptr())) return std::nullopt;
+  for (auto item : obj) {
+    if (!PyLong_Check(item.ptr()) || PyBool_Check(item.ptr())) return std::nullopt;
+    out.push_back(item.cast<int64_t>());
+  }
+  return out;
+}
+
+bool ends_in(const Tensor& x, const std::vector<int64_t>& shape) {
+  int64_t k = static_cast<int64_t>(shape.size());
+  if (x.dim() < k) return false;
+  for (int64_t i = 0; i < k; ++i)
+    if (x.size(x.dim() - k + i) != shape[i]) return false;
+  return true;
+}
+
+bool param_fits(const Tensor& p, const Tensor& x, at::IntArrayRef shape) {
+  return !p.defined() || (p.sizes() == shape && p.device() == x.device());
+}
+
+py::object wrap(Tensor out, py::handle x, py::handle note) {
+  if (last_kept_x && !note.is_none()) note(x);
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
+}
+
+bool grad_on(const Tensor& t) { return t.defined() && t.requires_grad(); }
+
+// rms_norm (style 0; shape: normalized_shape, eps None: the opmath dtype's machine epsilon) and rms_norm_hf
+// (styles 1-4; shape None: the weight's size over the last dim).
+py::object rms(py::handle x_obj, py::handle w_obj, py::handle eps_obj, py::handle shape_obj, int64_t style,
+               py::handle note) {
+  last_kept_x = false;
+  if (at::autocast::is_autocast_enabled(at::kCPU) || style < kTorch || style > kT5) return py::none();
+  auto x = cpu_tensor(x_obj, false);
+  auto w = cpu_tensor(w_obj, style == kTorch);
+  if (!x || !w || !x->is_floating_point() || (w->defined() && !w->is_floating_point())) return py::none();
+  std::vector<int64_t> shape;
+  if (style == kTorch) {
+    auto s = int_list(shape_obj);
+    if (!s) return py::none();
+    shape = std::move(*s);
+  } else {
+    if (!w->defined() || w->dim() != 1) return py::none();
+    shape = {w->size(0)};
+  }
+  if (!ends_in(*x, shape) || !param_fits(*w, *x, shape)) return py::none();
+  double eps;
+  if (eps_obj.is_none() && style == kTorch) {
+    eps = opmath(x->scalar_type()) == at::kDouble ? std::numeric_limits<double>::epsilon()
+                                                  : std::numeric_limits<float>::epsilon();
+  } else {
+    auto e = nonnegative(eps_obj);
+    if (!e) return py::none();
+    eps = *e;
+  }
+  int64_t ndim = static_cast<int64_t>(shape.size());
+  bool grad = at::GradMode::is_enabled();
+  bool need_x = grad && x->requires_grad(), need_w = grad && grad_on(*w);
+  if (!(need_x || need_w)) return wrap(rms_forward(*x, *w, eps, ndim, style).out, x_obj, note);
+  return wrap(RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w), x_obj, note);
+}
+
+py::object layer(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::handle b_obj, py::handle eps_obj,
+                 py::handle note) {
+  last_kept_x = false;
+  if (at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
+  auto x = cpu_tensor(x_obj, false);
+  auto w = cpu_tensor(w_obj, true);
+  auto b = cpu_tensor(b_obj, true);
+  auto shape = int_list(shape_obj);
+  auto eps = nonnegative(eps_obj);
+  if (!x || !w || !b || !shape || !eps || !x->is_floating_point()) return py::none();
+  if (!ends_in(*x, *shape) || !param_fits(*w, *x, *shape) || !param_fits(*b, *x, *shape)) return py::none();
+  bool grad = at::GradMode::is_enabled();
+  bool need_x = grad && x->requires_grad(), need_w = grad && grad_on(*w), need_b = grad && grad_on(*b);
+  if (!(need_x || need_w || need_b))
+    return wrap(std::get<0>(at::native_layer_norm(*x, *shape, *w, *b, *eps)), x_obj, note);
+  auto out = LayerNormFn::apply(*x, std::optional<Tensor>(*w), std::optional<Tensor>(*b), *shape, *eps, need_x,
+                                need_w, need_b);
+  return wrap(std::move(out), x_obj, note);
+}
+
+py::object group(py::handle x_obj, py::handle groups_obj, py::handle w_obj, py::handle b_obj, py::handle eps_obj,
+                 py::handle note) {
+  last_kept_x = false;
+  if (at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
+  auto x = cpu_tensor(x_obj, false);
+  auto w = cpu_tensor(w_obj, true);
+  auto b = cpu_tensor(b_obj, true);
+  auto eps = nonnegative(eps_obj);
+  if (!x || !w || !b || !eps || !x->is_floating_point() || x->dim() < 2) return py::none();
+  if (!PyLong_Check(groups_obj.ptr()) || PyBool_Check(groups_obj.ptr())) return py::none();
+  int64_t groups = groups_obj.cast<int64_t>();
+  int64_t c = x->size(1);
+  if (groups <= 0 || c % groups) return py::none();
+  if (!param_fits(*w, *x, {c}) || !param_fits(*b, *x, {c})) return py::none();
+  bool grad = at::GradMode::is_enabled();
+  bool need_x = grad && x->requires_grad(), need_w = grad && grad_on(*w), need_b = grad && grad_on(*b);
+  if (!(need_x || need_w || need_b)) {
+    int64_t n = x->size(0);
+    auto xc = x->contiguous(group_norm_format(*x));
+    return wrap(std::get<0>(at::native_group_norm(xc, *w, *b, n, c, n * c ? x->numel() / (n * c) : 1, groups, *eps)),
+                x_obj, note);
+  }
+  auto out = GroupNormFn::apply(*x, std::optional<Tensor>(*w), std::optional<Tensor>(*b), groups, *eps, need_x,
+                                need_w, need_b);
+  return wrap(std::move(out), x_obj, note);
+}
+
+}  // namespace
+
+static Register reg_norms([](py::module_& m) {
+  m.def("norms_rms", &rms, "RMSNorm (style 0: torch.rms_norm; 1-4: llama, olmo2, gemma, t5), or None",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("normalized_shape"), py::arg("style"),
+        py::arg("note"));
+  m.def("norms_layer", &layer, "LayerNorm (native_layer_norm), or None", py::arg("x"), py::arg("normalized_shape"),
+        py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("note"));
+  m.def("norms_group", &group, "GroupNorm (native_group_norm), or None", py::arg("x"), py::arg("num_groups"),
+        py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("note"));
+});
+
+}  // namespace slimgrad
