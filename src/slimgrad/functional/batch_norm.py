@@ -13,6 +13,11 @@ stock computes. Where x was not kept, the kernel is handed a tensor with x's sha
 *values* it only folds into the weight-gradient dot product, which is then not requested: a view of dY
 itself when both are dense (so the kernel takes exactly the code path it takes for stock), else a
 zero-stride stand-in (stock then takes the strided path too, as dY or x is not dense).
+
+Eager CPU calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++ autograd
+Function with these same decisions and aten's same kernels, at about stock's cost per call where the Python
+Function and its checks cost tens of microseconds more. Autocast, torch.compile, torch.func, tensor subclasses
+and other devices run the Python Function, the reference the core is tested against bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
+from slimgrad import csrc
 from slimgrad.functional import _common
 
 __all__ = ["BatchNormFunction", "batch_norm"]
@@ -203,6 +209,12 @@ def batch_norm(
         _common.note_input_kept(input)
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                               momentum, eps)
+    core = csrc.for_eager(input)
+    if (core is not None and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE
+            and type(running_mean) in _PLAIN_OR_NONE and type(running_var) in _PLAIN_OR_NONE
+            and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled("cpu")):
+        _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
+        return core.batch_norm_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
     if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
         return handle_torch_function(
             batch_norm, (input, running_mean, running_var, weight, bias), input, running_mean,
@@ -214,14 +226,22 @@ def batch_norm(
         return torch.nn.functional.batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
+    _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
+    return BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+
+
+def _check_arguments(input, running_mean, running_var, weight, bias, training, eps) -> None:
+    """The checks stock's ``F.batch_norm`` and ``torch.batch_norm`` make before the kernel (the kernel itself does
+    not check, and reads out of bounds on a mismatch), with stock's messages."""
     if training:
         torch.nn.functional._verify_batch_size(input.size())
     if training and eps <= 0.0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     elif eps < 0.0:
         raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
-    # The checks stock's ``torch.batch_norm`` makes before its kernel (the kernel itself does not check,
-    # and reads out of bounds on a mismatch), with stock's messages.
     num_features = input.shape[1]
     if running_mean is not None:
         _check_features("running_mean", running_mean, num_features)
@@ -233,4 +253,3 @@ def batch_norm(
         raise RuntimeError("running_var must be defined in evaluation mode")
     _check_features("weight", weight, num_features)
     _check_features("bias", bias, num_features)
-    return BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps)
