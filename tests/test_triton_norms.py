@@ -103,15 +103,19 @@ def test_rms_norm_multi_dim_normalized_shape_and_no_weight(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rg", grad_combos(2))
 def test_rms_norm_saved_bytes_minimum(device, dtype, rg):
-    """x in its own dtype plus one fp32 rstd per row when any gradient is requested, else nothing."""
+    """x in its own dtype plus one fp32 rstd per row when any gradient is requested, else nothing; with only the
+    weight trainable, the normalised input as the weight multiplies it (what stock keeps: x's dtype for Llama, fp32
+    for the torch style) where that is no bigger (tests/test_core_norms.py compares with stock)."""
     rows, h = 6, 33
     x, w, _ = _inputs((2, 3, h), dtype, device)
     x.requires_grad_(rg[0])
     w = torch.nn.Parameter(w, requires_grad=rg[1])
-    expected = rows * h * x.element_size() + rows * 4 if any(rg) else 0
     with triton_path(device):
-        assert saved_bytes(_rms("llama"), x, w) == expected
-        assert saved_bytes(_rms("torch"), x, w) == expected
+        for style, normed_size in (("llama", x.element_size()), ("torch", 4)):
+            expected = rows * h * x.element_size() + rows * 4 if any(rg) else 0
+            if rg == (False, True) and normed_size * h <= x.element_size() * h + 4:
+                expected = rows * h * normed_size
+            assert saved_bytes(_rms(style), x, w) == expected, style
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -141,8 +141,18 @@ class RMSNormFunction(_common.Function):
             impl = None  # autocast may run stock's rms_norm in fp32 (CUDA's fp32 list): the torch code mirrors it
         ctx.impl = impl if impl is not None and impl.supports(input, weight, n) else None
         if ctx.impl is not None:
-            out, rstd = ctx.impl.forward(input, weight, eps, style, n)
             ctx.mask, ctx.style, ctx.n = (need_x, need_w), style, n
+            if need_w and not need_x:
+                # Only dW: stock keeps the normalised input as the weight multiplies it; x plus one fp32 rstd per
+                # row is more at small hidden sizes. Keep the normalised input (written in the forward's pass)
+                # where it is no bigger than x (compact) plus rstd, as the torch code decides.
+                h_dtype = ctx.impl.normed_dtype(input.dtype, weight, style)
+                if h_dtype.itemsize * n <= input.element_size() * n + 4:
+                    out, _, h = ctx.impl.forward(input, weight, eps, style, n, normed=h_dtype)
+                    ctx.w_meta = (weight.shape, weight.dtype)
+                    ctx.save_for_backward(None, None, None, h)
+                    return out
+            out, rstd = ctx.impl.forward(input, weight, eps, style, n)
             if need_x or need_w:
                 # only dW: stock keeps the normalised input, compact; a view's base would be more
                 kept = input if need_x else _common.compact(input)
@@ -173,6 +183,8 @@ class RMSNormFunction(_common.Function):
             return None, None, None, None, None
         x, rstd, weight, normed = ctx.saved_tensors
         if ctx.impl is not None:
+            if normed is not None:
+                return None, ctx.impl.weight_grad_from_normed(grad_out, normed, ctx.n, *ctx.w_meta), None, None, None
             dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w)
             return dx, dw, None, None, None
         if weight is None and ctx.w_meta is not None:  # only dW: the weight's shape and dtype are all it reads

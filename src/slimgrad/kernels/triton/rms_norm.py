@@ -16,9 +16,15 @@ scales by ``1 + w`` in fp32, torch style multiplies in fp32. Products that the r
 dtype are rounded the same way here (a half-by-half product is an fp32 product rounded once), so only the
 reduction order differs from the reference: results agree within the dtype's rounding.
 
+Only the weight trainable: stock keeps one tensor there, the normalised input as the weight multiplies it (x's
+dtype for Llama, fp32 for the torch style's CPU composite, Olmo2 and Gemma, ...), while x plus one fp32 rstd per
+row is more at small hidden sizes. The Function then asks ``forward`` to write that normalised input in the same
+pass (where it is no bigger than x plus rstd) and keeps only it; dW is ``weight_grad_from_normed``.
+
 Interface (family ``rms_norm`` / ``rms_norm_hf``, used by :class:`slimgrad.functional.norms.RMSNormFunction`):
-``supports(x, weight, n)``, ``forward(x, weight, eps, style, n, residual=None) -> (y, rstd[, s])`` and
-``backward(dy, x, rstd, weight, style, n, need_x, need_w, ds=None) -> (dx, dw)``.
+``supports(x, weight, n)``, ``forward(x, weight, eps, style, n, residual=None, normed=None) -> (y, rstd[, s | h])``,
+``backward(dy, x, rstd, weight, style, n, need_x, need_w, ds=None) -> (dx, dw)``, ``normed_dtype(x_dtype, weight,
+style)`` and ``weight_grad_from_normed(dy, h, n, weight_shape, weight_dtype) -> dw``.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import triton.language as tl
 
 from slimgrad.kernels.triton._jit import jit, num_programs, num_warps, row_block
 
-__all__ = ["backend", "supports", "forward", "backward", "STYLES", "MAX_N"]
+__all__ = ["backend", "supports", "forward", "backward", "normed_dtype", "weight_grad_from_normed", "STYLES", "MAX_N"]
 
 backend = "triton"
 #: Style codes passed to the kernels (constexpr).
@@ -40,9 +46,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @jit
-def _forward_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps,
+def _forward_kernel(X, R, S, W, Y, RSTD, H, stride_x, stride_r, stride_s, stride_y, stride_h, N, eps,
                     BLOCK: tl.constexpr, STYLE: tl.constexpr, HAS_W: tl.constexpr, T5_CAST: tl.constexpr,
-                    HAS_R: tl.constexpr):
+                    HAS_R: tl.constexpr, HAS_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -58,7 +64,8 @@ def _forward_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y,
     if HAS_W:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         if STYLE == 1:  # llama: w * (x·rstd).to(x.dtype)
-            y = w * h.to(X.dtype.element_ty).to(tl.float32)
+            h = h.to(X.dtype.element_ty).to(tl.float32)
+            y = w * h
         elif STYLE == 3:  # gemma: x̂ · (1 + w) in fp32
             y = h * (1.0 + w)
         elif STYLE == 4:  # t5: x̂ cast to a half weight's dtype first
@@ -67,6 +74,8 @@ def _forward_kernel(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y,
             y = w * h
         else:  # torch, olmo2: product in fp32
             y = h * w
+        if HAS_H:  # the normalised input as the weight multiplies it (only dW requested: kept instead of x)
+            tl.store(H + row * stride_h + cols, h.to(H.dtype.element_ty), mask=mask)
     else:
         y = h
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -198,10 +207,21 @@ def output_dtype(x_dtype: torch.dtype, weight: torch.Tensor | None, style: str) 
     return torch.promote_types(weight.dtype, torch.promote_types(x_dtype, torch.float32))
 
 
+def normed_dtype(x_dtype: torch.dtype, weight: torch.Tensor, style: str) -> torch.dtype:
+    """The dtype of the normalised input as the reference multiplies the weight by it (what stock keeps when only
+    the weight trains): x's dtype for Llama, a half weight's dtype for T5, else fp32."""
+    if style == "llama":
+        return x_dtype
+    if style == "t5" and weight.dtype in _HALF:
+        return weight.dtype
+    return torch.float32
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str, n: int,
-            residual: torch.Tensor | None = None):
+            residual: torch.Tensor | None = None, normed: torch.dtype | None = None):
     """(y, rstd) — or (y, rstd, s) with ``residual`` — for rows of the last ``n`` elements; rstd is fp32,
-    one per row."""
+    one per row. With ``normed`` (a dtype, see :func:`normed_dtype`; needs a weight), (y, rstd, h): the normalised
+    input, written in the same pass, which is all :func:`weight_grad_from_normed` reads."""
     x2 = _rows(x, n)
     rows = x2.shape[0]
     block = row_block(n)
@@ -213,14 +233,36 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str
         s2 = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     else:
         r2 = s2 = x2
+    h2 = torch.empty((rows, n), dtype=normed, device=x.device) if normed is not None else None
     _forward_kernel[(rows,)](
-        x2, r2, s2, w if w is not None else x2, y2, rstd, _stride0(x2), _stride0(r2), _stride0(s2), _stride0(y2),
-        n, eps, BLOCK=block, STYLE=STYLES[style], HAS_W=w is not None,
-        T5_CAST=w is not None and w.dtype in _HALF, HAS_R=residual is not None, num_warps=num_warps(block))
+        x2, r2, s2, w if w is not None else x2, y2, rstd, h2 if h2 is not None else y2, _stride0(x2), _stride0(r2),
+        _stride0(s2), _stride0(y2), _stride0(h2) if h2 is not None else n, n, eps, BLOCK=block, STYLE=STYLES[style],
+        HAS_W=w is not None, T5_CAST=w is not None and w.dtype in _HALF, HAS_R=residual is not None,
+        HAS_H=h2 is not None, num_warps=num_warps(block))
     y = y2.view(x.shape)
     if residual is not None:
         return y, rstd, s2.view(x.shape)
+    if h2 is not None:
+        return y, rstd, h2
     return y, rstd
+
+
+def weight_grad_from_normed(dy: torch.Tensor, h: torch.Tensor, n: int, weight_shape, weight_dtype: torch.dtype):
+    """dW = Σ_rows dy·h from the normalised input ``h`` (rows, n) that :func:`forward` wrote: the backward kernel
+    with h in x's place, a unit rstd and no rounding (h is already rounded as the weight saw it), dW only."""
+    dy2 = _rows(dy, n)
+    rows = h.shape[0]
+    block = row_block(n)
+    programs = num_programs(h.device, rows)
+    per_program = -(-rows // programs)
+    programs = -(-rows // per_program)
+    ones = torch.ones(rows, dtype=torch.float32, device=h.device)
+    dwp = torch.empty((programs, n), dtype=torch.float32, device=h.device)
+    _backward_kernel[(programs,)](
+        dy2, h, h, ones, h, h, dwp, _stride0(dy2), _stride0(h), n, n, rows, n, per_program, BLOCK=block,
+        STYLE=STYLES["torch"], HAS_W=False, T5_CAST=False, COMPUTE_DX=False, COMPUTE_DW=True, HAS_DS=False,
+        num_warps=num_warps(block))
+    return dwp.sum(0).to(weight_dtype).view(weight_shape)
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, style: str, n: int,
