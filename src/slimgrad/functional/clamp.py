@@ -34,11 +34,14 @@ below 3 rounds to an output of 1 but still passes its gradient), so it always ke
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
 
+from slimgrad import csrc
 from slimgrad.functional import _bitmask, _common, _layout, _shared_masks
+from slimgrad.functional.activation import LazyUseCell, _LearnHook
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.kernels import range_mask
 
@@ -48,6 +51,7 @@ _LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 HARDTANH, THRESHOLD, HARDSIGMOID = "hardtanh", "threshold", "hardsigmoid"
+_KINDS = {HARDTANH: 0, THRESHOLD: 1, HARDSIGMOID: 2}  # csrc/range_mask.cpp's Kind
 _MASK, _OUTPUT = "mask", "output"
 
 
@@ -64,6 +68,7 @@ def _rule(kind: str) -> str:
     return "above" if kind == THRESHOLD else "inside"
 
 
+@functools.lru_cache(maxsize=256)  # eager only (traced calls keep the bounds symbolic); a tensor round trip per call
 def _round(v: float | None, dtype: torch.dtype) -> float | None:
     return None if v is None else float(torch.tensor(v, dtype=dtype, device="cpu"))  # not the default device
 
@@ -256,6 +261,16 @@ def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False
     if inplace and input.is_leaf:
         raise RuntimeError(_LEAF_INPLACE)
     keep_output = bool(keep_output) and output_can_stand_in(kind, lo, hi, value, input.dtype)
+    core = csrc.for_eager(input)
+    if core is not None:
+        out = core.range_mask_apply(input, _KINDS[kind], lo, 0.0 if hi is None else hi,
+                                    0.0 if value is None else value, bool(inplace), keep_output)
+        if out is not None:
+            if use is not None:
+                # The core's backward does not call back into Python: a node pre-hook folds the call's UseCell
+                # into the module when its gradient arrives, as RangeMaskFunction's backward does.
+                out.grad_fn.register_prehook(_LearnHook(*use))
+            return out
     return RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use)
 
 
@@ -301,7 +316,21 @@ def hardsigmoid(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 def module_forward(module, input, kind, lo, hi=None, value=None):
     """Shared by the modules: keep the output instead of a mask when a consumer kept this module's output
     during the previous step (the producer/consumer rule in ``_common``)."""
-    keep_output = getattr(module, "_slimgrad_output_kept", False)
+    keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
+    if not keep_output and type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
+        # The compiled core's common case in one call, with the producer's bookkeeping made lazy
+        # (activation.LazyUseCell: the learning hook is registered only if a consumer keeps the output).
+        core = csrc.for_eager(input)
+        if core is not None:
+            inplace = bool(module.inplace)
+            if inplace and input.is_leaf:
+                raise RuntimeError(_LEAF_INPLACE)
+            out = core.range_mask_apply(input, _KINDS[kind], lo, 0.0 if hi is None else hi,
+                                        0.0 if value is None else value, inplace, False)
+            if out is not None:
+                if output_can_stand_in(kind, lo, hi, value, input.dtype):
+                    mark_producer(out, LazyUseCell(module, out.grad_fn))
+                return out
     cell = UseCell()
     out = apply(input, kind, lo, hi, value, module.inplace, keep_output, use=(module, cell),
                 fn=type(module).__name__)

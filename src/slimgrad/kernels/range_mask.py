@@ -30,7 +30,7 @@ import torch
 
 from . import registry
 
-__all__ = ["FAMILY", "RULES", "TorchRangeMask", "choose"]
+__all__ = ["FAMILY", "RULES", "CoreRangeMask", "TorchRangeMask", "choose"]
 
 FAMILY = "range_mask"
 RULES = ("inside", "above")
@@ -94,6 +94,31 @@ TORCH_IMPL = TorchRangeMask()
 
 registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda", "meta"), dtypes=_FLOATS,
                   load=lambda: TORCH_IMPL, priority=0, note="numpy compare + packbits (reference)")
+
+
+class CoreRangeMask:
+    """The compiled core's kernels (``slimgrad/csrc/range_mask.cpp``): one parallel, vectorised pass packing the
+    comparison's bits from x (fp16/bf16 widened to fp32 exactly), one pass selecting the gradient by them.
+    Supersedes numba for this family (priority 20)."""
+
+    name = "core"
+
+    def __init__(self, core):
+        self.pack = core.range_mask_pack
+        self.select = core.range_mask_select
+
+
+def _load_core():
+    from slimgrad import csrc
+
+    core = csrc.core()
+    if core is None:
+        raise RuntimeError("the compiled core is off or unavailable (python -m slimgrad kernels says why)")
+    return CoreRangeMask(core)
+
+
+registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, load=_load_core, priority=20,
+                  note="compiled core: one pass packing, one pass selecting")
 
 
 def choose(x: torch.Tensor):

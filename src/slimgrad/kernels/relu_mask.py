@@ -41,7 +41,7 @@ import torch
 
 from . import registry
 
-__all__ = ["FAMILY", "TorchReluMask", "choose"]
+__all__ = ["FAMILY", "CoreReluMask", "TorchReluMask", "choose"]
 
 FAMILY = "relu_mask"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -114,6 +114,31 @@ TORCH_IMPL = TorchReluMask()
 
 registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda", "meta"), dtypes=_FLOATS,
                   load=lambda: TORCH_IMPL, priority=0, note="stock ops + numpy packbits (reference)")
+
+
+class CoreReluMask:
+    """The compiled core's one-pass kernels (``slimgrad/csrc/relu_mask.cpp``): forward reads x once and writes
+    the output and the packed mask in the same parallel pass (vectorised for fp32 and the 16-bit dtypes),
+    backward reads the gradient and the mask once. Supersedes numba for this family (priority 20)."""
+
+    name = "core"
+
+    def __init__(self, core):
+        self.forward = core.relu_mask_forward
+        self.backward = core.relu_mask_backward
+
+
+def _load_core():
+    from slimgrad import csrc
+
+    core = csrc.core()
+    if core is None:
+        raise RuntimeError("the compiled core is off or unavailable (python -m slimgrad kernels says why)")
+    return CoreReluMask(core)
+
+
+registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, load=_load_core, priority=20,
+                  note="compiled core: one pass for output and mask")
 
 
 def choose(x: torch.Tensor):

@@ -1,0 +1,230 @@
+// ReLU6 / Hardtanh / Threshold / Hardsigmoid in the compiled core: a 1-bit pass mask instead of stock's float
+// tensor, made in one parallel pass over x and read in one pass over the gradient.
+//
+// slimgrad.functional.clamp.RangeMaskFunction, step for step, as one C++ autograd Function: the mask of the
+// pass region ("inside": lo < x < hi, NaN clear; "above": not x <= lo, NaN set) is packed in x's memory order by
+// a vectorised kernel (the contract of slimgrad.kernels.range_mask, registered there as its "core" backend),
+// the output is stock's own op (so its bits are stock's, NaN payloads and signed zeros included: stock's clamp
+// treats those differently on its vectorised and scalar paths), and backward is `bit ? grad : +0` (hardsigmoid:
+// after stock's own hardsigmoid_backward applies its factor). The kept tensors, the output-kept mode, the
+// gradient's strides and double backward are the Python Function's. Layout helpers are shared with
+// relu_mask.cpp (namespace slimgrad::masks), so this file is built together with it.
+#include "common.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace slimgrad {
+namespace masks {  // defined in relu_mask.cpp
+using Strides = std::vector<int64_t>;
+Strides binary_strides(at::IntArrayRef shape, at::IntArrayRef first, at::IntArrayRef second);
+Strides like_strides(const at::Tensor& t);
+at::Tensor conform(const at::Tensor& t, const Strides& strides);
+Strides memory_order(const at::Tensor& t, bool& dense);
+Strides inverse(const Strides& perm);
+at::Tensor unpack(const at::Tensor& packed, at::IntArrayRef shape);
+at::Tensor select(const at::Tensor& grad, const at::Tensor& packed);
+}  // namespace masks
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using masks::Strides;
+
+constexpr int64_t kGrainBytes = 4096;  // 32768 elements: aten's GRAIN_SIZE
+enum Kind : int64_t { kHardtanh = 0, kThreshold = 1, kHardsigmoid = 2 };
+
+// ------------------------------------------------------------------------------------------------ pack kernel
+// Bit of element i: inside: lo < x < hi; above: !(x <= lo). C: the comparison type (double for fp64, else fp32).
+template <typename T, bool Above>
+void pack_block(const T* x, uint8_t* m, int64_t b0, int64_t b1, int64_t n, double lo_, double hi_) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const C lo = static_cast<C>(lo_), hi = static_cast<C>(hi_);
+  int64_t b = b0;
+  const int64_t full = std::min(b1, n / 8);
+#if defined(__AVX2__)
+  if constexpr (!std::is_same_v<T, double>) {
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    for (; b < full; ++b) {
+      __m256 v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_loadu_ps(x + 8 * b);
+      } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * b));
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        } else {
+          v = _mm256_cvtph_ps(h);  // exact
+        }
+      }
+      __m256 bit;
+      if constexpr (Above) {
+        bit = _mm256_cmp_ps(v, vlo, _CMP_NLE_UQ);
+      } else {
+        bit = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GT_OQ), _mm256_cmp_ps(v, vhi, _CMP_LT_OQ));
+      }
+      m[b] = static_cast<uint8_t>(_mm256_movemask_ps(bit));
+    }
+  }
+#endif
+  for (; b < b1; ++b) {
+    const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
+    int byte = 0;
+    for (int64_t j = 0; j < cnt; ++j) {
+      const C v = static_cast<C>(x[base + j]);
+      const bool bit = Above ? !(v <= lo) : (v > lo && v < hi);
+      byte |= bit << j;
+    }
+    m[b] = static_cast<uint8_t>(byte);
+  }
+}
+
+bool supported_dtype(const at::Tensor& x) {
+  const auto t = x.scalar_type();
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// The contract's pack on a contiguous x (bounds already as stock's backward compares them).
+at::Tensor pack(const at::Tensor& x, bool above, double lo, double hi) {
+  auto packed = at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+  const int64_t n = x.numel(), nb = packed.numel();
+  uint8_t* m = packed.mutable_data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "range_mask_pack", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+      if (above)
+        pack_block<scalar_t, true>(xp, m, b0, b1, n, lo, hi);
+      else
+        pack_block<scalar_t, false>(xp, m, b0, b1, n, lo, hi);
+    });
+  });
+  return packed;
+}
+
+// The bounds as stock's backward compares them (clamp._bounds): in x's dtype for fp32/fp64, in fp32 for halves.
+double round_bound(double v, at::ScalarType dtype) {
+  return dtype == at::kDouble ? v : static_cast<double>(static_cast<float>(v));
+}
+
+at::Tensor stock_op(const at::Tensor& x, int64_t kind, double lo, double hi, double value, bool inplace) {
+  at::Tensor& xm = const_cast<at::Tensor&>(x);
+  if (kind == kHardtanh) return inplace ? at::hardtanh_(xm, lo, hi) : at::hardtanh(x, lo, hi);
+  if (kind == kThreshold) return inplace ? at::threshold_(xm, lo, value) : at::threshold(x, lo, value);
+  return inplace ? at::hardsigmoid_(xm) : at::hardsigmoid(x);
+}
+
+// ------------------------------------------------------------------------------------------------- Function
+struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t kind, double lo, double hi,
+                            double value, bool inplace, bool keep_output, Strides perm, bool dense) {
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["lo"] = lo;
+    ctx->saved_data["hi"] = hi;
+    ctx->saved_data["keep"] = keep_output;
+    ctx->saved_data["xs"] = (inplace && kind != kHardtanh) ? masks::like_strides(x) : x.strides().vec();
+    at::Tensor packed;
+    if (!keep_output) {  // before an in-place op overwrites the input
+      const double rlo = round_bound(lo, x.scalar_type()), rhi = round_bound(hi, x.scalar_type());
+      at::Tensor xc = dense ? (perm.empty() ? x : x.permute(perm)) : x.contiguous();
+      packed = pack(xc, kind == kThreshold, rlo, rhi);
+      ctx->saved_data["perm"] = perm;
+      ctx->saved_data["pshape"] = xc.sizes().vec();
+    }
+    at::Tensor out = stock_op(x, kind, lo, hi, value, inplace);
+    if (inplace) {
+      ctx->mark_dirty({x});
+      out = x;
+    }
+    ctx->save_for_backward({keep_output ? out : packed});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor grad = grads[0];
+    const int64_t kind = ctx->saved_data["kind"].toInt();
+    const double lo = ctx->saved_data["lo"].toDouble(), hi = ctx->saved_data["hi"].toDouble();
+    const bool keep_output = ctx->saved_data["keep"].toBool();
+    const at::Tensor saved = ctx->get_saved_variables()[0];
+    const Strides xs = ctx->saved_data["xs"].toIntVector();
+    const auto shape = grad.sizes().vec();
+    const Strides target = kind == kThreshold ? masks::binary_strides(shape, xs, grad.strides())
+                                              : masks::binary_strides(shape, grad.strides(), xs);
+    at::Tensor dx;
+    if (keep_output && kind == kThreshold) {
+      dx = at::threshold_backward(grad, saved, lo);
+    } else {
+      if (kind == kHardsigmoid) {
+        // Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
+        grad = at::hardsigmoid_backward(grad, at::zeros({}, grad.options()).expand(grad.sizes()));
+      }
+      if (keep_output || grad.requires_grad()) {
+        at::Tensor mask;
+        if (keep_output) {  // hardtanh with its output kept: the pass test on the output, in fp32/fp64
+          const at::Tensor s = saved.scalar_type() == at::kDouble || saved.scalar_type() == at::kFloat
+                                   ? saved : saved.to(at::kFloat);
+          const double rlo = round_bound(lo, saved.scalar_type()), rhi = round_bound(hi, saved.scalar_type());
+          mask = at::gt(s, rlo).logical_and_(at::lt(s, rhi));
+        } else {
+          const Strides perm = ctx->saved_data["perm"].toIntVector();
+          mask = masks::unpack(saved, ctx->saved_data["pshape"].toIntVector());
+          if (!perm.empty()) mask = mask.permute(masks::inverse(perm));
+        }
+        if (grad.requires_grad()) {
+          dx = at::where(mask, grad, at::Scalar(0));
+        } else {
+          const auto itype = grad.element_size() == 8 ? at::kLong : grad.element_size() == 4 ? at::kInt : at::kShort;
+          dx = (grad.view(itype) * mask).view(grad.scalar_type());
+        }
+      } else {
+        const Strides perm = ctx->saved_data["perm"].toIntVector();
+        at::Tensor g = perm.empty() ? grad : grad.permute(perm);
+        g = masks::select(g.contiguous(), saved);
+        dx = perm.empty() ? g : g.permute(masks::inverse(perm));
+      }
+    }
+    dx = masks::conform(dx, target);
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// The core's call for slimgrad.functional.clamp.apply (after its argument checks): the Function's result, or
+// None where the Python Function must run.
+std::optional<at::Tensor> range_mask_apply(const at::Tensor& x, int64_t kind, double lo, double hi, double value,
+                                           bool inplace, bool keep_output) {
+  if (!supported_dtype(x)) return std::nullopt;
+  bool dense = true;
+  Strides perm = masks::memory_order(x, dense);
+  return RangeMaskFunction::apply(x, kind, lo, hi, value, inplace, keep_output, std::move(perm), dense);
+}
+
+at::Tensor range_mask_pack(const at::Tensor& x, const std::string& rule, double lo, std::optional<double> hi) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && supported_dtype(x), "range_mask_pack: contiguous CPU "
+              "floating tensor expected");
+  TORCH_CHECK(rule == "inside" || rule == "above", "range_mask_pack: rule must be 'inside' or 'above'");
+  return pack(x, rule == "above", lo, hi.value_or(0.0));
+}
+
+at::Tensor range_mask_select(const at::Tensor& grad, const at::Tensor& packed) {
+  TORCH_CHECK(grad.is_contiguous() && grad.device().is_cpu(), "range_mask_select: contiguous CPU tensor expected");
+  return masks::select(grad, packed);
+}
+
+}  // namespace
+
+static Register reg_range_mask([](pybind11::module_& m) {
+  m.def("range_mask_apply", &range_mask_apply);
+  m.def("range_mask_pack", &range_mask_pack);
+  m.def("range_mask_select", &range_mask_select);
+});
+
+}  // namespace slimgrad
