@@ -9,6 +9,7 @@
 // `ones(dtype).div_(1 - p)`, computed once per (p, dtype). Layouts, the no-gradient path, p == 1, in-place and
 // the gradient's strides follow slimgrad.functional.dropout's Python Function step for step.
 #include "common.h"
+#include "dropout.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -243,34 +244,8 @@ std::vector<int64_t> product_strides(const at::Tensor& grad, const std::vector<i
       .vec();
 }
 
-struct Forward {
-  at::Tensor out, packed;
-  std::vector<int64_t> perm, noise_strides;
-  bool noise_contiguous = true;
-  double scale = 0;
-};
-
-// The Python Function's "bits" forward for 0 < p < 1 (bits_forward): draw, canonical layout, one pass, back.
-Forward draw_and_apply(const at::Tensor& input, double p, bool inplace) {
-  Forward f;
-  at::Tensor keep = at::empty_like(input, input.options().dtype(at::kByte)).bernoulli_(1 - p);
-  f.noise_strides = keep.strides().vec();  // stock's noise is empty_like(input): these strides
-  f.noise_contiguous = keep.is_contiguous();
-  f.perm = memory_order(keep);
-  keep = canonical(keep, f.perm);
-  f.scale = noise_scale(p, input.scalar_type());
-  at::Tensor xc = canonical(input, f.perm);
-  at::Tensor out;
-  std::tie(out, f.packed) = bits_forward(xc, keep, f.scale, inplace);
-  if (inplace) {
-    at::Tensor view = f.perm.empty() ? input : input.permute(f.perm);
-    if (out.data_ptr() != view.data_ptr() || out.strides() != view.strides()) view.copy_(out);
-    f.out = input;
-  } else {
-    f.out = f.perm.empty() ? out : out.permute(inverse(f.perm));
-  }
-  return f;
-}
+using dropout_core::Forward;
+using dropout_core::draw_and_apply;
 
 at::Tensor zero_like_scalar(const at::Tensor& t) { return at::zeros({}, t.options()); }
 
@@ -338,6 +313,41 @@ pybind11::tuple forward_parts(const at::Tensor& input, double p, bool inplace) {
 }
 
 }  // namespace
+
+namespace dropout_core {
+
+// The Python Function's "bits" forward for 0 < p < 1 (bits_forward): draw, canonical layout, one pass, back.
+Forward draw_and_apply(const at::Tensor& input, double p, bool inplace) {
+  Forward f;
+  at::Tensor keep = at::empty_like(input, input.options().dtype(at::kByte)).bernoulli_(1 - p);
+  f.noise_strides = keep.strides().vec();  // stock's noise is empty_like(input): these strides
+  f.noise_contiguous = keep.is_contiguous();
+  f.perm = memory_order(keep);
+  keep = canonical(keep, f.perm);
+  f.scale = noise_scale(p, input.scalar_type());
+  at::Tensor xc = canonical(input, f.perm);
+  at::Tensor out;
+  std::tie(out, f.packed) = bits_forward(xc, keep, f.scale, inplace);
+  if (inplace) {
+    at::Tensor view = f.perm.empty() ? input : input.permute(f.perm);
+    if (out.data_ptr() != view.data_ptr() || out.strides() != view.strides()) view.copy_(out);
+    f.out = input;
+  } else {
+    f.out = f.perm.empty() ? out : out.permute(inverse(f.perm));
+  }
+  return f;
+}
+
+at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const std::vector<int64_t>& perm,
+                        double scale, bool inplace) {
+  at::Tensor g = canonical(grad, perm);
+  std::optional<at::Tensor> out;
+  if (inplace && g.data_ptr() == grad.data_ptr()) out = g;
+  at::Tensor gi = bits_backward(g, packed, scale, out);
+  return perm.empty() ? gi : gi.permute(inverse(perm));
+}
+
+}  // namespace dropout_core
 
 static Register reg_dropout([](pybind11::module_& m) {
   m.def("dropout_apply", &dropout, "slimgrad dropout (policy bits): one C++ autograd Function call");

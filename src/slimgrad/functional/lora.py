@@ -13,6 +13,13 @@ adapter, the float noise *and* the dropped input. What the gradients actually re
 * dB: ``xa = A(dropout(x))``, r columns per row; kept because it is small and costly to rebuild.
 * biases: nothing.
 
+Eager CPU calls (no autocast, dropout policy "bits", the default there) run the compiled core instead
+(:mod:`slimgrad.csrc`, ``csrc/lora.cpp``): one C++ autograd Function per call, this Function's forward and
+backward op for op through aten (same matmuls, casts and sums, so the same bits), the adapters' dropout drawn by
+stock's call and applied and packed in one pass (``csrc/dropout.cpp``), saving exactly what this Function saves.
+The Python Function stays for torch.compile, torch.func, autocast, the "seed" policy, other devices and a core
+that is off or unbuilt, and is the reference the core is tested against.
+
 The forward runs PEFT's own ops in PEFT's order (``F.linear`` / ``addmm``, the same casts, the same
 left-to-right sum), so outputs are bitwise PEFT's. Backward runs the matrix products autograd runs for
 those ops (``mm`` with the same operand layouts), so gradients are bitwise too on CPU, except for the order
@@ -27,6 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, check_policy, resolve_policy
 from slimgrad.kernels import dropout as dropout_kernels
@@ -311,6 +319,24 @@ def _autocast_casts_x_per_op(x: torch.Tensor) -> bool:
     return not cached
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _core(x, tensors, ps, policy):
+    """The compiled core when this call may run it: eager, plain CPU tensors of float dtypes, no autocast, and
+    the adapters' dropout (if any) kept as bits."""
+    core = csrc.for_eager(x)
+    if core is None or torch.is_autocast_enabled("cpu"):
+        return None
+    if any(0 < p < 1 for p in ps) and resolve_policy(policy, x.device) != "bits":
+        return None
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.device.type != "cpu" or t.dtype not in _CORE_DTYPES):
+            return None
+    return core
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 adapters: Sequence[LoraAdapter] = (), *, fan_in_fan_out: bool = False, training: bool = True,
                 cast_input: bool = True, dropout_policy: str | None = None) -> torch.Tensor:
@@ -338,6 +364,14 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return result
     scalings = tuple(float(a.scaling) for a in adapters)
     ps = tuple(float(a.dropout) if training else 0.0 for a in adapters)
+    tensors = [x, weight, bias]
+    for a in adapters:
+        tensors += [a.A, a.B, a.bias]
+    if (core := _core(x, tensors, ps, dropout_policy)) is not None:
+        out, x_kept = core.lora_linear_apply(tensors, bool(fan_in_fan_out), bool(cast_input), scalings, ps)
+        if x_kept:
+            _common.note_input_kept(x)
+        return out
     if adapters and _autocast_casts_x_per_op(x):
         # As stock: the base layer's op on its own cast of x, then per adapter our Function on its own cast,
         # added left to right; autograd adds the casts' gradients in x's dtype, in stock's order.
@@ -349,9 +383,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                              (p,), dropout_policy, A, B, b_bias)
             result = result + u
         return result
-    tensors = [x, weight, bias]
-    for a in adapters:
-        tensors += [a.A, a.B, a.bias]
     tensors = list(_common.autocast_lower_precision(*tensors))
     flat = []
     for k in range(len(adapters)):

@@ -1,0 +1,27 @@
+// What dropout.cpp shares with lora.cpp (LoRA's adapter dropout is the same draw, kernels and layouts).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace slimgrad {
+namespace dropout_core {
+
+// functional.dropout.bits_forward: stock's draw into empty_like(x, uint8), x's memory order, one pass.
+struct Forward {
+  at::Tensor out, packed;
+  std::vector<int64_t> perm, noise_strides;  // perm empty: x's logical order
+  bool noise_contiguous = true;
+  double scale = 0;
+};
+Forward draw_and_apply(const at::Tensor& input, double p, bool inplace);
+
+// functional.dropout.bits_backward: grad * noise from the packed mask, in the forward's memory order; `inplace`:
+// written into grad when its layout allows (a fresh tensor of the caller's).
+at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const std::vector<int64_t>& perm,
+                        double scale, bool inplace);
+
+}  // namespace dropout_core
+}  // namespace slimgrad

@@ -1,0 +1,288 @@
+// LoRA linear (peft's lora.Linear, plain LoRA) in the compiled core: slimgrad.functional.lora's
+// LoraLinearFunction as one C++ autograd Function, for eager CPU calls with the "bits" dropout policy.
+//
+// Forward and backward are the Python Function's, op for op: the same aten calls (at::linear, addmm/mm, the same
+// casts and the same left-to-right sums), so the numbers are peft's; the adapters' dropout is stock's draw
+// (dropout.cpp: the mask peft's nn.Dropout would draw) kept as bits; what is saved is what the Python Function
+// saves, in the same order (x, or a compact copy, only when dW or some dA is requested; each adapter's A(drop(x))
+// only when its B trains; the packed masks only where dX or that dA is requested). Double backward is refused
+// with the Python Function's message.
+#include "common.h"
+#include "dropout.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace slimgrad {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+
+at::Tensor base_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fan_in_fan_out) {
+  if (!fan_in_fan_out) return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  // transformers' Conv1D.forward (GPT-2): weight is [in, out]
+  at::Tensor x2 = x.view({-1, x.size(-1)});
+  at::Tensor out = bias.defined() ? at::addmm(bias, x2, weight) : x2.mm(weight);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(weight.size(1));
+  return out.view(shape);
+}
+
+// _common.compact: x, or a compact copy where x is a view whose storage holds more than x.
+at::Tensor compact(const at::Tensor& x) {
+  if (static_cast<int64_t>(x.storage().nbytes()) <= x.numel() * static_cast<int64_t>(x.element_size())) return x;
+  return x.clone(at::MemoryFormat::Preserve);
+}
+
+std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+
+struct Result {
+  at::Tensor out;
+};
+
+// tensors: x, weight, bias, then (A_i, B_i, bias_i) per adapter; undefined for None. need: requires-grad flags.
+Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, const std::vector<bool>& need,
+                    bool fan_in_fan_out, bool cast, const std::vector<double>& scalings, const std::vector<double>& ps) {
+  const at::Tensor &x = t[0], &weight = t[1], &bias = t[2];
+  const size_t n = scalings.size();
+  at::Tensor result = base_forward(x, weight, bias, fan_in_fan_out);
+  const at::ScalarType base_dtype = result.scalar_type();
+  const bool need_x = need[0], need_w = need[1];
+  bool any_a = false;
+  for (size_t i = 0; i < n; ++i) any_a = any_a || need[3 + 3 * i];
+  at::Tensor xa = x;
+  if (n && cast && x.scalar_type() != t[3].scalar_type()) xa = x.to(t[3].scalar_type());
+  std::vector<at::Tensor> kept_t(n), masks(n);
+  std::vector<int64_t> u_dtypes(n), dropping(n, 0);
+  std::vector<std::vector<int64_t>> perms(n);
+  std::vector<double> scales(n, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor &A = t[3 + 3 * i], &B = t[4 + 3 * i], &b_bias = t[5 + 3 * i];
+    const double p = ps[i];
+    at::Tensor dropped = xa, mask;
+    if (p == 1) {
+      dropped = xa * at::zeros({}, xa.options());
+    } else if (p > 0) {  // stock's draw (peft's nn.Dropout), kept as bits
+      dropout_core::Forward f = dropout_core::draw_and_apply(xa, p, false);
+      dropped = std::move(f.out);
+      mask = std::move(f.packed);
+      perms[i] = std::move(f.perm);
+      scales[i] = f.scale;
+      dropping[i] = 1;
+    }
+    at::Tensor ti = at::linear(dropped, A);
+    dropped.reset();
+    at::Tensor u = at::linear(ti, B, opt(b_bias));
+    u_dtypes[i] = static_cast<int64_t>(u.scalar_type());
+    u = u * scalings[i];
+    result = result + u;
+    u.reset();
+    if (need[4 + 3 * i]) kept_t[i] = ti;
+    if (need_x || need[3 + 3 * i]) masks[i] = mask;
+  }
+  const at::ScalarType sum_dtype = result.scalar_type();
+  if (n) result = result.to(base_dtype);
+  Result r;
+  r.out = result;
+  if (ctx == nullptr) return r;
+  const bool keep_x = need_w || any_a;
+  at::Tensor kept_x = x;
+  if (keep_x && !need_w) kept_x = compact(x);
+  auto& d = ctx->saved_data;
+  d["fan_in_fan_out"] = fan_in_fan_out;
+  d["cast"] = cast;
+  d["scalings"] = scalings;
+  d["ps"] = ps;
+  d["base_dtype"] = static_cast<int64_t>(base_dtype);
+  d["sum_dtype"] = static_cast<int64_t>(sum_dtype);
+  d["u_dtypes"] = u_dtypes;
+  d["x_shape"] = x.sizes().vec();
+  d["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+  d["dropping"] = dropping;
+  d["scales"] = scales;
+  c10::List<c10::List<int64_t>> perm_list;
+  for (const auto& pm : perms) perm_list.push_back(c10::List<int64_t>(pm));
+  d["perms"] = perm_list;
+  variable_list saved{keep_x ? kept_x : at::Tensor(), need_x ? weight : at::Tensor(), at::Tensor()};
+  for (auto& k : kept_t) saved.push_back(k);
+  for (auto& m : masks) saved.push_back(m);
+  for (size_t i = 3; i < t.size(); ++i) saved.push_back(t[i]);
+  ctx->save_for_backward(saved);
+  return r;
+}
+
+struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
+  // tensors: the defined ones of (x, weight, bias, A_0, B_0, bias_0, ...); present: which of those slots are.
+  static variable_list forward(AutogradContext* ctx, at::TensorList tensors, std::vector<int64_t> present,
+                               bool fan_in_fan_out, bool cast, std::vector<double> scalings, std::vector<double> ps) {
+    std::vector<at::Tensor> t(present.size());
+    std::vector<bool> need(present.size(), false);
+    size_t k = 0;
+    for (size_t i = 0; i < present.size(); ++i)
+      if (present[i]) {
+        t[i] = tensors[k++];
+        need[i] = t[i].requires_grad();
+      }
+    ctx->saved_data["present"] = present;
+    return {lora_forward(ctx, t, need, fan_in_fan_out, cast, scalings, ps).out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads_in) {
+    const auto present = ctx->saved_data["present"].toIntVector();
+    std::vector<bool> need(present.size(), false);
+    size_t k = 0;
+    for (size_t i = 0; i < present.size(); ++i)
+      if (present[i]) need[i] = ctx->needs_input_grad(k++);
+    variable_list full;
+    {
+      at::NoGradGuard no_grad;
+      full = compute(ctx, grads_in[0], need);
+    }
+    variable_list grads;
+    for (size_t i = 0; i < present.size(); ++i)
+      if (present[i]) grads.push_back(full[i]);
+    auto out = once_differentiable(std::move(grads), grads_in, "LoraLinearFunction");
+    out.resize(out.size() + 5);  // present, fan_in_fan_out, cast, scalings, ps
+    return out;
+  }
+
+  static variable_list compute(AutogradContext* ctx, const at::Tensor& grad, const std::vector<bool>& need) {
+    auto& d = ctx->saved_data;
+    const bool fan_in_fan_out = d["fan_in_fan_out"].toBool(), cast = d["cast"].toBool();
+    const auto scalings = d["scalings"].toDoubleVector();
+    const auto ps = d["ps"].toDoubleVector();
+    const auto base_dtype = static_cast<at::ScalarType>(d["base_dtype"].toInt());
+    const auto sum_dtype = static_cast<at::ScalarType>(d["sum_dtype"].toInt());
+    const auto u_dtypes = d["u_dtypes"].toIntVector();
+    const auto x_shape = d["x_shape"].toIntVector();
+    const auto x_dtype = static_cast<at::ScalarType>(d["x_dtype"].toInt());
+    const auto dropping = d["dropping"].toIntVector();
+    const auto scales = d["scales"].toDoubleVector();
+    const auto perm_list = d["perms"].toList();
+    const size_t n = scalings.size();
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const auto kept = [&](size_t i) -> const at::Tensor& { return saved[3 + i]; };
+    const auto mask = [&](size_t i) -> const at::Tensor& { return saved[3 + n + i]; };
+    const auto adapter = [&](size_t k) -> const at::Tensor& { return saved[3 + 2 * n + k]; };
+    const size_t n_in = 3 + 3 * n;
+    const bool need_x = need[0], need_w = need[1], need_bias = need[2];
+    variable_list grads(n_in);
+
+    at::Tensor g = grad.to(sum_dtype);
+    at::Tensor g_base = rows(g.to(base_dtype));
+    int64_t last_g = -1;
+    for (size_t i = 0; i < n && last_g < 0; ++i)
+      if (need_x || need[3 + 3 * i] || need[4 + 3 * i] || need[5 + 3 * i]) last_g = static_cast<int64_t>(i);
+    at::Tensor xa, dxa;
+    std::vector<int64_t> x_rows_shape(x_shape.begin(), x_shape.end() - 1);
+    for (int64_t i = static_cast<int64_t>(n) - 1; i >= 0; --i) {
+      const at::Tensor &A = adapter(3 * i), &B = adapter(3 * i + 1);
+      const bool need_a = need[3 + 3 * i], need_b = need[4 + 3 * i], need_bb = need[5 + 3 * i];
+      if (!(need_x || need_a || need_b || need_bb)) continue;
+      at::Tensor g_u = rows(g.to(static_cast<at::ScalarType>(u_dtypes[i])) * scalings[i]);
+      if (i == last_g) g.reset();
+      if (need_bb) grads[5 + 3 * i] = g_u.sum(0);
+      if (need_b) grads[4 + 3 * i] = g_u.t().mm(rows(kept(i)));
+      if (!(need_x || need_a)) continue;
+      const double p = ps[i];
+      const bool bits = dropping[i] != 0;
+      std::vector<int64_t> perm;
+      if (bits) perm = perm_list.get(i).toIntVector();
+      at::Tensor zero;
+      if (p == 1) zero = at::zeros({}, A.options());
+      at::Tensor dt = g_u.mm(B);
+      g_u.reset();
+      if (need_a) {
+        if (!xa.defined()) {
+          xa = x;
+          if (cast && x.scalar_type() != A.scalar_type()) xa = x.to(A.scalar_type());
+        }
+        at::Tensor dropped;
+        if (bits) {
+          dropped = dropout_core::apply_packed(xa, mask(i), perm, scales[i], false);
+        } else if (zero.defined()) {
+          dropped = xa * zero;
+        } else {
+          dropped = xa;
+        }
+        grads[3 + 3 * i] = dt.t().mm(rows(dropped));
+      }
+      if (need_x) {
+        at::Tensor dd = dt.mm(A);
+        if (bits) {
+          std::vector<int64_t> shape = x_rows_shape;
+          shape.push_back(dd.size(-1));
+          dd = rows(dropout_core::apply_packed(dd.view(shape), mask(i), perm, scales[i], true));
+        } else if (zero.defined()) {
+          dd.mul_(zero);
+        }
+        dxa = dxa.defined() ? dxa.add_(dd) : dd;
+      }
+    }
+    xa.reset();
+    at::Tensor dx;
+    if (need_x && weight.defined()) dx = g_base.mm(fan_in_fan_out ? weight.t() : weight);
+    if (need_w) {
+      at::Tensor x2d = rows(x);
+      grads[1] = fan_in_fan_out ? x2d.t().mm(g_base) : g_base.t().mm(x2d);
+    }
+    if (need_bias) grads[2] = g_base.sum(0);
+    g_base.reset();
+    if (need_x) {
+      if (dxa.defined()) {
+        dxa = dxa.to(x_dtype);
+        dx = dx.defined() ? dx.add_(dxa) : dxa;
+      }
+      grads[0] = dx.view(x_shape);
+    }
+    return grads;
+  }
+};
+
+// One call of peft's plain-LoRA forward: (output, whether x itself was saved for backward).
+std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Tensor>>& tensors, bool fan_in_fan_out,
+                                         bool cast, const std::vector<double>& scalings,
+                                         const std::vector<double>& ps) {
+  std::vector<at::Tensor> t;
+  t.reserve(tensors.size());
+  bool any_grad = false;
+  for (const auto& o : tensors) {
+    t.push_back(o.has_value() ? *o : at::Tensor());
+    any_grad = any_grad || (t.back().defined() && t.back().requires_grad());
+  }
+  if (!(at::GradMode::is_enabled() && any_grad)) {
+    std::vector<bool> need(t.size(), false);
+    return {lora_forward(nullptr, t, need, fan_in_fan_out, cast, scalings, ps).out, false};
+  }
+  std::vector<at::Tensor> defined;
+  std::vector<int64_t> present(t.size(), 0);
+  for (size_t i = 0; i < t.size(); ++i)
+    if (t[i].defined()) {
+      defined.push_back(t[i]);
+      present[i] = 1;
+    }
+  auto out = LoraLinearFunction::apply(at::TensorList(defined), present, fan_in_fan_out, cast, scalings, ps);
+  // x itself is saved when dW is requested, or some dA is and x is not a view into a larger storage (compact)
+  const at::Tensor& x = t[0];
+  bool need_a = false;
+  for (size_t i = 3; i < t.size(); i += 3) need_a = need_a || (t[i].defined() && t[i].requires_grad());
+  const bool need_w = t[1].requires_grad();
+  const bool x_kept = need_w || (need_a && static_cast<int64_t>(x.storage().nbytes()) <=
+                                               x.numel() * static_cast<int64_t>(x.element_size()));
+  return {out[0], x_kept};
+}
+
+}  // namespace
+
+static Register reg_lora([](pybind11::module_& m) {
+  m.def("lora_linear_apply", &lora_linear, "slimgrad LoRA linear (plain LoRA, bits dropout): one C++ Function");
+});
+
+}  // namespace slimgrad
