@@ -9,6 +9,17 @@ needs only shapes, so it keeps nothing at all.
 
 Forwards call the kernels stock calls when a gradient is wanted, so outputs, returned indices and
 tie-breaking are stock's. When no gradient is wanted the stock functional runs unchanged.
+
+Eager CPU max pooling that wants a gradient runs the compiled core (:mod:`slimgrad.csrc`, ``csrc/max_pool.cpp``):
+after a few checks, one call into a C++ autograd Function whose one parallel pass writes the output, the window
+positions (the same dtype and bytes as the Python Function keeps) and, when asked for, stock's indices, and whose
+backward scatters the gradient in stock's order. It replaces a Python Function call, stock's int64 indices and
+their conversion (issue 22: the numba kernel it supersedes ran on one thread). The options are checked once
+(per module, or per distinct functional arguments) and the result cached. The Python Function stays for
+torch.compile, torch.func, other devices, 3-d pooling under autocast, empty inputs, invalid arguments (whose
+errors stock's kernels word) and a core that is off (``SLIMGRAD_CORE=0``) or unbuilt; it is the reference the
+core is tested against bit for bit. Average pooling keeps nothing for backward, so the core would only save
+the Python call; it stays Python.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 from torch.autograd.function import once_differentiable
 
+from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_off, check_tensor, standin
 from slimgrad.kernels import max_pool
@@ -292,7 +304,63 @@ class MaxPoolFunction(_common.Function):
         return (grad,) + (None,) * 8
 
 
+_CORE_OPTIONS: dict = {}
+_REFUSED = object()
+
+
+def core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
+    """The compiled core's options object for these pooling arguments, or None where the core cannot take them
+    (then the Python Function runs, and raises stock's error where they are invalid). Checked once per distinct
+    (hashable) arguments."""
+    key = (nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+    try:
+        cached = _CORE_OPTIONS.get(key)
+    except TypeError:  # lists: checked on every call
+        cached = _make_core_options(*key)
+        return None if cached is _REFUSED else cached
+    if cached is None:
+        cached = _make_core_options(*key)
+        if cached is None:  # the core is off or unbuilt: ask again next time
+            return None
+        if len(_CORE_OPTIONS) >= 4096:
+            _CORE_OPTIONS.clear()
+        _CORE_OPTIONS[key] = cached
+    return None if cached is _REFUSED else cached
+
+
+def _make_core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
+    """The core's options object, ``_REFUSED`` where it cannot take these arguments, None where it is off."""
+    core = csrc.core()
+    if core is None:
+        return None
+    fn = f"max_pool{nd}d"
+    try:
+        kernel = _tuple(kernel_size, nd, "kernel_size", fn)
+        stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
+        options = core.max_pool_options(nd, list(kernel), list(stride_t), list(_tuple(padding, nd, "padding", fn)),
+                                        list(_tuple(dilation, nd, "dilation", fn)), bool(ceil_mode),
+                                        bool(return_indices))
+    except Exception:  # noqa: BLE001 - whatever stock says of these arguments, the Python Function says it
+        return _REFUSED
+    return options if options.valid else _REFUSED
+
+
+def core_max_pool(nd, input, options):
+    """One call into the compiled core when this eager call may take it, else None (the caller then runs the
+    Python path): a CPU tensor that wants a gradient, 3-d pooling not under autocast (stock casts there)."""
+    if (options is None or not input.requires_grad or not torch.is_grad_enabled()
+            or (core := csrc.for_eager(input)) is None):
+        return None
+    if nd == 3 and input.dtype not in (torch.float32, torch.float64) and _common.autocast_enabled("cpu"):
+        return None
+    return core.max_pool_apply(input, options)
+
+
 def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, stock):
+    if type(input) is torch.Tensor and input.requires_grad and not torch.compiler.is_compiling():
+        options = core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+        if (out := core_max_pool(nd, input, options)) is not None:
+            return out
     check_tensor(input, "input", fn=f"max_pool{nd}d")
     if not _wants_grad(input):
         return stock(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,

@@ -24,6 +24,11 @@ Contract::
   except ``grad_input[winner] += grad_out[o]`` for every output ``o`` in row-major order per channel,
   accumulated in the dtype (so overlapping windows add up in stock's order: bitwise stock's
   ``max_poolNd_with_indices_backward``).
+
+The compiled core (:mod:`slimgrad.csrc`, ``csrc/max_pool.cpp``) registers this family as backend ``core``
+(priority 20, above numba's 10): 1-d, 2-d and 3-d, all four float dtypes, one parallel pass writing output and
+positions, a parallel backward (per plane: zero, then scatter in stock's order). Calls it does not serve (stock
+would raise) go to the torch reference, which raises stock's error.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 from . import registry
 
-__all__ = ["FAMILY", "TorchMaxPoolPositions", "choose", "output_size"]
+__all__ = ["FAMILY", "CoreMaxPoolPositions", "TorchMaxPoolPositions", "choose", "output_size"]
 
 FAMILY = "max_pool_positions"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -91,6 +96,43 @@ TORCH_IMPL = TorchMaxPoolPositions()
 
 registry.register(FAMILY, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: TORCH_IMPL,
                   note="stock kernels, positions derived from indices (reference)")
+
+
+class CoreMaxPoolPositions:
+    """The compiled core's one-pass kernels (``csrc/max_pool.cpp``) under this family's contract; the torch
+    reference serves what they decline (invalid arguments: stock's errors)."""
+
+    name = "core"
+
+    def __init__(self, core):
+        self._forward = core.max_pool_positions_forward
+        self._backward = core.max_pool_positions_backward
+
+    def forward(self, x, kernel, stride, padding, dilation, ceil_mode):
+        result = self._forward(x, list(kernel), list(stride), list(padding), list(dilation), bool(ceil_mode))
+        if result is None:
+            return TORCH_IMPL.forward(x, kernel, stride, padding, dilation, ceil_mode)
+        return result
+
+    def backward(self, grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode):
+        grad = self._backward(grad_out, positions, list(x_shape), list(kernel), list(stride), list(padding),
+                              list(dilation), bool(ceil_mode))
+        if grad is None:
+            return TORCH_IMPL.backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode)
+        return grad
+
+
+def _load_core():
+    from slimgrad import csrc
+
+    core = csrc.core()
+    if core is None:
+        raise RuntimeError("the compiled core is unavailable (python -m slimgrad kernels says why)")
+    return CoreMaxPoolPositions(core)
+
+
+registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20, load=_load_core,
+                  note="compiled core: output and positions in one parallel pass, parallel scatter backward")
 
 
 def choose(x: torch.Tensor):

@@ -3,10 +3,16 @@
 Max pooling keeps the argmax's position inside its window (one byte per output for windows up to 256
 elements) instead of the input plus int64 indices; average pooling keeps nothing. Each class only swaps
 ``forward`` for the slimgrad functional twin, so converting a module is a class swap.
+
+A max-pooling module's eager CPU call that wants a gradient goes straight to the compiled core (one C++ autograd
+Function call, :mod:`slimgrad.functional.pooling`): its options are checked once and the result cached in the
+module's ``__dict__`` (re-checked only when an option attribute changes); every other call takes the functional
+path.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from slimgrad._registry import register
@@ -25,8 +31,19 @@ __all__ = [
 ]
 
 
-def _max_forward(fn):
+def _max_forward(fn, nd):
     def forward(self, input: Tensor):
+        if type(input) is Tensor and input.requires_grad and not torch.compiler.is_compiling():
+            key = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, self.return_indices)
+            state = self.__dict__
+            cached = state.get("_slimgrad_core_pool")
+            if cached is None or cached[0] != key:
+                options = P.core_options(nd, *key)
+                if options is None:  # the core is off or cannot take these options: nothing cached
+                    return fn(input, *key[:4], ceil_mode=key[4], return_indices=key[5])
+                cached = state["_slimgrad_core_pool"] = (key, options)
+            if (out := P.core_max_pool(nd, input, cached[1])) is not None:
+                return out
         return fn(input, self.kernel_size, self.stride, self.padding, self.dilation,
                   ceil_mode=self.ceil_mode, return_indices=self.return_indices)
 
@@ -36,17 +53,17 @@ def _max_forward(fn):
 
 @register(nn.MaxPool1d)
 class MaxPool1d(nn.MaxPool1d):
-    forward = _max_forward(P.max_pool1d)
+    forward = _max_forward(P.max_pool1d, 1)
 
 
 @register(nn.MaxPool2d)
 class MaxPool2d(nn.MaxPool2d):
-    forward = _max_forward(P.max_pool2d)
+    forward = _max_forward(P.max_pool2d, 2)
 
 
 @register(nn.MaxPool3d)
 class MaxPool3d(nn.MaxPool3d):
-    forward = _max_forward(P.max_pool3d)
+    forward = _max_forward(P.max_pool3d, 3)
 
 
 @register(nn.AvgPool1d)
