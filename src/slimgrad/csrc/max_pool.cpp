@@ -21,6 +21,7 @@
 #include "common.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/Version.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -259,8 +260,9 @@ inline int64_t index_of(int64_t pos, const PoolOptions& o, const Geometry& g, in
   return ((od0 + kd * o.d[0]) * g.H + (oh0 + kh * o.d[1])) * g.W + (ow0 + kw * o.d[2]);
 }
 
+// One window at a time (windows of more than 2^24 elements, whose positions fp32 lanes cannot hold exactly).
 template <typename scalar_t, typename pos_t>
-void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
+void forward_contiguous_scalar(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
                         const PoolOptions& o) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t in_plane = g.D * g.H * g.W, out_plane = g.OD * g.OH * g.OW;
@@ -297,6 +299,97 @@ void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* i
         out[o0 + ow] = static_cast<scalar_t>(best);
         pos[o0 + ow] = static_cast<pos_t>(best_p);
         if (idx != nullptr) idx[o0 + ow] = index_of(best_p, o, g, sd.origin, sh.origin, sw.origin);
+      }
+    }
+  });
+}
+
+// One output row at a time, vectorised over the row's outputs: for each window position (row-major, the
+// order stock scans), the row's inputs at that position (a strided slice) are compared with the running maxima
+// of all the outputs whose window has it in bounds. Each output sees stock's comparisons in stock's order, so
+// the winners are stock's; fp32 lanes carry the positions (exact below 2^24).
+template <typename scalar_t, typename pos_t>
+void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
+                        const PoolOptions& o) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  if (o.kvol > (int64_t(1) << 24)) return forward_contiguous_scalar<scalar_t, pos_t>(x, out, pos, idx, g, o);
+  const int64_t in_plane = g.D * g.H * g.W, out_plane = g.OD * g.OH * g.OW;
+  const int64_t rows = g.N * g.C * g.OD * g.OH;
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, g.OW * o.kvol));
+  const int64_t kD = o.k[0], kH = o.k[1], kW = o.k[2], dD = o.d[0], dH = o.d[1], dW = o.d[2];
+  const int64_t sW = o.s[2], pW = o.p[2], OW = g.OW, W = g.W;
+  // For each kw: the outputs [lo, hi) whose input column ow * sW - pW + kw * dW is inside the input.
+  std::vector<int64_t> lo(kW), hi(kW), kw0(OW);
+  for (int64_t kw = 0; kw < kW; ++kw) {
+    const int64_t off = kw * dW - pW;
+    lo[kw] = off >= 0 ? 0 : (-off + sW - 1) / sW;
+    hi[kw] = W - 1 - off < 0 ? 0 : std::min<int64_t>(OW, (W - 1 - off) / sW + 1);
+    hi[kw] = std::max(hi[kw], lo[kw]);
+  }
+  for (int64_t ow = 0; ow < OW; ++ow) kw0[ow] = span(ow, sW, pW, kW, dW, W).k0;
+  constexpr bool direct = std::is_same_v<scalar_t, acc_t>;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> buf(3 * OW);
+    acc_t* best = buf.data();
+    acc_t* bpos = best + OW;
+    acc_t* tmp = bpos + OW;
+    const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t oh = r % g.OH, od = (r / g.OH) % g.OD, c = r / (g.OH * g.OD);
+      const scalar_t* xp = x + c * in_plane;
+      const int64_t o0 = c * out_plane + (od * g.OH + oh) * g.OW;
+      const Span sd = span(od, o.s[0], o.p[0], kD, dD, g.D);
+      const Span sh = span(oh, o.s[1], o.p[1], kH, dH, g.H);
+      const int64_t base_p = (sd.k0 * kH + sh.k0) * kW;
+      for (int64_t ow = 0; ow < OW; ++ow) {
+        best[ow] = ninf;
+        bpos[ow] = static_cast<acc_t>(base_p + kw0[ow]);
+      }
+      int64_t kd = sd.k0;
+      for (int64_t id = sd.start; id < sd.end; id += dD, ++kd) {
+        int64_t kh = sh.k0;
+        for (int64_t ih = sh.start; ih < sh.end; ih += dH, ++kh) {
+          const scalar_t* row = xp + (id * g.H + ih) * W;
+          const int64_t pbase = (kd * kH + kh) * kW;
+          for (int64_t kw = 0; kw < kW; ++kw) {
+            const int64_t l = lo[kw], n = hi[kw] - l;
+            if (n <= 0) continue;
+            const scalar_t* first = row + l * sW + kw * dW - pW;
+            const acc_t* src;
+            if (direct && sW == 1) {
+              src = reinterpret_cast<const acc_t*>(first);
+            } else {
+              for (int64_t j = 0; j < n; ++j) tmp[j] = static_cast<acc_t>(first[j * sW]);
+              src = tmp;
+            }
+            const acc_t pv = static_cast<acc_t>(pbase + kw);
+            const Vec vp(pv);
+            acc_t* bb = best + l;
+            acc_t* bq = bpos + l;
+            int64_t j = 0;
+            for (; j + Vec::size() <= n; j += Vec::size()) {
+              const Vec v = Vec::loadu(src + j), b = Vec::loadu(bb + j), q = Vec::loadu(bq + j);
+              const Vec m = (v > b) | v.isnan();
+              Vec::blendv(b, v, m).store(bb + j);
+              Vec::blendv(q, vp, m).store(bq + j);
+            }
+            for (; j < n; ++j) {
+              const acc_t v = src[j];
+              const bool take = (v > bb[j]) | (v != v);
+              bb[j] = take ? v : bb[j];
+              bq[j] = take ? pv : bq[j];
+            }
+          }
+        }
+      }
+      for (int64_t ow = 0; ow < OW; ++ow) {
+        out[o0 + ow] = static_cast<scalar_t>(best[ow]);
+        pos[o0 + ow] = static_cast<pos_t>(bpos[ow]);
+      }
+      if (idx != nullptr) {
+        for (int64_t ow = 0; ow < OW; ++ow)
+          idx[o0 + ow] = index_of(static_cast<int64_t>(bpos[ow]), o, g, sd.origin, sh.origin, ow * sW - pW);
       }
     }
   });
