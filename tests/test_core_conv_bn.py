@@ -89,13 +89,13 @@ _BY_ID = {c[0]: c for c in CONV}
 
 
 def _core_serves(case, rx, rw) -> bool:
-    """Whether the converted module's call runs the core (else the Python Function, or stock's op where stock
-    keeps what we keep: a trainable leaf weight)."""
+    """Whether the converted module's call runs the core (else the Python Function: an unbatched input; or
+    stock's op where stock keeps what we keep: a trainable leaf weight and no explicit pad)."""
     cid, cls, kwargs, shape, fk = case
     dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3, nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2,
             nn.ConvTranspose3d: 3}[cls]
-    return (kwargs.get("padding_mode", "zeros") == "zeros" and cid != "c2d_same_even"
-            and len(shape) == dims + 2 and not rw)
+    padded = kwargs.get("padding_mode", "zeros") != "zeros" or cid == "c2d_same_even"
+    return len(shape) == dims + 2 and (padded or not rw)
 
 
 def _layout(shape):
@@ -170,8 +170,8 @@ def test_conv_core_python_stock_every_combo(case, flags):
     core_m, py_m, out = _conv_three(stock, x, flags, fk, dtype=torch.float32)
     if out.requires_grad and _core_serves(case, rx, rw):
         assert _ran_core(out), out.grad_fn
-    elif out.requires_grad and not rw:
-        assert _ran_python(out), out.grad_fn
+    elif out.requires_grad and len(shape) == out.dim() - 1:
+        assert _ran_python(out), out.grad_fn  # unbatched
     # saved bytes: the core's == the Python path's == the analytical minimum (X iff the weight trains)
     expected = x.numel() * x.element_size() if rw else 0
     xs = x.clone().requires_grad_(rx)

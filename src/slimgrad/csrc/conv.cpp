@@ -1,11 +1,14 @@
-// Convolutions (1-3d, plain and transposed, zero padding) of slimgrad's compiled eager core: the C++ twin of
+// Convolutions (1-3d, plain and transposed, every padding mode) of slimgrad's compiled eager core: the C++ twin of
 // slimgrad.functional.conv._ConvFunction, with the same decisions (what is kept, which kernel gives dX, which
 // tensor stands in for X), so its numbers and saved bytes are the Python path's and stock's.
 //
-// Kept: X only when the weight needs grad, the weight only when X does. dX: aten's convolution_backward fed a
-// tensor of X's shape and layout whose values it never reads (channels-last X, and 1x1 kernels, where it is
-// faster than the transposed convolution), else the transposed (plain, for a transposed conv) convolution of dY.
-// dW/dB: convolution_backward (a one-element stand-in for the weight when it was not kept), dB alone a sum.
+// Kept: X only when the weight needs grad, the weight only when X does; with an explicit pad (padding modes, an
+// asymmetric padding='same') X unpadded, the pad redone in backward. dX: aten's convolution_backward fed a tensor
+// of X's shape and layout whose values it never reads (channels-last X, and 1x1 kernels, where it is faster than
+// the transposed convolution), else the transposed (plain, for a transposed conv) convolution of dY; then the
+// pad's backward. dW/dB: convolution_backward (a one-element stand-in for the weight when it was not kept), dB
+// alone a sum. Autocast and an X that views a larger storage with a trainable weight (the Python Function keeps
+// a compact copy there) stay with the Python Function.
 #include "common.h"
 
 #include <c10/util/intrusive_ptr.h>
@@ -22,13 +25,16 @@ struct ConvCfg : torch::CustomClassHolder {
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
+  std::vector<int64_t> pad;  // an explicit F.pad of X first (F.pad order), empty for none
+  std::string pad_mode;      // "constant", "reflect", "replicate", "circular"
+  bool padded() const { return !pad.empty(); }
 };
 
 // Per-call state for backward (non-tensor; every tensor kept goes through save_for_backward).
 struct ConvState : torch::CustomClassHolder {
   c10::intrusive_ptr<ConvCfg> cfg;
-  std::vector<int64_t> x_shape, x_stride, w_shape;
-  at::MemoryFormat x_format = at::MemoryFormat::Contiguous;
+  std::vector<int64_t> x_shape, x_stride, w_shape, xp_shape;  // xp: X as the convolution saw it (padded)
+  at::MemoryFormat x_format = at::MemoryFormat::Contiguous, xp_format = at::MemoryFormat::Contiguous;
   bool need_x = false, need_w = false, need_b = false;
   bool carrier_dx = false;  // dX through convolution_backward with a carrier of X's shape and layout
   // X itself while someone else holds it (nothing kept alive): the carrier of choice.
@@ -74,28 +80,90 @@ int64_t extent(at::IntArrayRef shape, at::IntArrayRef strides) {
   return e;
 }
 
-// slimgrad.functional.conv._shape_carrier: X while alive and unchanged in shape and layout; else a view over the
-// incoming gradient's storage where it is large enough; else an uninitialised tensor (stock holds X here). Under
-// a differentiable backward always the latter.
-at::Tensor shape_carrier(const ConvState& st, const at::Tensor& big) {
+// slimgrad.functional.conv._shape_carrier: a tensor of `shape` and layout `fmt` whose values the kernel never reads:
+// X while alive and unchanged in shape and layout; else a view over the incoming gradient's storage where it is
+// large enough; else an uninitialised tensor (stock holds X here). Under a differentiable backward the latter.
+at::Tensor shape_carrier(const ConvState& st, at::IntArrayRef shape, at::MemoryFormat fmt, const at::Tensor& big) {
   if (!at::GradMode::is_enabled()) {
     if (st.has_x_ref) {
       auto impl = st.x_ref.lock();
       if (impl) {
         at::Tensor x(std::move(impl));
-        if (x.sizes() == at::IntArrayRef(st.x_shape) && x.strides() == at::IntArrayRef(st.x_stride) &&
+        if (x.sizes() == shape && x.strides() == at::IntArrayRef(st.x_stride) &&
             x.scalar_type() == big.scalar_type() && x.device() == big.device() && x.has_storage() &&
             static_cast<int64_t>(x.storage().nbytes()) >=
                 (x.storage_offset() + extent(x.sizes(), x.strides())) * static_cast<int64_t>(x.element_size()))
           return x;
       }
     }
-    auto strides = dense_strides(st.x_shape, st.x_format);
+    auto strides = dense_strides(shape, fmt);
     if (big.has_storage() && static_cast<int64_t>(big.storage().nbytes()) >=
-                                 extent(st.x_shape, strides) * static_cast<int64_t>(big.element_size()))
-      return big.as_strided(st.x_shape, strides, 0);
+                                 extent(shape, strides) * static_cast<int64_t>(big.element_size()))
+      return big.as_strided(shape, strides, 0);
   }
-  return at::empty(st.x_shape, big.options().memory_format(st.x_format));
+  return at::empty(shape, big.options().memory_format(fmt));
+}
+
+// slimgrad.functional._common.suggest_memory_format
+at::MemoryFormat plain_format(const at::Tensor& t) {
+  if (t.is_contiguous()) return at::MemoryFormat::Contiguous;
+  if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;
+  if (t.dim() == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d)) return at::MemoryFormat::ChannelsLast3d;
+  return at::MemoryFormat::Contiguous;
+}
+
+at::Tensor pad_x(const ConvCfg& c, const at::Tensor& x) {
+  return at::pad(x, c.pad, c.pad_mode, std::nullopt);
+}
+
+// slimgrad.functional.conv._circular_pad_backward: the reverse of stock's slice copies, one addition per element
+// and step as in stock.
+at::Tensor circular_pad_backward(at::Tensor g, const std::vector<int64_t>& pad) {
+  const at::Tensor grad = g;
+  const int64_t nd = static_cast<int64_t>(pad.size()) / 2;
+  for (int64_t i = nd - 1; i >= 0; --i) {
+    const int64_t dim = g.dim() - 1 - i, pad_l = pad[2 * i], pad_r = pad[2 * i + 1], size = g.size(dim);
+    if (pad_r > 0) g.narrow(dim, pad_l, pad_r).add_(g.narrow(dim, size - pad_r, pad_r));
+    if (pad_l > 0) g.narrow(dim, size - pad_l - pad_r, pad_l).add_(g.narrow(dim, 0, pad_l));
+  }
+  for (int64_t i = 0; i < nd; ++i) {
+    const int64_t dim = g.dim() - 1 - i, pad_l = pad[2 * i], pad_r = pad[2 * i + 1];
+    g = g.narrow(dim, pad_l, g.size(dim) - pad_l - pad_r);
+  }
+  return g.contiguous(plain_format(grad));
+}
+
+// slimgrad.functional.conv._pad_backward: the pad's gradient from the padded one, without X.
+at::Tensor pad_backward(const ConvState& st, const at::Tensor& dxp) {
+  const auto& c = *st.cfg;
+  if (c.pad_mode == "constant") {
+    std::vector<int64_t> neg(c.pad.size());
+    for (size_t i = 0; i < neg.size(); ++i) neg[i] = -c.pad[i];
+    return at::constant_pad_nd(dxp, neg);
+  }
+  if (c.pad_mode == "circular") return circular_pad_backward(dxp, c.pad);
+  const int64_t nd = static_cast<int64_t>(c.pad.size()) / 2;
+  std::vector<int64_t> shape = dxp.sizes().vec();
+  for (int64_t i = 0; i < nd; ++i) shape[shape.size() - 1 - i] -= c.pad[2 * i] + c.pad[2 * i + 1];
+  at::Tensor like = st.x_format == at::MemoryFormat::Contiguous
+                        ? at::empty({}, dxp.options()).expand(shape)
+                        : shape_carrier(st, shape, st.x_format, dxp);
+  const bool reflect = c.pad_mode == "reflect";
+  switch (nd) {
+    case 1:
+      return reflect ? at::reflection_pad1d_backward(dxp, like, c.pad)
+                     : at::replication_pad1d_backward(dxp, like, c.pad);
+    case 2:
+      return reflect ? at::reflection_pad2d_backward(dxp, like, c.pad)
+                     : at::replication_pad2d_backward(dxp, like, c.pad);
+    default:
+      return reflect ? at::reflection_pad3d_backward(dxp, like, c.pad)
+                     : at::replication_pad3d_backward(dxp, like, c.pad);
+  }
+}
+
+at::Tensor unpad(const ConvState& st, const at::Tensor& dxp) {
+  return st.cfg->padded() ? pad_backward(st, dxp) : dxp;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const ConvCfg& c, const at::Tensor& grad,
@@ -113,7 +181,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const ConvCfg& c, c
 at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                     const c10::intrusive_ptr<ConvCfg>& cfg, bool grad_mode) {
   const auto& c = *cfg;
-  auto out = at::convolution(x, weight, bias, c.stride, c.padding, c.dilation, c.transposed, c.output_padding,
+  const at::Tensor xp = c.padded() ? pad_x(c, x) : x;
+  auto out = at::convolution(xp, weight, bias, c.stride, c.padding, c.dilation, c.transposed, c.output_padding,
                              c.groups);
   // ctx->needs_input_grad, also where no input requires grad (the node then has no edges to ask)
   const bool need_x = grad_mode && x.requires_grad(), need_w = grad_mode && weight.requires_grad();
@@ -125,13 +194,15 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
   st->need_w = need_w;
   st->need_b = need_b;
   st->x_shape = x.sizes().vec();
+  st->xp_shape = xp.sizes().vec();
   st->w_shape = weight.sizes().vec();
-  st->x_format = conv_format(x);
+  st->xp_format = conv_format(xp);
+  st->x_format = c.padded() && need_x ? conv_format(x) : st->xp_format;
   if (need_x && !need_w) {
     bool pointwise = !c.transposed;
     for (int64_t d = 2; d < weight.dim(); ++d) pointwise = pointwise && weight.size(d) == 1;
-    st->carrier_dx = pointwise || st->x_format != at::MemoryFormat::Contiguous;
-    if (st->carrier_dx) {
+    st->carrier_dx = pointwise || st->xp_format != at::MemoryFormat::Contiguous;
+    if (st->carrier_dx || st->x_format != at::MemoryFormat::Contiguous) {
       st->x_stride = x.strides().vec();
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
       st->has_x_ref = true;
@@ -151,12 +222,15 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
   const at::Tensor& weight = saved[1];
   at::Tensor dx, dw, db;
   if (st->need_x && st->need_w) {
-    std::tie(dx, dw, db) = conv_backward(c, grad, x, weight, {true, true, st->need_b});
-    return {dx, dw, st->need_b ? db : at::Tensor()};
+    std::tie(dx, dw, db) =
+        conv_backward(c, grad, c.padded() ? pad_x(c, x) : x, weight, {true, true, st->need_b});
+    return {unpad(*st, dx), dw, st->need_b ? db : at::Tensor()};
   }
   if (st->need_x && st->carrier_dx) {
-    auto carrier = shape_carrier(*st, grad);
+    auto carrier = shape_carrier(*st, st->xp_shape, st->xp_format, grad);
     dx = std::get<0>(conv_backward(c, grad, carrier, weight, {true, false, false}));
+    carrier = at::Tensor();
+    dx = unpad(*st, dx);
   } else if (st->need_x) {
     // Stock's backward runs in the contiguous layout whatever dY's: the copy is the one its kernel makes.
     auto g = grad.is_contiguous() ? grad : grad.contiguous();
@@ -166,18 +240,19 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
                            c.groups);
       // With output_padding >= stride the plain conv yields extra trailing rows: drop them.
       for (int64_t i = 0; i < nd; ++i)
-        if (dx.size(2 + i) != st->x_shape[2 + i]) dx = dx.narrow(2 + i, 0, st->x_shape[2 + i]);
+        if (dx.size(2 + i) != st->xp_shape[2 + i]) dx = dx.narrow(2 + i, 0, st->xp_shape[2 + i]);
     } else {
       std::vector<int64_t> extra(nd);
       for (int64_t i = 0; i < nd; ++i)
-        extra[i] = st->x_shape[2 + i] - ((grad.size(2 + i) - 1) * c.stride[i] - 2 * c.padding[i] +
-                                         c.dilation[i] * (st->w_shape[2 + i] - 1) + 1);
+        extra[i] = st->xp_shape[2 + i] - ((grad.size(2 + i) - 1) * c.stride[i] - 2 * c.padding[i] +
+                                          c.dilation[i] * (st->w_shape[2 + i] - 1) + 1);
       dx = at::convolution(g, weight, {}, c.stride, c.padding, c.dilation, true, extra, c.groups);
     }
+    dx = unpad(*st, dx);
   }
   if (st->need_w) {
     auto w = weight.defined() ? weight : at::empty({}, grad.options()).expand(st->w_shape);
-    auto r = conv_backward(c, grad, x, w, {false, true, st->need_b});
+    auto r = conv_backward(c, grad, c.padded() ? pad_x(c, x) : x, w, {false, true, st->need_b});
     dw = std::get<1>(r);
     db = std::get<2>(r);
   } else if (st->need_b) {
@@ -218,8 +293,11 @@ static Register reg_conv([](pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ConvCfg, c10::intrusive_ptr<ConvCfg>>(m, "conv_Cfg")
       .def(py::init([](std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                       bool transposed, std::vector<int64_t> output_padding, int64_t groups) {
+                       bool transposed, std::vector<int64_t> output_padding, int64_t groups,
+                       std::vector<int64_t> pad, std::string pad_mode) {
         auto c = c10::make_intrusive<ConvCfg>();
+        c->pad = std::move(pad);
+        c->pad_mode = std::move(pad_mode);
         c->stride = std::move(stride);
         c->padding = std::move(padding);
         c->dilation = std::move(dilation);
@@ -227,7 +305,8 @@ static Register reg_conv([](pybind11::module_& m) {
         c->output_padding = std::move(output_padding);
         c->groups = groups;
         return c;
-      }));
+      }))
+      .def_property_readonly("padded", &ConvCfg::padded);
   m.def(
       "conv_forward",
       [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

@@ -448,12 +448,14 @@ def conv_nd(
     Where stock keeps what we would keep (the weight trains, no explicit padding), stock's functional
     runs directly: no Function, no bookkeeping beyond noting that X is kept."""
     core = csrc.for_eager(x)
-    if core is not None and padding_mode == "zeros":
+    if core is not None:
         cfg = _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, groups, nd, transposed,
-                                   output_padding, fn)
+                                   output_padding, padding_mode, fn)
         if cfg is not None:
-            return core_conv(core, x, weight, bias, cfg, nd, transposed, stride, padding, output_padding, groups,
-                             dilation)
+            out = core_conv(core, x, weight, bias, cfg, nd, transposed, stride, padding, output_padding, groups,
+                            dilation)
+            if out is not None:
+                return out
     if (
         padding_mode == "zeros"
         and isinstance(weight, torch.Tensor)
@@ -642,47 +644,59 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _CORE_CFGS: dict = {}
 
 
-def core_cfg(core, nd, transposed, stride, padding, dilation, groups, output_padding, weight, fn):
-    """The core's ``conv_Cfg`` for these options (normalised as ``conv_nd`` normalises them, with its errors), or
-    None where the core does not serve them: an explicit pad (an asymmetric ``padding='same'``)."""
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        return None  # conv_nd raises
+def core_cfg(core, nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode, weight, fn):
+    """The core's ``conv_Cfg`` for these options, normalised as ``conv_nd`` normalises them (an explicit pad for
+    a padding mode or an asymmetric ``padding='same'``), or None where ``conv_nd`` would raise (it then does)."""
+    if (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
+            or padding_mode not in _PADDING_MODES or (transposed and padding_mode != "zeros")):
+        return None
     stride_t = _tuple(stride, nd, "stride", fn)
     dilation_t = _tuple(dilation, nd, "dilation", fn)
     output_padding_t = _tuple(output_padding, nd, "output_padding", fn) if transposed else (0,) * nd
-    if isinstance(padding, str):
+    pad, pad_mode = [], ""
+    if padding_mode != "zeros":
+        if not (isinstance(padding, (tuple, list)) and len(padding) == 2 * nd):
+            return None
+        pad, pad_mode = [int(p) for p in padding], padding_mode
+        padding_t = (0,) * nd
+    elif isinstance(padding, str):
         if transposed or padding not in ("same", "valid"):
-            return None  # conv_nd raises
+            return None
         if padding == "valid":
             padding_t = (0,) * nd
         else:
             if any(s != 1 for s in stride_t):
-                return None  # conv_nd raises
+                return None
             total = [dilation_t[i] * (weight.shape[2 + i] - 1) for i in range(nd)]
+            left = [t // 2 for t in total]
+            padding_t = tuple(left)
             if any(t % 2 for t in total):
-                return None  # an explicit zero pad first: the Python Function
-            padding_t = tuple(t // 2 for t in total)
+                # As aten's _convolution_same: zero-pad the excess on the right, then symmetric padding.
+                pad, pad_mode = [0] * (2 * nd), "constant"
+                for i in range(nd):
+                    pad[2 * (nd - 1 - i) + 1] = total[i] - 2 * left[i]
     else:
         padding_t = _tuple(padding, nd, "padding", fn)
     return core.conv_Cfg(list(stride_t), list(padding_t), list(dilation_t), transposed, list(output_padding_t),
-                         groups)
+                         groups, pad, pad_mode)
 
 
 def _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, groups, nd, transposed, output_padding,
-                         fn):
+                         padding_mode, fn):
     """``conv_nd``'s core route: the cached ``conv_Cfg`` where the core serves this call, else None (the Python
     path then runs, and raises where the arguments are wrong)."""
     if (type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN) or x.dim() != nd + 2
             or weight.dim() != nd + 2 or torch.is_autocast_enabled("cpu")):
         return None
     try:
-        key = (nd, transposed, stride, padding, dilation, groups, output_padding,
+        key = (nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode,
                tuple(weight.shape[2:]) if isinstance(padding, str) else None)
         cfg = _CORE_CFGS.get(key)
     except TypeError:  # lists: unhashable
         key, cfg = None, None
     if cfg is None:
-        cfg = core_cfg(core, nd, transposed, stride, padding, dilation, groups, output_padding, weight, fn) or False
+        cfg = core_cfg(core, nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode, weight,
+                       fn) or False
         if key is not None and len(_CORE_CFGS) < 4096:
             _CORE_CFGS[key] = cfg
     return cfg or None
@@ -690,9 +704,14 @@ def _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, group
 
 def core_conv(core, x, weight, bias, cfg, nd, transposed, stride, padding, output_padding, groups, dilation):
     """One convolution through the core, where it keeps less than stock; stock's op where stock keeps what we
-    would (the weight trains and stock's kept weight is the caller's own leaf), as ``conv_nd`` decides."""
+    would (the weight trains and stock's kept weight is the caller's own leaf, no explicit pad), as ``conv_nd``
+    decides. None where the Python Function must run: a trainable weight with an explicit pad and an X that
+    views a larger storage (the Function keeps a compact copy of X there, ``_input_copy``)."""
     if weight.requires_grad and torch.is_grad_enabled():
-        if x.requires_grad or weight.is_leaf:
+        if cfg.padded:
+            if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+                return None
+        elif x.requires_grad or weight.is_leaf:
             _common.note_input_kept(x)
             if transposed:
                 return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)

@@ -46,14 +46,15 @@ def _core_cfg(self, core, weight, nd: int, transposed: bool):
     d = self.__dict__
     c = d.get("_slimgrad_conv_core")
     if (c is not None and c[0] is self.stride and c[1] is self.padding and c[2] is self.dilation
-            and c[3] is self.groups and c[4] is self.padding_mode and c[5] is self.output_padding and c[6] is core):
-        return c[7]
-    cfg = None
-    if self.padding_mode == "zeros":
-        cfg = core_cfg(core, nd, transposed, self.stride, self.padding, self.dilation, self.groups,
-                       self.output_padding, weight, type(self).__name__)
+            and c[3] is self.groups and c[4] is self.padding_mode and c[5] is self.output_padding and c[6] is core
+            and c[7] is self._reversed_padding_repeated_twice):
+        return c[8]
+    # As stock's forward: with a padding mode, F.pad with the module's reversed padding, then padding 0.
+    padding = self.padding if self.padding_mode == "zeros" else self._reversed_padding_repeated_twice
+    cfg = core_cfg(core, nd, transposed, self.stride, padding, self.dilation, self.groups, self.output_padding,
+                   self.padding_mode, weight, type(self).__name__)
     d["_slimgrad_conv_core"] = (self.stride, self.padding, self.dilation, self.groups, self.padding_mode,
-                                self.output_padding, core, cfg)
+                                self.output_padding, core, self._reversed_padding_repeated_twice, cfg)
     return cfg
 
 
@@ -66,6 +67,7 @@ def _core_call(self, input, weight, bias, nd: int, transposed: bool):
     cfg = _core_cfg(self, core, weight, nd, transposed)
     if cfg is None:
         return None
+    # (core_conv's stock route reads the module's own options, as stock's forward; never taken with a pad)
     return core_conv(core, input, weight, bias, cfg, nd, transposed, self.stride, self.padding,
                      self.output_padding, self.groups, self.dilation)
 
