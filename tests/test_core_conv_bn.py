@@ -59,6 +59,14 @@ CONV = [
     ("c2d_1x1", nn.Conv2d, dict(in_channels=8, out_channels=3, kernel_size=1), (2, 8, 6, 7), {}),
     ("c2d_1x1_stride_groups", nn.Conv2d, dict(in_channels=8, out_channels=4, kernel_size=1, stride=2, groups=2),
      (2, 8, 7, 7), {}),
+    ("c1d_reflect", nn.Conv1d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=2, padding_mode="reflect"),
+     (2, 4, 9), {}),
+    ("c1d_circular_1x1", nn.Conv1d, dict(in_channels=4, out_channels=6, kernel_size=1, padding=1,
+                                         padding_mode="circular"), (2, 4, 9), {}),
+    ("c2d_reflect_same_even", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=(2, 3), padding="same",
+                                              padding_mode="reflect"), (2, 4, 7, 8), {}),
+    ("c2d_replicate_1x1", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=1, padding=1,
+                                          padding_mode="replicate"), (2, 4, 7, 8), {}),
     ("c2d_reflect", nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=3, padding=(1, 2), groups=4,
                                     padding_mode="reflect"), (2, 4, 7, 8), {}),
     ("c2d_replicate", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=(2, 1),
@@ -71,6 +79,10 @@ CONV = [
     ("c3d_1x1", nn.Conv3d, dict(in_channels=4, out_channels=2, kernel_size=1), (2, 4, 3, 4, 5), {}),
     ("c3d_replicate", nn.Conv3d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=1,
                                       padding_mode="replicate"), (2, 3, 5, 6, 7), {}),
+    ("c3d_reflect", nn.Conv3d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=(1, 2, 1),
+                                    padding_mode="reflect"), (2, 3, 5, 6, 7), {}),
+    ("c3d_circular", nn.Conv3d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=(2, 1, 1),
+                                     padding_mode="circular", groups=2), (2, 4, 5, 6, 7), {}),
     ("t1d", nn.ConvTranspose1d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1,
                                      output_padding=1), (2, 4, 9), {}),
     ("t2d", nn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1,
@@ -180,7 +192,8 @@ def test_conv_core_python_stock_every_combo(case, flags):
         assert saved_bytes(py_m, x.clone().requires_grad_(rx), **fk) == expected
 
 
-DTYPE_CASES = ["c1d_1x1", "c2d", "c2d_depthwise", "c2d_1x1", "c2d_reflect", "c3d", "t2d", "t3d_pad_op"]
+DTYPE_CASES = ["c1d_1x1", "c1d_reflect", "c2d", "c2d_depthwise", "c2d_1x1", "c2d_reflect", "c2d_circular",
+               "c2d_same_even", "c3d", "c3d_replicate", "t2d", "t3d_pad_op"]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
@@ -194,8 +207,9 @@ def test_conv_dtypes(cid, dtype):
         _conv_three(copy.deepcopy(stock), x, flags, fk, dtype=dtype)
 
 
-CL_CASES = ["c2d", "c2d_depthwise", "c2d_1x1", "c2d_1x1_stride_groups", "c2d_same", "c2d_circular", "c3d",
-            "c3d_1x1", "t2d", "t2d_1x1", "t3d_pad_op"]
+CL_CASES = ["c2d", "c2d_depthwise", "c2d_1x1", "c2d_1x1_stride_groups", "c2d_same", "c2d_same_even", "c2d_reflect",
+            "c2d_replicate", "c2d_circular", "c2d_replicate_1x1", "c3d", "c3d_1x1", "c3d_replicate", "c3d_reflect",
+            "t2d", "t2d_1x1", "t3d_pad_op"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -318,6 +332,53 @@ def test_conv_double_backward_core_matches_stock():
             assert_same(results[0][i], results[1][i], what=f"order {i + 1} core/python")
             assert_same(results[0][i], results[2][i], what=f"order {i + 1} core/stock")
     assert torch.autograd.gradgradcheck(lambda t: sf.conv2d(t, w, None, padding=1), (x,))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular", "same_even"])
+def test_conv_padding_mode_double_backward_core_matches_stock(mode):
+    torch.manual_seed(0)
+    kw = dict(padding="same") if mode == "same_even" else dict(padding=1, padding_mode=mode)
+    stock = nn.Conv2d(3, 4, 2 if mode == "same_even" else 3, **kw).double()
+    x = torch.randn(2, 3, 6, 7, dtype=torch.float64)
+    for rw in (False, True):
+        results = []
+        for mode_ in ("core", "python", "stock"):
+            m = copy.deepcopy(stock) if mode_ == "stock" else slim_copy(stock)
+            m.weight.requires_grad_(rw)
+            xi = x.clone().requires_grad_()
+            with csrc.disabled() if mode_ == "python" else _nullcontext():
+                out = m(xi)
+                if mode_ == "core":
+                    assert _ran_core(out)
+                (gx,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
+                (ggx,) = torch.autograd.grad(gx.square().sum(), xi)
+            results.append((out, gx, ggx))
+        for i in range(3):
+            assert_same(results[0][i], results[1][i], what=f"{i} core/python")
+            assert_same(results[0][i], results[2][i], what=f"{i} core/stock")
+
+
+@pytest.mark.parametrize("mode", ["reflect", "circular"])
+def test_conv_padding_mode_view_input_trainable_weight_keeps_compact_copy(mode):
+    """X a chunk of a wider tensor, trainable weight, a pad: the Python Function keeps a compact copy of X (stock
+    keeps its padded copy); the core leaves that call to it, with the same bits and bytes."""
+    torch.manual_seed(0)
+    stock = nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    wide = torch.randn(2, 9, 6, 6)
+    x = wide[:, :3]
+    core_m, py_m = slim_copy(stock), slim_copy(stock)
+    results = []
+    for m, mode_ in ((stock, "stock"), (core_m, "core"), (py_m, "python")):
+        with csrc.disabled() if mode_ == "python" else _nullcontext():
+            out = m(x)
+            out.backward(torch.ones_like(out))
+        if mode_ == "core":
+            assert _ran_python(out)
+        results.append((out, m.weight.grad, m.bias.grad))
+    for i in range(3):
+        assert_same(results[1][i], results[2][i], what=f"{i} core/python")
+        assert_same(results[1][i], results[0][i], what=f"{i} core/stock")
+    assert saved_bytes(core_m, x) == x.numel() * x.element_size()
 
 
 def test_conv_module_options_changed_after_first_call():
