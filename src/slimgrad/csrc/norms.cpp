@@ -12,7 +12,9 @@
 // case) for anything not plain: wrong types or shapes, autocast on, non-CPU parameters.
 #include "common.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <limits>
@@ -136,12 +138,232 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
   return {dx, dw};
 }
 
+
+// ------------------------------------------------------------------------------ RMSNorm: one-pass kernels
+// Where x (and dY) are plain contiguous, x is fp32/bf16/fp16 and the weight has x's dtype, the element-wise part of
+// the sequence above runs as one pass per step instead of one aten op per step. Every element-wise op there is one
+// IEEE operation in fp32 rounded once (a bf16/fp16 product: both operands widened, multiplied in fp32, rounded to
+// the half type; a cast: round to nearest even), which these loops repeat in the same order (built with
+// -ffp-contract=off: no fused multiply-add), so the values are the same bits. The reductions stay aten's: the
+// row sums (mean, sum) and the weight gradient's sum over rows run as the same aten op on a tensor of the same
+// shape, layout and values as the Python path's operand, which fixes their summation order.
+
+bool plain_contiguous(const Tensor& t) {
+  if (t.layout() != at::kStrided) return false;
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {  // exactly the row-major strides (size-1 dims included)
+    if (t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+bool rms_fast_ok(const Tensor& x, const Tensor& w, int64_t style) {
+  auto t = x.scalar_type();
+  if (style == kT5 || !(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf)) return false;
+  if (x.numel() == 0 || !plain_contiguous(x)) return false;
+  if (!w.defined()) return style == kTorch;
+  return w.scalar_type() == t && w.is_contiguous();
+}
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void from_float(const float* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+template <>
+void from_float<float>(const float* src, float* dst, int64_t n) {
+  std::copy(src, src + n, dst);
+}
+
+// v rounded to T and widened back (Llama's casts of x·rstd and dY·w to x's dtype); the identity for fp32.
+template <typename T>
+void round_through(float* v, T* tmp, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    from_float(v, tmp, n);
+    to_float(tmp, v, n);
+  }
+}
+
+struct RowScratch {
+  std::vector<float> a, b, c;
+  explicit RowScratch(int64_t n) : a(n), b(n), c(n) {}
+};
+
+template <typename F>
+void for_rows(int64_t rows, int64_t n, F f) {
+  int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    RowScratch s(n);
+    for (int64_t r = begin; r < end; ++r) f(r, s);
+  });
+}
+
+// The weight widened to fp32 (Gemma: 1 + w, as w.float() + 1.0 computes it).
+std::vector<float> widened_weight(const Tensor& w, int64_t style, int64_t n) {
+  std::vector<float> wf(n);
+  if (!w.defined()) return wf;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "slimgrad_rms_w", [&] {
+    to_float(w.data_ptr<scalar_t>(), wf.data(), n);
+  });
+  if (style == kGemma)
+    for (auto& v : wf) v = v + 1.0f;
+  return wf;
+}
+
+// Forward: sq = x² (fp32, the operand of the Python path's mean), rstd by aten's ops on it, then y (and the
+// normalised input where it is kept) in one pass.
+RmsForward rms_forward_fast(const Tensor& x, const Tensor& w, double eps, int64_t ndim, int64_t style,
+                            bool keep_normed, at::ScalarType normed_dtype) {
+  const int64_t n = x.numel() == 0 ? 0 : [&] {
+    int64_t k = 1;
+    for (int64_t d = x.dim() - ndim; d < x.dim(); ++d) k *= x.size(d);
+    return k;
+  }();
+  const int64_t rows = x.numel() / n;
+  auto sq = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  auto out = at::empty(x.sizes(), x.options());
+  Tensor normed = keep_normed ? at::empty(x.sizes(), x.options().dtype(normed_dtype)) : Tensor();
+  Tensor rstd;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "slimgrad_rms_fwd", [&] {
+    using T = scalar_t;
+    const T* xp = x.data_ptr<T>();
+    float* sqp = sq.data_ptr<float>();
+    for_rows(rows, n, [&](int64_t r, RowScratch& s) {
+      float* xf = s.a.data();
+      to_float(xp + r * n, xf, n);
+      float* o = sqp + r * n;
+      for (int64_t j = 0; j < n; ++j) o[j] = xf[j] * xf[j];
+    });
+    if (style == kTorch) {
+      rstd = at::rsqrt(sq.mean(trailing_dims(x, ndim), true).add_(eps));
+    } else {
+      rstd = at::rsqrt(sq.mean({-1}, true) + eps);
+    }
+    sq.reset();
+    const float* rp = rstd.data_ptr<float>();
+    const auto wf = widened_weight(w, style, n);
+    const bool has_w = w.defined();
+    T* op = out.data_ptr<T>();
+    for_rows(rows, n, [&](int64_t r, RowScratch& s) {
+      float *xf = s.a.data(), *h = s.b.data(), *y = s.c.data();
+      to_float(xp + r * n, xf, n);
+      const float rs = rp[r];
+      for (int64_t j = 0; j < n; ++j) h[j] = xf[j] * rs;
+      if (style == kLlama) {
+        T* nb = keep_normed ? normed.data_ptr<T>() + r * n : reinterpret_cast<T*>(xf);  // x's row is done
+        from_float(h, nb, n);
+        to_float(nb, h, n);
+        for (int64_t j = 0; j < n; ++j) y[j] = wf[j] * h[j];
+      } else {
+        if (keep_normed) std::copy(h, h + n, normed.data_ptr<float>() + r * n);
+        if (style == kGemma) {
+          for (int64_t j = 0; j < n; ++j) y[j] = h[j] * wf[j];
+        } else if (style == kOlmo2) {
+          for (int64_t j = 0; j < n; ++j) y[j] = wf[j] * h[j];
+        } else if (has_w) {
+          for (int64_t j = 0; j < n; ++j) y[j] = h[j] * wf[j];
+        } else {
+          std::copy(h, h + n, y);
+        }
+      }
+      from_float(y, op + r * n, n);
+    });
+  });
+  return {out, rstd, normed};
+}
+
+// Backward, dX and/or dW: pass 1 makes the operands of the Python path's reductions (g_h·x for d_rstd; dY·x̂ for dW,
+// in the dtype the reference multiplies them in), aten reduces them, pass 2 writes dX.
+std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w,
+                                            int64_t ndim, int64_t style, bool need_x, bool need_w) {
+  int64_t n = 1;
+  for (int64_t d = x.dim() - ndim; d < x.dim(); ++d) n *= x.size(d);
+  const int64_t rows = x.numel() / n;
+  const bool has_w = w.defined();
+  const auto wf = need_x ? widened_weight(w, style, n) : std::vector<float>();  // only dX reads w's values
+  Tensor p = need_x ? at::empty(x.sizes(), x.options().dtype(at::kFloat)) : Tensor();
+  Tensor q = need_w ? at::empty(x.sizes(), x.options().dtype(style == kLlama ? x.scalar_type() : at::kFloat))
+                    : Tensor();
+  Tensor dx, dw;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "slimgrad_rms_bwd", [&] {
+    using T = scalar_t;
+    const T* xp = x.data_ptr<T>();
+    const T* dyp = dy.data_ptr<T>();
+    const float* rp = rstd.data_ptr<float>();
+    // g_h, the gradient reaching x·rstd: dY·w (Llama: rounded to x's dtype; Gemma: dY·(1 + w)), or dY
+    auto grad_h = [&](const float* dyf, float* gh, T* tmp) {
+      if (has_w) {
+        for (int64_t j = 0; j < n; ++j) gh[j] = dyf[j] * wf[j];
+        if (style == kLlama) round_through(gh, tmp, n);
+      } else {
+        std::copy(dyf, dyf + n, gh);
+      }
+    };
+    for_rows(rows, n, [&](int64_t r, RowScratch& s) {
+      float *xf = s.a.data(), *dyf = s.b.data(), *t = s.c.data();
+      to_float(xp + r * n, xf, n);
+      to_float(dyp + r * n, dyf, n);
+      if (need_w) {
+        const float rs = rp[r];
+        for (int64_t j = 0; j < n; ++j) t[j] = xf[j] * rs;
+        if (style == kLlama) {  // dY · (x·rstd).to(x's dtype), a product in x's dtype
+          T* qr = q.data_ptr<T>() + r * n;
+          round_through(t, qr, n);
+          for (int64_t j = 0; j < n; ++j) t[j] = dyf[j] * t[j];
+          from_float(t, qr, n);
+        } else {
+          float* qr = q.data_ptr<float>() + r * n;
+          for (int64_t j = 0; j < n; ++j) qr[j] = dyf[j] * t[j];
+        }
+      }
+      if (need_x) {
+        float* pr = p.data_ptr<float>() + r * n;
+        grad_h(dyf, t, reinterpret_cast<T*>(pr));
+        for (int64_t j = 0; j < n; ++j) pr[j] = t[j] * xf[j];
+      }
+    });
+    if (need_w) dw = q.sum_to_size(w.sizes()).to(w.scalar_type());
+    if (!need_x) return;
+    q.reset();
+    auto d_rstd = style == kTorch ? p.sum(trailing_dims(x, ndim), true) : p.sum({-1}, true);
+    p.reset();
+    auto c = ((d_rstd * -0.5) * rstd.pow(3)) / n;  // variance_path_grad's per-row factor (d_var / n)
+    const float* cp = c.data_ptr<float>();
+    dx = at::empty(x.sizes(), x.options());
+    T* dxp = dx.data_ptr<T>();
+    for_rows(rows, n, [&](int64_t r, RowScratch& s) {
+      float *xf = s.a.data(), *dyf = s.b.data(), *gh = s.c.data();
+      to_float(xp + r * n, xf, n);
+      to_float(dyp + r * n, dyf, n);
+      grad_h(dyf, gh, reinterpret_cast<T*>(dyf));
+      const float rs = rp[r], cr = cp[r];
+      for (int64_t j = 0; j < n; ++j) gh[j] = gh[j] * rs + cr * (xf[j] * 2.0f);
+      from_float(gh, dxp + r * n, n);
+    });
+  });
+  return {dx, dw};
+}
+
+// The dtype of the normalised input as the reference multiplies the weight by it (what only-dW keeps).
+at::ScalarType rms_normed_dtype(const Tensor& x, const Tensor& w, int64_t style) {
+  if (style == kTorch) return opmath(x.scalar_type());
+  if (style == kLlama) return x.scalar_type();
+  if (style == kT5)
+    return is_half(w.scalar_type()) ? w.scalar_type() : at::promote_types(x.scalar_type(), at::kFloat);
+  return at::kFloat;
+}
+
 struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   // weight/bias as optionals: an undefined Tensor argument would count as a variable input
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& w_opt, double eps,
                         int64_t ndim, int64_t style, bool need_x, bool need_w) {
     const Tensor w = w_opt.value_or(Tensor());
-    auto f = rms_forward(x, w, eps, ndim, style);
     ctx->saved_data["need_x"] = need_x;
     ctx->saved_data["need_w"] = need_w;
     ctx->saved_data["ndim"] = ndim;
@@ -152,19 +374,26 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
       ctx->saved_data["w_shape"] = w.sizes().vec();
       ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
     }
-    if (!(need_x || need_w)) return f.out;
     // save_rms: x in its own dtype (or its fp32 copy for an fp64 input in the fp32 styles) and rstd, or, where
     // only dW is requested, the normalised input when it is no bigger (a view pins its whole storage).
-    const auto& rstd = f.rstd;
-    bool narrow = (style == kLlama || style == kOlmo2 || style == kGemma) && x.element_size() > rstd.element_size();
-    int64_t kept_bytes = x.numel() * (narrow ? rstd.element_size() : x.element_size());
+    auto stat_dtype = style == kTorch ? opmath(x.scalar_type()) : at::kFloat;
+    auto normed_dtype = rms_normed_dtype(x, w, style);
+    int64_t stat_size = static_cast<int64_t>(c10::elementSize(stat_dtype));
+    bool narrow = (style == kLlama || style == kOlmo2 || style == kGemma) &&
+                  static_cast<int64_t>(x.element_size()) > stat_size;
+    int64_t kept_bytes = x.numel() * (narrow ? stat_size : static_cast<int64_t>(x.element_size()));
     if (!narrow) kept_bytes = std::max<int64_t>(kept_bytes, static_cast<int64_t>(x.storage().nbytes()));
-    const auto& normed = f.normed;
-    if (!need_x && normed.numel() * static_cast<int64_t>(normed.element_size()) <=
-                       kept_bytes + rstd.numel() * static_cast<int64_t>(rstd.element_size())) {
-      ctx->save_for_backward({Tensor(), Tensor(), Tensor(), normed});
+    int64_t rows = 1;
+    for (int64_t d = 0; d < x.dim() - ndim; ++d) rows *= x.size(d);
+    bool keep_normed = !need_x && x.numel() * static_cast<int64_t>(c10::elementSize(normed_dtype)) <=
+                                      kept_bytes + rows * stat_size;
+    auto f = rms_fast_ok(x, w, style) ? rms_forward_fast(x, w, eps, ndim, style, keep_normed, normed_dtype)
+                                      : rms_forward(x, w, eps, ndim, style);
+    if (keep_normed) {
+      ctx->save_for_backward({Tensor(), Tensor(), Tensor(), f.normed});
     } else {
       last_kept_x = true;
+      const auto& rstd = f.rstd;
       ctx->save_for_backward({narrow ? x.to(rstd.scalar_type()) : x, rstd, need_x ? w : Tensor(), Tensor()});
     }
     return f.out;
@@ -188,9 +417,18 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
       if (normed.defined()) {
         dw = weight_grad(upstream_of_product(dy, style, w, normed), normed, w);
       } else {
-        std::tie(dx, dw) =
-            rms_backward(dy, x, rstd, w, ctx->saved_data["ndim"].toInt(), style, need_x, need_w,
-                         static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+        auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+        auto ndim = ctx->saved_data["ndim"].toInt();
+        // the forward's conditions, on the saved x (not its fp32 copy) and a plain contiguous dY of x's dtype; the
+        // weight's values are read only for dX (only dW: a shape-and-dtype stand-in)
+        bool fast = x.scalar_type() == x_dtype && dy.scalar_type() == x_dtype && plain_contiguous(dy) &&
+                    dy.sizes() == x.sizes() && rms_fast_ok(x, Tensor(), kTorch) && style != kT5 &&
+                    (w.defined() ? w.scalar_type() == x_dtype && (!need_x || w.is_contiguous()) : style == kTorch);
+        if (fast) {
+          std::tie(dx, dw) = rms_backward_fast(dy, x, rstd, w, ndim, style, need_x, need_w);
+        } else {
+          std::tie(dx, dw) = rms_backward(dy, x, rstd, w, ndim, style, need_x, need_w, x_dtype);
+        }
       }
     }
     result[0] = need_x ? dx : Tensor();
@@ -392,7 +630,11 @@ py::object rms(py::handle x_obj, py::handle w_obj, py::handle eps_obj, py::handl
   int64_t ndim = static_cast<int64_t>(shape.size());
   bool grad = at::GradMode::is_enabled();
   bool need_x = grad && x->requires_grad(), need_w = grad && grad_on(*w);
-  if (!(need_x || need_w)) return wrap(rms_forward(*x, *w, eps, ndim, style).out, x_obj, note);
+  if (!(need_x || need_w)) {
+    auto f = rms_fast_ok(*x, *w, style) ? rms_forward_fast(*x, *w, eps, ndim, style, false, at::kFloat)
+                                        : rms_forward(*x, *w, eps, ndim, style);
+    return wrap(f.out, x_obj, note);
+  }
   return wrap(RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w), x_obj, note);
 }
 
