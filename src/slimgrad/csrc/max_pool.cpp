@@ -80,7 +80,8 @@ PoolOptions make_options(int64_t nd, std::vector<int64_t> kernel, std::vector<in
   }
   o.kvol = o.k[0] * o.k[1] * o.k[2];
   o.pos_dtype = position_dtype(o.kvol);
-  o.valid = ok && o.pos_dtype != at::kLong;
+  // Positions ride in fp32 lanes (exact below 2^24): larger windows go to the Python Function.
+  o.valid = ok && o.kvol <= (int64_t(1) << 24);
   return o;
 }
 
@@ -260,60 +261,34 @@ inline int64_t index_of(int64_t pos, const PoolOptions& o, const Geometry& g, in
   return ((od0 + kd * o.d[0]) * g.H + (oh0 + kh * o.d[1])) * g.W + (ow0 + kw * o.d[2]);
 }
 
-// One window at a time (windows of more than 2^24 elements, whose positions fp32 lanes cannot hold exactly).
-template <typename scalar_t, typename pos_t>
-void forward_contiguous_scalar(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
-                        const PoolOptions& o) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t in_plane = g.D * g.H * g.W, out_plane = g.OD * g.OH * g.OW;
-  const int64_t rows = g.N * g.C * g.OD * g.OH;
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, g.OW * o.kvol));
-  const int64_t kD = o.k[0], kH = o.k[1], kW = o.k[2], dD = o.d[0], dH = o.d[1], dW = o.d[2];
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t oh = r % g.OH, od = (r / g.OH) % g.OD, c = r / (g.OH * g.OD);
-      const scalar_t* xp = x + c * in_plane;
-      const int64_t o0 = c * out_plane + (od * g.OH + oh) * g.OW;
-      const Span sd = span(od, o.s[0], o.p[0], kD, dD, g.D);
-      const Span sh = span(oh, o.s[1], o.p[1], kH, dH, g.H);
-      for (int64_t ow = 0; ow < g.OW; ++ow) {
-        const Span sw = span(ow, o.s[2], o.p[2], kW, dW, g.W);
-        acc_t best = -std::numeric_limits<acc_t>::infinity();
-        int64_t best_p = (sd.k0 * kH + sh.k0) * kW + sw.k0;
-        int64_t kd = sd.k0;
-        for (int64_t id = sd.start; id < sd.end; id += dD, ++kd) {
-          int64_t kh = sh.k0;
-          for (int64_t ih = sh.start; ih < sh.end; ih += dH, ++kh) {
-            const scalar_t* row = xp + (id * g.H + ih) * g.W;
-            const int64_t pbase = (kd * kH + kh) * kW;
-            int64_t kw = sw.k0;
-            for (int64_t iw = sw.start; iw < sw.end; iw += dW, ++kw) {
-              const acc_t v = static_cast<acc_t>(row[iw]);
-              if (v > best || std::isnan(v)) {
-                best = v;
-                best_p = pbase + kw;
-              }
-            }
-          }
-        }
-        out[o0 + ow] = static_cast<scalar_t>(best);
-        pos[o0 + ow] = static_cast<pos_t>(best_p);
-        if (idx != nullptr) idx[o0 + ow] = index_of(best_p, o, g, sd.origin, sh.origin, sw.origin);
-      }
-    }
-  });
+// best/bpos[j] take src[j] and position pv where src[j] > best[j] or src[j] is NaN (stock's test), j < n.
+template <typename acc_t>
+inline void max_update(const acc_t* src, acc_t* bb, acc_t* bq, int64_t n, acc_t pv) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec vp(pv);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec v = Vec::loadu(src + j), b = Vec::loadu(bb + j), q = Vec::loadu(bq + j);
+    const Vec m = (v > b) | v.isnan();
+    Vec::blendv(b, v, m).store(bb + j);
+    Vec::blendv(q, vp, m).store(bq + j);
+  }
+  for (; j < n; ++j) {
+    const acc_t v = src[j];
+    const bool take = (v > bb[j]) | (v != v);
+    bb[j] = take ? v : bb[j];
+    bq[j] = take ? pv : bq[j];
+  }
 }
 
 // One output row at a time, vectorised over the row's outputs: for each window position (row-major, the
 // order stock scans), the row's inputs at that position (a strided slice) are compared with the running maxima
 // of all the outputs whose window has it in bounds. Each output sees stock's comparisons in stock's order, so
-// the winners are stock's; fp32 lanes carry the positions (exact below 2^24).
+// the winners are stock's; fp32 lanes carry the positions (exact up to 2^24, make_options' limit).
 template <typename scalar_t, typename pos_t>
 void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
                         const PoolOptions& o) {
   using acc_t = at::opmath_type<scalar_t>;
-  using Vec = at::vec::Vectorized<acc_t>;
-  if (o.kvol > (int64_t(1) << 24)) return forward_contiguous_scalar<scalar_t, pos_t>(x, out, pos, idx, g, o);
   const int64_t in_plane = g.D * g.H * g.W, out_plane = g.OD * g.OH * g.OW;
   const int64_t rows = g.N * g.C * g.OD * g.OH;
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, g.OW * o.kvol));
@@ -363,23 +338,7 @@ void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* i
               for (int64_t j = 0; j < n; ++j) tmp[j] = static_cast<acc_t>(first[j * sW]);
               src = tmp;
             }
-            const acc_t pv = static_cast<acc_t>(pbase + kw);
-            const Vec vp(pv);
-            acc_t* bb = best + l;
-            acc_t* bq = bpos + l;
-            int64_t j = 0;
-            for (; j + Vec::size() <= n; j += Vec::size()) {
-              const Vec v = Vec::loadu(src + j), b = Vec::loadu(bb + j), q = Vec::loadu(bq + j);
-              const Vec m = (v > b) | v.isnan();
-              Vec::blendv(b, v, m).store(bb + j);
-              Vec::blendv(q, vp, m).store(bq + j);
-            }
-            for (; j < n; ++j) {
-              const acc_t v = src[j];
-              const bool take = (v > bb[j]) | (v != v);
-              bb[j] = take ? v : bb[j];
-              bq[j] = take ? pv : bq[j];
-            }
+            max_update<acc_t>(src, best + l, bpos + l, n, static_cast<acc_t>(pbase + kw));
           }
         }
       }
@@ -414,17 +373,17 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
   const bool depthless_tail = o.nd == 3;
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, pixels, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> best(C);
-    std::vector<int32_t> best_p(C);
-    acc_t* bm = best.data();
-    int32_t* bp = best_p.data();
+    std::vector<acc_t> buf(3 * C);
+    acc_t* bm = buf.data();
+    acc_t* bp = bm + C;
+    acc_t* tmp = bp + C;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t ow = i % g.OW, oh = (i / g.OW) % g.OH, od = (i / (g.OW * g.OH)) % g.OD,
                     n = i / (g.OW * g.OH * g.OD);
       const Span sd = span(od, o.s[0], o.p[0], kD, dD, g.D);
       const Span sh = span(oh, o.s[1], o.p[1], kH, dH, g.H);
       const Span sw = span(ow, o.s[2], o.p[2], kW, dW, g.W);
-      const int32_t p0 = static_cast<int32_t>((sd.k0 * kH + sh.k0) * kW + sw.k0);
+      const acc_t p0 = static_cast<acc_t>((sd.k0 * kH + sh.k0) * kW + sw.k0);
       for (int64_t c = 0; c < C; ++c) {
         bm[c] = -std::numeric_limits<acc_t>::infinity();
         bp[c] = p0;
@@ -436,13 +395,14 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
           int64_t kw = sw.k0;
           for (int64_t iw = sw.start; iw < sw.end; iw += dW, ++kw) {
             const scalar_t* in = x + (((n * g.D + id) * g.H + ih) * g.W + iw) * C;
-            const int32_t pp = static_cast<int32_t>((kd * kH + kh) * kW + kw);
-            for (int64_t c = 0; c < C; ++c) {
-              const acc_t v = static_cast<acc_t>(in[c]);
-              const bool take = (v > bm[c]) | (v != v);
-              bm[c] = take ? v : bm[c];
-              bp[c] = take ? pp : bp[c];
+            const acc_t* src;
+            if constexpr (std::is_same_v<scalar_t, acc_t>) {
+              src = in;
+            } else {
+              for (int64_t c = 0; c < C; ++c) tmp[c] = static_cast<acc_t>(in[c]);
+              src = tmp;
             }
+            max_update<acc_t>(src, bm, bp, C, static_cast<acc_t>((kd * kH + kh) * kW + kw));
           }
         }
       }
@@ -462,7 +422,7 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
         for (int64_t c = 0; c < C; ++c) {
           ip[c] = tail_moves && c >= vec_len && bm[c] == ninf
                       ? sh.start * g.W + sw.start
-                      : index_of(bp[c], o, g, sd.origin, sh.origin, sw.origin);
+                      : index_of(static_cast<int64_t>(bp[c]), o, g, sd.origin, sh.origin, sw.origin);
         }
       }
     }
