@@ -20,6 +20,15 @@ Kernels (:mod:`slimgrad.kernels`): on CUDA the Triton kernels of :mod:`slimgrad.
 ``fused_add_rms_norm``, ``layer_norm``); they keep the same tensors (x in its own dtype, fp32 per-row stats),
 compute only the requested gradients, and agree with the torch code within the dtype's rounding. The torch code
 here is the ``torch`` implementation of each family and the fallback wherever no kernel fits.
+
+Compiled core (:mod:`slimgrad.csrc`, ``csrc/norms.cpp``): eager CPU calls of ``rms_norm``, ``rms_norm_hf``,
+``layer_norm``, ``group_norm`` and of the modules run one C++ autograd Function instead of the Functions below,
+because a Python Function's per-call cost was most of the time on small tensors. It takes the same decisions of what
+to keep and runs the same aten ops in the same order (so the same bits, gradient layouts and saved bytes, tested
+in tests/test_core_norms.py); RMSNorm's element-wise steps on contiguous fp32/bf16/fp16 inputs run as one pass
+each around aten's own reductions, where the Python sequence (and stock's) takes a pass and an fp32 temporary per
+op. The core declines (returns None, and the Functions below run) under autocast, torch.compile, torch.func, for
+tensor subclasses, non-CPU tensors, a preferred Triton kernel, and anything the checks below would reject.
 """
 
 from __future__ import annotations
@@ -63,17 +72,18 @@ for _family in ("rms_norm", "rms_norm_hf", "fused_add_rms_norm", "layer_norm"):
     _common.register_torch_kernel(_family)
 
 
+_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 #: RMS_STYLES' codes in the compiled core (``norms_rms``'s ``style``).
 _STYLE_CODE = {style: i for i, style in enumerate(RMS_STYLES)}
 
 
 def _core(input):
     """The compiled core for an eager call on ``input``, or None (see the module docstring): the core must be on,
-    built and fit ``input`` (``csrc.for_eager``), and no Triton kernel be preferred (the Triton tests run under the
-    interpreter on CPU tensors, through the Python Function)."""
+    built and fit ``input`` (``csrc.for_eager``), no Triton kernel be preferred (the Triton tests run under the
+    interpreter on CPU tensors, through the Python Function) and no TorchFunctionMode be active."""
     core = csrc.for_eager(input)
-    if core is None or _registry.get_preference() == _registry.TRITON:
-        return None
+    if core is None or _registry.get_preference() == _registry.TRITON or _torch_function_mode_enabled():
+        return None  # a TorchFunctionMode sees the functional forms' calls (handle_torch_function): theirs to run
     return core
 
 

@@ -49,7 +49,8 @@ class LayerNorm(nn.LayerNorm):
         core = _core(input)
         if core is not None:
             params = self._parameters
-            out = core.norms_layer(input, self.normalized_shape, params.get("weight", self), params.get("bias", self), self.eps, _note())
+            w, b = params.get("weight", self), params.get("bias", self)
+            out = core.norms_layer(input, self.normalized_shape, w, b, self.eps, _note())
             if out is not None:
                 return out
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -61,7 +62,8 @@ class GroupNorm(nn.GroupNorm):
         core = _core(input)
         if core is not None:
             params = self._parameters
-            out = core.norms_group(input, self.num_groups, params.get("weight", self), params.get("bias", self), self.eps, _note())
+            w, b = params.get("weight", self), params.get("bias", self)
+            out = core.norms_group(input, self.num_groups, w, b, self.eps, _note())
             if out is not None:
                 return out
         if self.affine and isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
