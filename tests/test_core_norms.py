@@ -177,7 +177,7 @@ def test_rms_norm_non_contiguous(style, dtype, layout):
 
 
 @pytest.mark.parametrize("grad_layout", ["transposed", "expanded"])
-@pytest.mark.parametrize("style", ["torch", "llama", "gemma"])
+@pytest.mark.parametrize("style", ["torch", "llama", "gemma", "t5"])
 def test_rms_norm_grad_layouts(style, grad_layout):
     """A contiguous x with a non-contiguous upstream gradient: the aten sequence, dX's strides as stock's."""
     dtype = torch.bfloat16
@@ -194,7 +194,7 @@ def test_rms_norm_grad_layouts(style, grad_layout):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("style", ["torch", "llama", "olmo2", "gemma"])
+@pytest.mark.parametrize("style", ["torch", "llama", "olmo2", "gemma", "t5"])
 def test_rms_norm_one_pass_kernels_larger(style, threads):
     """Rows split across threads, rows of 2 .. 4099 elements (vector bodies and tails): still the Python path's
     bits (the reductions are aten's, on the same operands)."""

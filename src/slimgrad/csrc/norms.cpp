@@ -160,7 +160,7 @@ bool plain_contiguous(const Tensor& t) {
 
 bool rms_fast_ok(const Tensor& x, const Tensor& w, int64_t style) {
   auto t = x.scalar_type();
-  if (style == kT5 || !(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf)) return false;
+  if (!(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf)) return false;
   if (x.numel() == 0 || !plain_contiguous(x)) return false;
   if (!w.defined()) return style == kTorch;
   return w.scalar_type() == t && w.is_contiguous();
@@ -255,7 +255,7 @@ RmsForward rms_forward_fast(const Tensor& x, const Tensor& w, double eps, int64_
       to_float(xp + r * n, xf, n);
       const float rs = rp[r];
       for (int64_t j = 0; j < n; ++j) h[j] = xf[j] * rs;
-      if (style == kLlama) {
+      if (style == kLlama || style == kT5) {  // T5 with w in x's dtype: the same casts as Llama
         T* nb = keep_normed ? normed.data_ptr<T>() + r * n : reinterpret_cast<T*>(xf);  // x's row is done
         from_float(h, nb, n);
         to_float(nb, h, n);
@@ -288,7 +288,8 @@ std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, c
   const bool has_w = w.defined();
   const auto wf = need_x ? widened_weight(w, style, n) : std::vector<float>();  // only dX reads w's values
   Tensor p = need_x ? at::empty(x.sizes(), x.options().dtype(at::kFloat)) : Tensor();
-  Tensor q = need_w ? at::empty(x.sizes(), x.options().dtype(style == kLlama ? x.scalar_type() : at::kFloat))
+  const bool half_product = style == kLlama || style == kT5;
+  Tensor q = need_w ? at::empty(x.sizes(), x.options().dtype(half_product ? x.scalar_type() : at::kFloat))
                     : Tensor();
   Tensor dx, dw;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "slimgrad_rms_bwd", [&] {
@@ -300,7 +301,7 @@ std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, c
     auto grad_h = [&](const float* dyf, float* gh, T* tmp) {
       if (has_w) {
         for (int64_t j = 0; j < n; ++j) gh[j] = dyf[j] * wf[j];
-        if (style == kLlama) round_through(gh, tmp, n);
+        if (style == kLlama || style == kT5) round_through(gh, tmp, n);
       } else {
         std::copy(dyf, dyf + n, gh);
       }
@@ -312,7 +313,7 @@ std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, c
       if (need_w) {
         const float rs = rp[r];
         for (int64_t j = 0; j < n; ++j) t[j] = xf[j] * rs;
-        if (style == kLlama) {  // dY · (x·rstd).to(x's dtype), a product in x's dtype
+        if (style == kLlama || style == kT5) {  // dY · (x·rstd).to(x's dtype), a product in x's dtype
           T* qr = q.data_ptr<T>() + r * n;
           round_through(t, qr, n);
           for (int64_t j = 0; j < n; ++j) t[j] = dyf[j] * t[j];
@@ -343,7 +344,19 @@ std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, c
       to_float(dyp + r * n, dyf, n);
       grad_h(dyf, gh, reinterpret_cast<T*>(dyf));
       const float rs = rp[r], cr = cp[r];
-      for (int64_t j = 0; j < n; ++j) gh[j] = gh[j] * rs + cr * (xf[j] * 2.0f);
+      if (style == kT5) {  // T5 casts both terms to x's dtype, then adds them (dx1.add_(dx2))
+        float* t2 = xf;
+        for (int64_t j = 0; j < n; ++j) {
+          t2[j] = cr * (xf[j] * 2.0f);
+          gh[j] = gh[j] * rs;
+        }
+        T* tmp = reinterpret_cast<T*>(dyf);
+        round_through(t2, tmp, n);
+        round_through(gh, tmp, n);
+        for (int64_t j = 0; j < n; ++j) gh[j] = gh[j] + t2[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j) gh[j] = gh[j] * rs + cr * (xf[j] * 2.0f);
+      }
       from_float(gh, dxp + r * n, n);
     });
   });
@@ -422,7 +435,7 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
         // the forward's conditions, on the saved x (not its fp32 copy) and a plain contiguous dY of x's dtype; the
         // weight's values are read only for dX (only dW: a shape-and-dtype stand-in)
         bool fast = x.scalar_type() == x_dtype && dy.scalar_type() == x_dtype && plain_contiguous(dy) &&
-                    dy.sizes() == x.sizes() && rms_fast_ok(x, Tensor(), kTorch) && style != kT5 &&
+                    dy.sizes() == x.sizes() && rms_fast_ok(x, Tensor(), kTorch) &&
                     (w.defined() ? w.scalar_type() == x_dtype && (!need_x || w.is_contiguous()) : style == kTorch);
         if (fast) {
           std::tie(dx, dw) = rms_backward_fast(dy, x, rstd, w, ndim, style, need_x, need_w);
