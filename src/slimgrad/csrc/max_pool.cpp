@@ -213,25 +213,23 @@ inline scalar_t round_out(acc_t v, bool vector_lane) {
   return static_cast<scalar_t>(v);
 }
 
-// Stock's vector width in bytes on this CPU (its kernels are built per capability) and whether its reduced
-// float conversions are vector instructions there (DEFAULT converts element by element).
-struct Capability {
-  int64_t bytes = 32;
-  bool vector = false;
-};
-
-const Capability& capability() {
-  static const Capability c = [] {
-    Capability r;
+// Whether stock's reduced-float conversions are vector instructions here. Its max-pool kernels are registered
+// with plain REGISTER_DISPATCH, which gives AVX512 CPUs the AVX2 variant: 32-byte vectors on every x86 CPU with
+// AVX2 (measured: the channel split below moves with 32-byte vectors on an AVX512 machine). Without AVX2
+// (DEFAULT) the generic Vectorized is 32 bytes too, converting element by element.
+bool vector_conversions() {
+  static const bool v = [] {
 #if defined(__x86_64__) || defined(_M_X64)
     const std::string cap = at::get_cpu_capability();
-    if (cap == "AVX512") r = {64, true};
-    if (cap == "AVX2") r = {32, true};
+    return cap == "AVX512" || cap == "AVX2";
+#else
+    return false;
 #endif
-    return r;
   }();
-  return c;
+  return v;
 }
+
+constexpr int64_t kStockVectorBytes = 32;
 
 // ------------------------------------------------------------------------------------------ forward
 
@@ -366,10 +364,9 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
   // with a vector instruction there (NaN -> 0xffff), and its 3-d scalar channels start from the index of the
   // window's first in-bounds (h, w) without the depth term: an all -inf window then reports that element of
   // depth 0, kept here as position `kvol` (prepare routes windows whose position dtype has no room for it).
-  const Capability& cap = capability();
-  const int64_t lanes = cap.bytes / static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t lanes = kStockVectorBytes / static_cast<int64_t>(sizeof(scalar_t));
   const int64_t vec_len = C - C % lanes;
-  const int64_t nan_len = std::is_same_v<scalar_t, c10::BFloat16> && cap.vector ? vec_len : 0;
+  const int64_t nan_len = std::is_same_v<scalar_t, c10::BFloat16> && vector_conversions() ? vec_len : 0;
   const bool depthless_tail = o.nd == 3;
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, pixels, grain, [&](int64_t begin, int64_t end) {

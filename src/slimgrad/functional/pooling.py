@@ -224,6 +224,14 @@ def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
     return idx.add_(base)
 
 
+def _depthless_winners(out) -> bool:
+    """Whether an all -inf window may have a winner no window position names: stock's 3-d channels_last kernel
+    starts its scalar channels from the first in-bounds (h, w) of depth 0 (the depth term left out), so such a
+    window reports, and backward feeds, that element. Then stock's indices are kept as they are (rare: only
+    windows of -inf give -inf outputs). The compiled core keeps a position for it (``csrc/max_pool.cpp``)."""
+    return bool(torch.isneginf(out).any())
+
+
 class MaxPoolFunction(_common.Function):
     """N-d max pooling (nd = 1, 2, 3) keeping only the argmax's position inside its window.
 
@@ -256,7 +264,8 @@ class MaxPoolFunction(_common.Function):
         # trips its bounds check on the unused lanes of a vector tail ("index out of bounds"); there the
         # int64 indices are saved as stock saves them (never the input), and Inductor's low-memory max-pool
         # lowering keeps 1-byte window offsets in their place (measured, tests/test_compile_bytes.py).
-        ctx.kept_indices = torch.compiler.is_compiling()
+        ctx.kept_indices = torch.compiler.is_compiling() or (
+            nd == 3 and ctx.needs_input_grad[0] and not x.is_contiguous() and _depthless_winners(out))
         if ctx.needs_input_grad[0] and ctx.kept_indices:
             ctx.save_for_backward(indices)
         elif ctx.needs_input_grad[0]:
