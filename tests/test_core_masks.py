@@ -339,3 +339,45 @@ def test_registry_core_kernels_serve_the_python_function(family):
                 packed = impl.pack(xd, rule, lo, hi)
                 assert torch.equal(packed, range_mask.TORCH_IMPL.pack(xd, rule, lo, hi))
                 assert_bitwise(impl.select(g, packed), range_mask.TORCH_IMPL.select(g, packed), "select")
+
+
+@pytest.mark.parametrize("bounds", [(0.0, 6.0), (-1.0, 1.0), (-0.0, 2.0), (-3.0, -0.0), (-0.5, 2.5), (1.0, 1.0)])
+@pytest.mark.parametrize("values", ["finite", "signed zeros", "nan"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_hardtanh_fp32_one_pass(bounds, values, layout):
+    """fp32 hardtanh/relu6 make the output in the mask's pass; where stock's vectorised and scalar paths may
+    disagree (NaN, a zero of the other sign than a zero bound) stock's own op finishes the output. Values on and
+    next to the bounds, sizes spanning parallel chunks at two threads."""
+    lo, hi = bounds
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 8, 37, 41, generator=gen) * 4
+    flat = x.view(-1)
+    edges = torch.tensor([lo, hi], dtype=torch.float32)
+    for e in edges:
+        idx = torch.randint(0, flat.numel(), (300,), generator=gen)
+        flat[idx[:100]] = e
+        flat[idx[100:200]] = torch.nextafter(e, e - 1)
+        flat[idx[200:]] = torch.nextafter(e, e + 1)
+    if values != "finite":
+        idx = torch.randint(0, flat.numel(), (50,), generator=gen)
+        flat[idx[:25]] = 0.0
+        flat[idx[25:]] = -0.0 if values == "signed zeros" else float("nan")
+    x = laid(x, layout)
+    grad = torch.randn(x.shape, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for inplace in (False, True):
+            ys, gs, _, _ = run(lambda t, ip: F.hardtanh(t, lo, hi, ip), x, inplace, grad, False)
+            with spy_core() as calls:
+                yc, gc, kept, _ = run(lambda t, ip: C.hardtanh(t, lo, hi, ip), x, inplace, grad, False)
+            assert calls == [("range_mask_apply", True)] and kept == (x.numel() + 7) // 8
+            assert_bitwise(yc, ys, f"output, in place {inplace}")
+            nan_in = torch.isnan(x)
+            assert_bitwise(gc.masked_fill(nan_in, 0), gs.masked_fill(nan_in, 0), f"grad, in place {inplace}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def laid(x, layout):
+    return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x

@@ -5,7 +5,8 @@
 // pass region ("inside": lo < x < hi, NaN clear; "above": not x <= lo, NaN set) is packed in x's memory order by
 // a vectorised kernel (the contract of slimgrad.kernels.range_mask, registered there as its "core" backend),
 // the output is stock's own op (so its bits are stock's, NaN payloads and signed zeros included: stock's clamp
-// treats those differently on its vectorised and scalar paths), and backward is `bit ? grad : +0` (hardsigmoid:
+// treats those differently on its vectorised and scalar paths), except for fp32 hardtanh / relu6, whose output is
+// made in the mask's pass (stock's op then only finishes the rare elements its paths disagree on), and backward is `bit ? grad : +0` (hardsigmoid:
 // after stock's own hardsigmoid_backward applies its factor). The kept tensors, the output-kept mode, the
 // gradient's strides and double backward are the Python Function's. Layout helpers are shared with
 // relu_mask.cpp (namespace slimgrad::masks), so this file is built together with it.
@@ -14,6 +15,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -88,6 +92,52 @@ void pack_block(const T* x, uint8_t* m, int64_t b0, int64_t b1, int64_t n, doubl
   }
 }
 
+// hardtanh / relu6 on fp32 in one pass: out = min(max(x, lo), hi) and the "inside" bit (lo < x < hi). Elements
+// stock's clamp may treat differently on its vectorised and scalar paths (NaN; a zero of the other sign than a
+// zero bound, where max/min may return either operand) are copied unchanged, and the caller lets stock's own
+// hardtanh_ finish the output when any was seen (it leaves the clamped elements as they are, bit for bit).
+// zmode: 0 no zero bound; 1 special where x's bits are `zbits`; 2 special where x == 0.
+bool hardtanh_fp32(const float* x, float* out, uint8_t* m, int64_t nb, int64_t n, float lo, float hi, int zmode,
+                   int32_t zbits) {
+  std::atomic<int> any{0};
+  at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+    int seen = 0;
+    int64_t b = b0;
+    const int64_t full = std::min(b1, n / 8);
+#if defined(__AVX2__)
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), zero = _mm256_setzero_ps();
+    const __m256i vz = _mm256_set1_epi32(zbits);
+    for (; b < full; ++b) {
+      const __m256 v = _mm256_loadu_ps(x + 8 * b);
+      const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GT_OQ), _mm256_cmp_ps(v, vhi, _CMP_LT_OQ));
+      m[b] = static_cast<uint8_t>(_mm256_movemask_ps(inside));
+      __m256 sp = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+      if (zmode == 1) sp = _mm256_or_ps(sp, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_castps_si256(v), vz)));
+      if (zmode == 2) sp = _mm256_or_ps(sp, _mm256_cmp_ps(v, zero, _CMP_EQ_OQ));
+      const __m256 o = _mm256_min_ps(_mm256_max_ps(v, vlo), vhi);
+      _mm256_storeu_ps(out + 8 * b, _mm256_blendv_ps(o, v, sp));
+      seen |= _mm256_movemask_ps(sp);
+    }
+#endif
+    for (; b < b1; ++b) {
+      const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
+      int byte = 0;
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float v = x[base + j];
+        int32_t vb;
+        std::memcpy(&vb, &v, 4);
+        const bool special = std::isnan(v) || (zmode == 1 && vb == zbits) || (zmode == 2 && v == 0.0f);
+        seen |= special;
+        byte |= (v > lo && v < hi) << j;
+        out[base + j] = special ? v : std::min(std::max(v, lo), hi);
+      }
+      m[b] = static_cast<uint8_t>(byte);
+    }
+    if (seen) any.fetch_or(1, std::memory_order_relaxed);
+  });
+  return any.load() != 0;
+}
+
 bool supported_dtype(const at::Tensor& x) {
   const auto t = x.scalar_type();
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
@@ -131,7 +181,34 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
     ctx->saved_data["hi"] = hi;
     ctx->saved_data["keep"] = keep_output;
     ctx->saved_data["xs"] = (inplace && kind != kHardtanh) ? masks::like_strides(x) : x.strides().vec();
-    at::Tensor packed;
+    at::Tensor packed, out;
+    if (!keep_output && kind == kHardtanh && dense && x.scalar_type() == at::kFloat) {
+      // One pass for output and mask, in x's memory order (as the Python path packs).
+      const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+      int zmode = 0;
+      int32_t zbits = 0;
+      const bool lz = flo == 0.0f, hz = fhi == 0.0f;
+      if (lz || hz) {
+        const bool lneg = lz && std::signbit(flo), hneg = hz && std::signbit(fhi);
+        const bool mixed = lz && hz && lneg != hneg;
+        zmode = mixed ? 2 : 1;
+        const float other = (lz ? lneg : hneg) ? 0.0f : -0.0f;  // the zero of the other sign
+        std::memcpy(&zbits, &other, 4);
+      }
+      at::Tensor xc = perm.empty() ? x : x.permute(perm);
+      at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+      packed = at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+      const bool special = hardtanh_fp32(xc.const_data_ptr<float>(), oc.mutable_data_ptr<float>(),
+                                         packed.mutable_data_ptr<uint8_t>(), packed.numel(), x.numel(), flo, fhi,
+                                         zmode, zbits);
+      out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
+      if (special) at::hardtanh_(out, lo, hi);  // stock's bits where its paths differ
+      ctx->saved_data["perm"] = perm;
+      ctx->saved_data["pshape"] = xc.sizes().vec();
+      if (inplace) ctx->mark_dirty({x});
+      ctx->save_for_backward({packed});
+      return out;
+    }
     if (!keep_output) {  // before an in-place op overwrites the input
       const double rlo = round_bound(lo, x.scalar_type()), rhi = round_bound(hi, x.scalar_type());
       at::Tensor xc = dense ? (perm.empty() ? x : x.permute(perm)) : x.contiguous();
@@ -139,7 +216,7 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
       ctx->saved_data["perm"] = perm;
       ctx->saved_data["pshape"] = xc.sizes().vec();
     }
-    at::Tensor out = stock_op(x, kind, lo, hi, value, inplace);
+    out = stock_op(x, kind, lo, hi, value, inplace);
     if (inplace) {
       ctx->mark_dirty({x});
       out = x;
