@@ -372,3 +372,19 @@ def test_registry_kernel_equals_the_torch_reference(case, dtype):
     assert_bitwise(impl.backward(g, pos2, *args), ref.backward(g, pos1, *args), "grad")
     with pytest.raises(RuntimeError, match="pad should be"):  # declined: the reference raises stock's error
         impl.forward(x, kernel, stride, tuple(k for k in kernel), dilation, ceil_mode)
+
+
+def test_module_copies_and_pickles_start_without_the_cached_options():
+    import copy
+    import io
+
+    slim = slim_copy(nn.MaxPool2d(3, 2, 1))
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    assert ran_core(slim(x))
+    twin = copy.deepcopy(slim)
+    assert ran_core(twin(x))
+    buffer = io.BytesIO()
+    torch.save(slim, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert ran_core(loaded(x))

@@ -31,18 +31,31 @@ __all__ = [
 ]
 
 
+class _CoreOptions:
+    """A module's checked core options and the option values they were checked for. Copies and pickles start
+    empty (the options object belongs to this process's core), and the next call checks again."""
+
+    __slots__ = ("key", "options")
+
+    def __init__(self, key=None, options=None):
+        self.key, self.options = key, options
+
+    def __reduce__(self):
+        return (_CoreOptions, ())
+
+
 def _max_forward(fn, nd):
     def forward(self, input: Tensor):
         if type(input) is Tensor and input.requires_grad and not torch.compiler.is_compiling():
             key = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, self.return_indices)
             state = self.__dict__
             cached = state.get("_slimgrad_core_pool")
-            if cached is None or cached[0] != key:
+            if cached is None or cached.key != key:
                 options = P.core_options(nd, *key)
                 if options is None:  # the core is off or cannot take these options: nothing cached
                     return fn(input, *key[:4], ceil_mode=key[4], return_indices=key[5])
-                cached = state["_slimgrad_core_pool"] = (key, options)
-            if (out := P.core_max_pool(nd, input, cached[1])) is not None:
+                cached = state["_slimgrad_core_pool"] = _CoreOptions(key, options)
+            if (out := P.core_max_pool(nd, input, cached.options)) is not None:
                 return out
         return fn(input, self.kernel_size, self.stride, self.padding, self.dilation,
                   ceil_mode=self.ceil_mode, return_indices=self.return_indices)
