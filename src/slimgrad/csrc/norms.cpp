@@ -1,15 +1,18 @@
 // The norms' eager CPU path: RMSNorm (torch.rms_norm and the Hugging Face casting styles), LayerNorm and GroupNorm
-// as one C++ torch::autograd::Function each.
+// as one C++ torch::autograd::Function each, called once from the module's forward (issue 22: a Python Function
+// cost more per call than stock's whole op on small tensors).
 //
-// Each Function runs, op for op, the aten sequence of its Python Function in slimgrad/functional/norms.py (the
-// reference the tests compare bit for bit, itself bitwise stock's / Hugging Face's): the same ops in the same
-// dtypes and operand order give the same bits and the same output/gradient layouts, and the same decisions of
-// what to keep give the same saved bytes. What this file removes is the Python cost per call (the Function
-// object, its checks and bookkeeping), not a kernel: RMSNorm's reductions are aten's sums, whose summation order
-// a hand-written kernel would have to reproduce bit for bit.
+// Each Function takes its Python Function's decisions (slimgrad/functional/norms.py: what to keep per
+// requires_grad combination, so the same saved bytes) and computes what it computes, bit for bit and with the same
+// output/gradient layouts:
+// - LayerNorm, GroupNorm, and RMSNorm on non-contiguous inputs or unusual dtype mixes: the same aten ops in the same
+//   order, dtypes and operand order.
+// - RMSNorm on contiguous fp32/bf16/fp16 (weight in x's dtype): one pass per step around aten's own reductions,
+//   instead of a pass and a temporary per aten op (rms_forward_fast / rms_backward_fast, which say why the bits are
+//   the same).
 //
 // Entry points return None (the caller then runs the Python Function, which raises the errors or handles the
-// case) for anything not plain: wrong types or shapes, autocast on, non-CPU parameters.
+// case) for anything not plain: wrong types or shapes, autocast on, non-CPU parameters, tensor subclasses.
 #include "common.h"
 
 #include <ATen/Dispatch.h>
