@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -352,8 +353,10 @@ void relu16_block(const int16_t* x, int16_t* out, uint8_t* m, int64_t b0, int64_
   }
 }
 
+// Returns whether a bf16 NaN was seen (its rounding is position-dependent in stock: see forward_kernel).
 template <typename T>
-void leaky_block(const T* x, T* out, uint8_t* m, int64_t b0, int64_t b1, int64_t n, double slope_) {
+bool leaky_block(const T* x, T* out, uint8_t* m, int64_t b0, int64_t b1, int64_t n, double slope_) {
+  int nan = 0;
   int64_t b = b0;
   const int64_t full = std::min(b1, n / 8);
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
@@ -389,6 +392,7 @@ void leaky_block(const T* x, T* out, uint8_t* m, int64_t b0, int64_t b1, int64_t
       const __m256 pos = _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
       store8f(out + 8 * b, _mm256_blendv_ps(_mm256_mul_ps(v, s), v, pos));
       m[b] = static_cast<uint8_t>(_mm256_movemask_ps(pos));
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
 #endif
     for (; b < b1; ++b) {
@@ -400,16 +404,19 @@ void leaky_block(const T* x, T* out, uint8_t* m, int64_t b0, int64_t b1, int64_t
         const bool pos = f > 0.0f;
         out[base + j] = pos ? v : static_cast<T>(f * slope);
         byte |= pos << j;
+        nan |= std::isnan(f);
       }
       m[b] = static_cast<uint8_t>(byte);
     }
   }
+  return nan != 0 && std::is_same_v<T, at::BFloat16>;
 }
 
 // ---------------------------------------------------------------------------------------------- backward kernel
 // leaky: bit ? g : g * slope (16-bit: in fp32, rounded once). relu's backward is masks::select.
 template <typename T>
-void leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b1, int64_t n, double slope_) {
+bool leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b1, int64_t n, double slope_) {
+  int nan = 0;
   int64_t b = b0;
   const int64_t full = std::min(b1, n / 8);
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
@@ -444,6 +451,7 @@ void leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b
       const __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(bm, sel), sel));
       const __m256 v = load8f(g + 8 * b);
       store8f(out + 8 * b, _mm256_blendv_ps(_mm256_mul_ps(v, s), v, keep));
+      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
 #endif
     for (; b < b1; ++b) {
@@ -451,10 +459,13 @@ void leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b
       const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
       for (int64_t j = 0; j < cnt; ++j) {
         const T v = g[base + j];
-        out[base + j] = ((byte >> j) & 1) ? v : static_cast<T>(static_cast<float>(v) * slope);
+        const float f = static_cast<float>(v);
+        out[base + j] = ((byte >> j) & 1) ? v : static_cast<T>(f * slope);
+        nan |= std::isnan(f);
       }
     }
   }
+  return nan != 0 && std::is_same_v<T, at::BFloat16>;
 }
 
 // The contract's forward on contiguous tensors: out (may be x itself) and the packed mask, one pass.
@@ -485,11 +496,24 @@ void forward_kernel(const at::Tensor& x, at::Tensor& out, at::Tensor& packed, st
     return;
   }
   const double s = *slope;
+  std::atomic<int> nan{0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "leaky_relu_mask_forward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) { leaky_block(xp, op, m, b0, b1, n, s); });
+    at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+      if (leaky_block(xp, op, m, b0, b1, n, s)) nan.fetch_or(1, std::memory_order_relaxed);
+    });
   });
+  if (nan.load()) {
+    // bf16 NaN: stock's vectorised body rounds it to 0xFFFF, its scalar tail to 0x7FC0, so which one an element
+    // gets depends on its position; stock's own op, for these rare calls, gives its bits.
+    if (out.is_same(x)) {
+      at::Tensor xm = x;
+      xm.copy_(at::where(at::isnan(x), at::leaky_relu(x, s), x));  // NaN stays NaN whatever its payload
+    } else {
+      out.copy_(at::leaky_relu(x, s));
+    }
+  }
 }
 
 at::Tensor backward_kernel(const at::Tensor& grad, const at::Tensor& packed, std::optional<double> slope) {
@@ -498,11 +522,17 @@ at::Tensor backward_kernel(const at::Tensor& grad, const at::Tensor& packed, std
   const int64_t n = grad.numel(), nb = packed.numel();
   const uint8_t* m = packed.const_data_ptr<uint8_t>();
   const double s = *slope;
+  std::atomic<int> nan{0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "leaky_relu_mask_backward", [&] {
     const scalar_t* gp = grad.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) { leaky_bwd_block(gp, m, op, b0, b1, n, s); });
+    at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+      if (leaky_bwd_block(gp, m, op, b0, b1, n, s)) nan.fetch_or(1, std::memory_order_relaxed);
+    });
   });
+  if (nan.load()) {  // bf16 NaN gradients: stock's position-dependent rounding, from its own kernel on the mask
+    return at::leaky_relu_backward(grad, masks::unpack(packed, grad.sizes()).view(at::kByte), s, false);
+  }
   return out;
 }
 
