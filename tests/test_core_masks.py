@@ -381,3 +381,39 @@ def test_hardtanh_fp32_one_pass(bounds, values, layout):
 
 def laid(x, layout):
     return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("values", ["finite", "nan"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_hardsigmoid_one_pass(dtype, values, layout):
+    """hardsigmoid makes output and mask in one pass and its gradient (factor and mask) in one pass; NaN inputs
+    and 16-bit NaN gradients are finished by stock's own kernels (position-dependent NaN bits there)."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(4, 8, 37, 41, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    grad = (torch.randn(x.shape, generator=gen, dtype=torch.float64) * 10).to(dtype)
+    flat = x.view(-1)
+    for e in torch.tensor([-3.0, 3.0], dtype=dtype):
+        idx = torch.randint(0, flat.numel(), (300,), generator=gen)
+        flat[idx[:100]] = e
+        flat[idx[100:200]] = torch.nextafter(e, e - 1)
+        flat[idx[200:]] = torch.nextafter(e, e + 1)
+    if values == "nan":
+        flat[torch.randint(0, flat.numel(), (40,), generator=gen)] = float("nan")
+        grad.view(-1)[torch.randint(0, flat.numel(), (40,), generator=gen)] = float("nan")
+    x = laid(x, layout)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for inplace in (False, True):
+            ys, gs, _, _ = run(lambda t, ip: F.hardsigmoid(t, ip), x, inplace, grad, False)
+            with csrc.disabled():
+                yp, gp, _, _ = run(lambda t, ip: C.hardsigmoid(t, ip), x, inplace, grad, False)
+            with spy_core() as calls:
+                yc, gc, kept, _ = run(lambda t, ip: C.hardsigmoid(t, ip), x, inplace, grad, False)
+            assert calls == [("range_mask_apply", True)] and kept == (x.numel() + 7) // 8
+            for y, g, what in ((ys, gs, "stock"), (yp, gp, "Python path")):
+                assert_bitwise(yc, y, f"output vs {what}, in place {inplace}")
+                assert_bitwise(gc, g, f"grad vs {what}, in place {inplace}")
+    finally:
+        torch.set_num_threads(threads)

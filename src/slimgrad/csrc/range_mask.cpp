@@ -138,6 +138,121 @@ bool hardtanh_fp32(const float* x, float* out, uint8_t* m, int64_t nb, int64_t n
   return any.load() != 0;
 }
 
+#if defined(__AVX2__)
+// Eight 16-bit floats <-> eight fp32 lanes (as relu_mask.cpp's: exact widening, round-to-nearest-even narrowing).
+template <typename T>
+inline __m256 load8f(const T* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_same_v<T, at::BFloat16>)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else
+    return _mm256_cvtph_ps(h);
+}
+
+template <typename T>
+inline void store8f(T* p, __m256 v) {
+  __m128i h;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+    t = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), t, ordered);
+    t = _mm256_permute4x64_epi64(_mm256_packus_epi32(t, t), 0x08);
+    h = _mm256_castsi256_si128(t);
+  } else {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+#endif
+
+// hardsigmoid in one pass: out = min(max(x + 3, 0), 6) / 6 (fp32 for fp32 and the 16-bit dtypes, rounded once;
+// fp64 in fp64: stock's formula, checked bitwise) and the bit -3 < x < 3. NaN inputs are copied unchanged and
+// reported: stock's NaN bits differ between its vectorised and scalar paths, so its own op finishes them.
+template <typename T>
+bool hardsigmoid_fwd(const T* x, T* out, uint8_t* m, int64_t nb, int64_t n) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  std::atomic<int> any{0};
+  at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+    int nan = 0;
+    int64_t b = b0;
+    const int64_t full = std::min(b1, n / 8);
+#if defined(__AVX2__)
+    if constexpr (!std::is_same_v<T, double>) {
+      const __m256 three = _mm256_set1_ps(3.0f), mthree = _mm256_set1_ps(-3.0f), zero = _mm256_setzero_ps(),
+                   six = _mm256_set1_ps(6.0f);
+      for (; b < full; ++b) {
+        __m256 v;
+        if constexpr (std::is_same_v<T, float>) v = _mm256_loadu_ps(x + 8 * b); else v = load8f(x + 8 * b);
+        const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(v, mthree, _CMP_GT_OQ), _mm256_cmp_ps(v, three, _CMP_LT_OQ));
+        m[b] = static_cast<uint8_t>(_mm256_movemask_ps(inside));
+        const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+        nan |= _mm256_movemask_ps(isnan);
+        __m256 o = _mm256_div_ps(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, three), zero), six), six);
+        o = _mm256_blendv_ps(o, v, isnan);
+        if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(out + 8 * b, o); else store8f(out + 8 * b, o);
+      }
+    }
+#endif
+    for (; b < b1; ++b) {
+      const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
+      int byte = 0;
+      for (int64_t j = 0; j < cnt; ++j) {
+        const C v = static_cast<C>(x[base + j]);
+        byte |= (v > C(-3) && v < C(3)) << j;
+        const bool isnan = std::isnan(v);
+        nan |= isnan;
+        out[base + j] = isnan ? x[base + j] : static_cast<T>(std::min(std::max(v + C(3), C(0)), C(6)) / C(6));
+      }
+      m[b] = static_cast<uint8_t>(byte);
+    }
+    if (nan) any.fetch_or(1, std::memory_order_relaxed);
+  });
+  return any.load() != 0;
+}
+
+// hardsigmoid's backward in one pass: bit ? grad * (1/6 as fp32) : +0 (stock's hardsigmoid_backward, fp32 math
+// for the 16-bit dtypes). Returns whether a 16-bit NaN gradient was seen (position-dependent rounding in stock: the
+// caller then runs the Python path's two steps).
+template <typename T>
+bool hardsigmoid_bwd(const T* g, const uint8_t* m, T* out, int64_t nb, int64_t n) {
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const C sixth = static_cast<C>(1.0f / 6.0f);
+  std::atomic<int> any{0};
+  at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+    int nan = 0;
+    int64_t b = b0;
+    const int64_t full = std::min(b1, n / 8);
+#if defined(__AVX2__)
+    if constexpr (!std::is_same_v<T, double>) {
+      const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+      const __m256 vs = _mm256_set1_ps(sixth);
+      for (; b < full; ++b) {
+        const __m256i bm = _mm256_set1_epi32(m[b]);
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(bm, sel), sel));
+        __m256 v;
+        if constexpr (std::is_same_v<T, float>) v = _mm256_loadu_ps(g + 8 * b); else v = load8f(g + 8 * b);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256 o = _mm256_and_ps(keep, _mm256_mul_ps(v, vs));
+        if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(out + 8 * b, o); else store8f(out + 8 * b, o);
+      }
+    }
+#endif
+    for (; b < b1; ++b) {
+      const int byte = m[b];
+      const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
+      for (int64_t j = 0; j < cnt; ++j) {
+        const C v = static_cast<C>(g[base + j]);
+        nan |= std::isnan(v);
+        out[base + j] = ((byte >> j) & 1) ? static_cast<T>(v * sixth) : static_cast<T>(C(0));
+      }
+    }
+    if (nan) any.fetch_or(1, std::memory_order_relaxed);
+  });
+  return any.load() != 0 && sizeof(T) == 2;
+}
+
 bool supported_dtype(const at::Tensor& x) {
   const auto t = x.scalar_type();
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
@@ -170,6 +285,22 @@ at::Tensor stock_op(const at::Tensor& x, int64_t kind, double lo, double hi, dou
   if (kind == kHardtanh) return inplace ? at::hardtanh_(xm, lo, hi) : at::hardtanh(x, lo, hi);
   if (kind == kThreshold) return inplace ? at::threshold_(xm, lo, value) : at::threshold(x, lo, value);
   return inplace ? at::hardsigmoid_(xm) : at::hardsigmoid(x);
+}
+
+// hardsigmoid's backward in one pass over the gradient in the mask's memory order; false (nothing done) where a
+// 16-bit NaN gradient needs stock's own kernel first.
+bool hardsigmoid_one_pass(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& packed, at::Tensor& dx) {
+  const Strides perm = ctx->saved_data["perm"].toIntVector();
+  const at::Tensor g = (perm.empty() ? grad : grad.permute(perm)).contiguous();
+  at::Tensor out = at::empty(g.sizes(), g.options());
+  bool nan = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "hardsigmoid_mask_backward", [&] {
+    nan = hardsigmoid_bwd(g.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(),
+                          out.mutable_data_ptr<scalar_t>(), packed.numel(), g.numel());
+  });
+  if (nan) return false;
+  dx = perm.empty() ? out : out.permute(masks::inverse(perm));
+  return true;
 }
 
 // ------------------------------------------------------------------------------------------------- Function
@@ -209,6 +340,29 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
       ctx->save_for_backward({packed});
       return out;
     }
+    if (!keep_output && kind == kHardsigmoid && dense) {
+      // One pass for output and mask, in x's memory order.
+      at::Tensor xc = perm.empty() ? x : x.permute(perm);
+      at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+      packed = at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+      bool nan = false;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "hardsigmoid_mask", [&] {
+        nan = hardsigmoid_fwd(xc.const_data_ptr<scalar_t>(), oc.mutable_data_ptr<scalar_t>(),
+                              packed.mutable_data_ptr<uint8_t>(), packed.numel(), x.numel());
+      });
+      out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
+      if (nan) {  // stock's bits at NaN inputs (which do not depend on the NaN's payload but on its position)
+        if (inplace)
+          out.copy_(at::where(at::isnan(out), at::hardsigmoid(out), out));
+        else
+          out.copy_(at::hardsigmoid(x));
+      }
+      ctx->saved_data["perm"] = perm;
+      ctx->saved_data["pshape"] = xc.sizes().vec();
+      if (inplace) ctx->mark_dirty({x});
+      ctx->save_for_backward({packed});
+      return out;
+    }
     if (!keep_output) {  // before an in-place op overwrites the input
       const double rlo = round_bound(lo, x.scalar_type()), rhi = round_bound(hi, x.scalar_type());
       at::Tensor xc = dense ? (perm.empty() ? x : x.permute(perm)) : x.contiguous();
@@ -238,6 +392,8 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
     at::Tensor dx;
     if (keep_output && kind == kThreshold) {
       dx = at::threshold_backward(grad, saved, lo);
+    } else if (kind == kHardsigmoid && !grad.requires_grad() && hardsigmoid_one_pass(ctx, grad, saved, dx)) {
+      // done: factor and mask in one pass
     } else {
       if (kind == kHardsigmoid) {
         // Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
