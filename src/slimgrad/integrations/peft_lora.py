@@ -19,15 +19,16 @@ an unknown version leaves every LoRA layer to peft, recorded as a gap (family "L
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from slimgrad import _notices
+from slimgrad import _notices, csrc
 from slimgrad._registry import ORIGINALS, register_forward
-from slimgrad.functional._common import autocast_enabled
-from slimgrad.functional.dropout import module_policy
-from slimgrad.functional.lora import LoraAdapter, lora_linear
+from slimgrad.functional._common import autocast_enabled, note_input_kept
+from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve_policy
+from slimgrad.functional.lora import LoraAdapter, _base_forward, lora_linear
 from slimgrad.integrations._fingerprint import Verified, unknown_reason
 
 __all__ = ["KNOWN", "SlimLinear"]
@@ -39,6 +40,8 @@ KNOWN = {
     "BaseTunerLayer._cast_input_dtype": {"205581c1e8c84685": "peft 0.17.0-0.21.2"},
     "Conv1D.forward": {"0570fe82cfe0b593": "transformers 5.23.0-5.24.0"},
 }
+_PLAIN = (torch.Tensor, nn.Parameter)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHECK = Verified({"lora.Linear.forward": (LoraLinear, "forward"),
                    "BaseTunerLayer._cast_input_dtype": (LoraLinear, "_cast_input_dtype")},
                   KNOWN, classes=(LoraLinear,), library="peft", family="LoRA layer")
@@ -114,8 +117,79 @@ def _adapters(self: LoraLinear, x: torch.Tensor):
     return adapters
 
 
+def _hooked(module: nn.Module) -> bool:
+    """_has_hooks without nn.Module.__getattr__'s miss for ``_hf_hook`` (accelerate sets it as a plain attribute)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
+
+
+def _core_forward(self: LoraLinear, x: torch.Tensor):
+    """The compiled core's call (one C++ autograd Function, :mod:`slimgrad.functional.lora`) for an eager CPU
+    plain-LoRA forward, after the checks of the path below read straight from the module's ``__dict__``; None
+    where anything is unusual (the checked path decides then). Whether the base layer is supported is cached in
+    the module's ``__dict__`` per base layer type."""
+    core = csrc.for_eager(x)
+    if core is None or torch.is_autocast_enabled("cpu"):
+        return None
+    d = self.__dict__
+    if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or not _CHECK.still_known():
+        return None
+    modules = d["_modules"]
+    base = modules["base_layer"]
+    plan = d.get("_slimgrad_core_plan")
+    if plan is None or plan[0] is not type(base):
+        plan = d["_slimgrad_core_plan"] = (type(base), _unsupported_layer(self) is None, _stock_type(base) is Conv1D)
+    if not plan[1] or _hooked(base):
+        return None
+    weight, bias = base._parameters["weight"], base._parameters.get("bias")
+    if type(weight) not in _PLAIN or not weight.is_cpu or weight.dtype not in _FLOATS:
+        return None
+    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
+    scaling = d["scaling"]
+    active = d.get("_active_adapter")
+    tensors, scalings, ps, adapters = [x, weight, bias], [], [], []
+    dtype = None
+    for name in (active,) if isinstance(active, str) else active:
+        a = lora_a.get(name)
+        if a is None:
+            continue
+        b, drop = lora_b[name], drops[name]
+        if _stock_type(a) is not nn.Linear or _stock_type(b) is not nn.Linear or a._parameters.get("bias") is not None:
+            return None
+        if _hooked(a) or _hooked(b) or _hooked(drop):
+            return None
+        p = _dropout_p(drop)
+        A, B = a._parameters["weight"], b._parameters["weight"]
+        if p is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
+            return None
+        dtype = A.dtype if dtype is None else dtype
+        if A.dtype != dtype or B.dtype != dtype or not A.is_cpu or not B.is_cpu:
+            return None
+        bb = b._parameters.get("bias")
+        tensors += [A, B, bb]
+        scalings.append(float(scaling[name]))
+        ps.append(float(p))
+        adapters.append((A, B, bb))
+    cast = d.get("cast_input_dtype_enabled", True)
+    if any(0 < p < 1 for p in ps) and resolve_policy(d.get(POLICY_ATTRIBUTE), x.device) != "bits":
+        return None
+    if not any(p > 0 for p in ps) and not (cast and adapters and x.dtype != dtype):
+        # no dropout, no cast: stock's ops (what stock keeps is what we would keep), as lora_linear runs them
+        if torch.is_grad_enabled() and (weight.requires_grad or any(A.requires_grad for A, _, _ in adapters)):
+            note_input_kept(x)
+        result = _base_forward(x, weight, bias, plan[2])
+        for (A, B, bb), s in zip(adapters, scalings):
+            result = result + F.linear(F.linear(x, A), B, bb) * s
+        return result
+    out, x_kept = core.lora_linear_apply(tensors, plan[2], bool(cast), scalings, ps)
+    if x_kept:
+        note_input_kept(x)
+    return out
+
+
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere."""
+    if not args and not kwargs and type(x) is torch.Tensor and (out := _core_forward(self, x)) is not None:
+        return out
     base = self.base_layer
     adapters = None
     if (not args and not kwargs and not self.disable_adapters and not self.merged and isinstance(x, torch.Tensor)
