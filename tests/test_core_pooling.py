@@ -42,8 +42,8 @@ def assert_bitwise(actual, expected, what):
     assert torch.equal(bits(actual), bits(expected)), f"{what}: bits differ"
 
 
-def ran_core(out) -> bool:
-    return out.grad_fn is not None and "MaxPoolFunction" in out.grad_fn.name() and "CppNode" in out.grad_fn.name()
+def ran_core(out, function="MaxPoolFunction") -> bool:
+    return out.grad_fn is not None and function in out.grad_fn.name() and "CppNode" in out.grad_fn.name()
 
 
 def make_input(shape, dtype, values, layout, seed=0):
@@ -78,7 +78,7 @@ def upstream(out, seed=1):
     return g
 
 
-def run(fn, x, seed=1, *, core=True):
+def run(fn, x, seed=1, *, core=True, function="MaxPoolFunction"):
     """(output(s), input gradient, saved bytes, whether the core ran) of fn on an independent copy of x."""
     leaf = x.detach().clone(memory_format=torch.preserve_format)
     if x.stride() != leaf.stride():  # a sliced view: the same values every other element of a wider leaf
@@ -96,7 +96,7 @@ def run(fn, x, seed=1, *, core=True):
                 out = fn(inp)
     first = out[0] if isinstance(out, tuple) else out
     (gx,) = torch.autograd.grad(first, leaf, upstream(first, seed))
-    return out, gx, counter.bytes, ran_core(first)
+    return out, gx, counter.bytes, ran_core(first, function)
 
 
 def python_keeps_indices(nd, x):
@@ -388,3 +388,99 @@ def test_module_copies_and_pickles_start_without_the_cached_options():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert ran_core(loaded(x))
+
+
+# ------------------------------------------------------------------------------------------- average pooling
+
+AVG_CASES = [
+    (nn.AvgPool1d(3), (2, 5, 11)),
+    (nn.AvgPool1d(3, 2, 1, ceil_mode=True, count_include_pad=False), (5, 12)),
+    (nn.AvgPool2d(3, 2, 1), (2, 5, 9, 10)),
+    (nn.AvgPool2d((3, 2), (2, 1), (1, 1), ceil_mode=True, count_include_pad=False), (2, 5, 9, 7)),
+    (nn.AvgPool2d(3, 1, 1, divisor_override=5), (5, 6, 5)),
+    (nn.AvgPool3d(3, 2, 1), (2, 3, 7, 8, 9)),
+    (nn.AvgPool3d(2, 1, 1, ceil_mode=True, count_include_pad=False, divisor_override=3), (2, 5, 4, 6)),
+    (nn.AdaptiveAvgPool1d(4), (2, 5, 11)),
+    (nn.AdaptiveAvgPool2d((3, None)), (2, 5, 9, 10)),
+    (nn.AdaptiveAvgPool2d(4), (5, 7, 10)),
+    (nn.AdaptiveAvgPool2d((3, 4)), (2, 24, 9, 10)),
+    (nn.AdaptiveAvgPool3d((2, 3, 5)), (2, 3, 7, 8, 9)),
+    (nn.AdaptiveAvgPool3d((None, 1, 3)), (2, 3, 4, 5, 7)),
+]
+
+
+def compare_avg(stock_fn, slim_fn, x, *, expect_core=True):
+    s_out, s_g, _, _ = run(stock_fn, x, function="AvgPoolFunction")
+    c_out, c_g, c_bytes, c_ran = run(slim_fn, x, function="AvgPoolFunction")
+    p_out, p_g, p_bytes, p_ran = run(slim_fn, x, core=False, function="AvgPoolFunction")
+    assert c_ran == expect_core and not p_ran
+    for a, b, what in ((c_out, s_out, "output vs stock"), (c_g, s_g, "grad vs stock"),
+                       (c_out, p_out, "output vs python"), (c_g, p_g, "grad vs python")):
+        assert_bitwise(a, b, what)
+    assert c_bytes == p_bytes == 0
+
+
+@pytest.mark.parametrize("stock,shape", AVG_CASES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_avg_modules_match_stock_and_python(stock, shape, dtype, layout):
+    if isinstance(stock, nn.AvgPool3d) and dtype in (torch.float16, torch.bfloat16):
+        pytest.skip("stock avg_pool3d has no half/bfloat16 CPU kernel")
+    x = make_input(shape, dtype, "special", layout)
+    compare_avg(stock, slim_copy(stock), x)
+
+
+@pytest.mark.parametrize("fn,stock_fn,args", [
+    (P.avg_pool1d, F.avg_pool1d, (3, 2, 1, True, False)),
+    (P.avg_pool2d, F.avg_pool2d, (3, None, 1, True, False, 4)),
+    (P.avg_pool2d, F.avg_pool2d, ([3, 2], [2, 1])),  # lists: checked per call
+    (P.avg_pool3d, F.avg_pool3d, (2, 1, 1)),
+    (P.adaptive_avg_pool1d, F.adaptive_avg_pool1d, (5,)),
+    (P.adaptive_avg_pool2d, F.adaptive_avg_pool2d, ((None, 4),)),
+    (P.adaptive_avg_pool3d, F.adaptive_avg_pool3d, ((2, 3, 2),)),
+], ids=str)
+def test_avg_functional_matches_stock_and_python(fn, stock_fn, args):
+    nd = int(fn.__name__[-2])
+    x = make_input((2, 3) + (7, 8, 9)[3 - nd:], torch.float32, "special", "contiguous")
+    compare_avg(lambda t: stock_fn(t, *args), lambda t: fn(t, *args), x)
+
+
+def test_avg_calls_left_to_the_python_path():
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    out = slim_copy(nn.AdaptiveAvgPool2d(1))(x)  # stock's mean: no Function at all
+    assert "Mean" in out.grad_fn.name()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = slim_copy(nn.AvgPool3d(2))(torch.randn(1, 2, 4, 4, 4, dtype=torch.bfloat16, requires_grad=True))
+    assert not ran_core(out, "AvgPoolFunction") and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda m: m.AvgPool2d(0), (1, 2, 5, 5)),
+    (lambda m: m.AvgPool2d(2, padding=2), (1, 2, 5, 5)),
+    (lambda m: m.AvgPool1d(3, padding=2), (1, 2, 5)),
+    (lambda m: m.AvgPool2d(2, divisor_override=0), (1, 2, 5, 5)),
+    (lambda m: m.AdaptiveAvgPool2d((2, 2, 2)), (1, 2, 5, 5)),
+    (lambda m: m.AdaptiveAvgPool2d((None, 2)), (5,)),
+    (lambda m: m.AdaptiveAvgPool3d(0), (1, 2, 5, 5, 5)),
+])
+def test_avg_invalid_calls_raise_stocks_error(make, shape):
+    import slimgrad.nn.pooling as slim_nn
+
+    x = torch.randn(shape, requires_grad=True)
+    try:
+        expected = make(nn)(x)
+    except Exception as stock_err:  # noqa: BLE001 - whatever stock raises, slimgrad must raise the same
+        with pytest.raises(type(stock_err)) as slim_err:
+            make(slim_nn)(x)
+        assert str(slim_err.value) == str(stock_err)
+    else:
+        assert_bitwise(make(slim_nn)(x), expected, "output")
+
+
+def test_avg_double_backward_refused():
+    x = torch.randn(1, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    out = slim_copy(nn.AvgPool2d(3, 2, 1))(x)
+    assert ran_core(out, "AvgPoolFunction")
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out, requires_grad=True), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()

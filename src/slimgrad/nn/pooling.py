@@ -4,7 +4,7 @@ Max pooling keeps the argmax's position inside its window (one byte per output f
 elements) instead of the input plus int64 indices; average pooling keeps nothing. Each class only swaps
 ``forward`` for the slimgrad functional twin, so converting a module is a class swap.
 
-A max-pooling module's eager CPU call that wants a gradient goes straight to the compiled core (one C++ autograd
+A pooling module's eager CPU call that wants a gradient goes straight to the compiled core (one C++ autograd
 Function call, :mod:`slimgrad.functional.pooling`): its options are checked once and the result cached in the
 module's ``__dict__`` (re-checked only when an option attribute changes); every other call takes the functional
 path.
@@ -79,9 +79,29 @@ class MaxPool3d(nn.MaxPool3d):
     forward = _max_forward(P.max_pool3d, 3)
 
 
+def _core_avg(module, input, nd, adaptive, key):
+    """The compiled core's output for this eager call, or None (then the functional path runs)."""
+    state = module.__dict__
+    cached = state.get("_slimgrad_core_pool")
+    if cached is None or cached.key != key:
+        options = P.core_avg_options(nd, adaptive, key)
+        if options is None:
+            return None
+        cached = state["_slimgrad_core_pool"] = _CoreOptions(key, options)
+    return P.core_avg_pool(nd, input, cached.options)
+
+
+def _eager_grad(input) -> bool:
+    return type(input) is Tensor and input.requires_grad and not torch.compiler.is_compiling()
+
+
 @register(nn.AvgPool1d)
 class AvgPool1d(nn.AvgPool1d):
     def forward(self, input: Tensor) -> Tensor:
+        if _eager_grad(input) and (out := _core_avg(self, input, 1, False, (
+                self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+                None))) is not None:
+            return out
         return P.avg_pool1d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
                             self.count_include_pad)
 
@@ -89,6 +109,10 @@ class AvgPool1d(nn.AvgPool1d):
 @register(nn.AvgPool2d)
 class AvgPool2d(nn.AvgPool2d):
     def forward(self, input: Tensor) -> Tensor:
+        if _eager_grad(input) and (out := _core_avg(self, input, 2, False, (
+                self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+                self.divisor_override))) is not None:
+            return out
         return P.avg_pool2d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
                             self.count_include_pad, self.divisor_override)
 
@@ -96,6 +120,10 @@ class AvgPool2d(nn.AvgPool2d):
 @register(nn.AvgPool3d)
 class AvgPool3d(nn.AvgPool3d):
     def forward(self, input: Tensor) -> Tensor:
+        if _eager_grad(input) and (out := _core_avg(self, input, 3, False, (
+                self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+                self.divisor_override))) is not None:
+            return out
         return P.avg_pool3d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
                             self.count_include_pad, self.divisor_override)
 
@@ -103,16 +131,22 @@ class AvgPool3d(nn.AvgPool3d):
 @register(nn.AdaptiveAvgPool1d)
 class AdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
     def forward(self, input: Tensor) -> Tensor:
+        if _eager_grad(input) and (out := _core_avg(self, input, 1, True, (self.output_size,))) is not None:
+            return out
         return P.adaptive_avg_pool1d(input, self.output_size)
 
 
 @register(nn.AdaptiveAvgPool2d)
 class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     def forward(self, input: Tensor) -> Tensor:
+        if _eager_grad(input) and (out := _core_avg(self, input, 2, True, (self.output_size,))) is not None:
+            return out
         return P.adaptive_avg_pool2d(input, self.output_size)
 
 
 @register(nn.AdaptiveAvgPool3d)
 class AdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
     def forward(self, input: Tensor) -> Tensor:
+        if _eager_grad(input) and (out := _core_avg(self, input, 3, True, (self.output_size,))) is not None:
+            return out
         return P.adaptive_avg_pool3d(input, self.output_size)

@@ -1,0 +1,155 @@
+// Average and adaptive average pooling in the compiled core: stock's kernels, nothing kept, one C++ call.
+//
+// Average pooling's backward needs only the input's shape and layout, so slimgrad's Python Function
+// (functional.pooling.AvgPoolFunction) keeps nothing where stock keeps the input. Its saving costs a Python
+// Function call and per-call argument handling (about 45 us a call, measured: 2x stock on small tensors); this
+// Function does the same in C++: aten's forward kernel, and in backward aten's backward kernel fed a zero-stride
+// stand-in of the input (its values are never read), with a channels_last buffer where stock's gradient is
+// channels_last, step for step as the Python Function. Arguments aten rejects raise inside the call; the caller
+// then runs the Python Function, whose error is stock's.
+#include "common.h"
+
+#include <optional>
+#include <vector>
+
+namespace slimgrad {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct AvgPoolOptions {
+  int64_t nd = 2;
+  bool adaptive = false;
+  std::vector<int64_t> kernel, stride, padding, output_size;  // output_size: -1 where None (the input's size)
+  bool ceil_mode = false, count_include_pad = true;
+  std::optional<int64_t> divisor_override;
+};
+
+AvgPoolOptions make_options(int64_t nd, bool adaptive, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, bool ceil_mode, bool count_include_pad,
+                            std::optional<int64_t> divisor_override, std::vector<int64_t> output_size) {
+  AvgPoolOptions o;
+  o.nd = nd;
+  o.adaptive = adaptive;
+  o.kernel = std::move(kernel);
+  o.stride = std::move(stride);
+  o.padding = std::move(padding);
+  o.ceil_mode = ceil_mode;
+  o.count_include_pad = count_include_pad;
+  o.divisor_override = divisor_override;
+  o.output_size = std::move(output_size);
+  return o;
+}
+
+bool channels_last_grad(const at::Tensor& x4, int64_t nd) {
+  // functional.pooling._grad_format: the input's suggested format (3-d: stock's kernels give contiguous).
+  if (nd == 3 || x4.is_contiguous()) return false;
+  return x4.dim() == 4 && x4.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+}
+
+std::vector<int64_t> with_one(std::vector<int64_t> v, int64_t value) {
+  v.insert(v.begin(), value);
+  return v;
+}
+
+struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const AvgPoolOptions* o,
+                            const std::vector<int64_t>* out_size) {
+    at::Tensor out;
+    if (o->adaptive) {
+      if (o->nd == 1)
+        out = at::adaptive_avg_pool1d(x, *out_size);
+      else if (o->nd == 2)
+        out = at::adaptive_avg_pool2d(x, *out_size);
+      else
+        out = at::adaptive_avg_pool3d(x, *out_size);
+    } else if (o->nd == 1) {
+      out = at::avg_pool1d(x, o->kernel, o->stride, o->padding, o->ceil_mode, o->count_include_pad);
+    } else if (o->nd == 2) {
+      out = at::avg_pool2d(x, o->kernel, o->stride, o->padding, o->ceil_mode, o->count_include_pad,
+                           o->divisor_override);
+    } else {
+      out = at::avg_pool3d(x, o->kernel, o->stride, o->padding, o->ceil_mode, o->count_include_pad,
+                           o->divisor_override);
+    }
+    const at::Tensor x4 = o->nd == 1 ? x.unsqueeze(-2) : x;
+    ctx->saved_data["shape"] = x4.sizes().vec();
+    ctx->saved_data["cl"] = channels_last_grad(x4, o->nd);
+    // The options object outlives no call: what backward needs is copied.
+    ctx->saved_data["nd"] = o->nd;
+    ctx->saved_data["adaptive"] = o->adaptive;
+    if (!o->adaptive) {
+      const bool one = o->nd == 1;
+      ctx->saved_data["k"] = one ? with_one(o->kernel, 1) : o->kernel;
+      ctx->saved_data["s"] = one ? with_one(o->stride, 1) : o->stride;
+      ctx->saved_data["p"] = one ? with_one(o->padding, 0) : o->padding;
+      ctx->saved_data["ceil"] = o->ceil_mode;
+      ctx->saved_data["cip"] = o->count_include_pad;
+      ctx->saved_data["div"] = o->divisor_override.has_value() ? *o->divisor_override : int64_t(0);
+      ctx->saved_data["has_div"] = o->divisor_override.has_value();
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t nd = ctx->saved_data["nd"].toInt();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const bool cl = ctx->saved_data["cl"].toBool();
+    at::Tensor g = nd == 1 ? grads[0].unsqueeze(-2) : grads[0];
+    const auto opts = g.options();
+    auto stand_in = [&] { return at::empty({}, opts).expand(shape); };
+    at::Tensor gi;
+    if (ctx->saved_data["adaptive"].toBool()) {
+      // No out= variant of its own: the result takes its layout from the input argument, whose values it never
+      // reads (a channels_last buffer there, as the Python Function).
+      const at::Tensor self = cl ? at::empty(shape, opts.memory_format(at::MemoryFormat::ChannelsLast)) : stand_in();
+      gi = nd == 3 ? at::_adaptive_avg_pool3d_backward(g, self) : at::_adaptive_avg_pool2d_backward(g, self);
+    } else {
+      const auto k = ctx->saved_data["k"].toIntVector(), s = ctx->saved_data["s"].toIntVector(),
+                 p = ctx->saved_data["p"].toIntVector();
+      const bool ceil = ctx->saved_data["ceil"].toBool(), cip = ctx->saved_data["cip"].toBool();
+      const std::optional<int64_t> div =
+          ctx->saved_data["has_div"].toBool() ? std::optional<int64_t>(ctx->saved_data["div"].toInt()) : std::nullopt;
+      if (nd == 3) {
+        gi = at::avg_pool3d_backward(g, stand_in(), k, s, p, ceil, cip, div);
+      } else if (cl) {
+        gi = at::empty(shape, opts.memory_format(at::MemoryFormat::ChannelsLast));
+        at::avg_pool2d_backward_out(gi, g, stand_in(), k, s, p, ceil, cip, div);
+      } else {
+        gi = at::avg_pool2d_backward(g, stand_in(), k, s, p, ceil, cip, div);
+      }
+    }
+    if (nd == 1) gi = gi.squeeze(-2);
+    return once_differentiable({gi, at::Tensor(), at::Tensor()}, grads, "AvgPoolFunction");
+  }
+};
+
+// The eager call; None where the Python Function must run (an adaptive output of all ones: stock's mean).
+pybind11::object avg_pool(const at::Tensor& x, const AvgPoolOptions& o) {
+  std::vector<int64_t> out_size;
+  if (o.adaptive) {
+    const int64_t n = o.output_size.size();
+    if (x.dim() <= n && o.nd > 1) return pybind11::none();  // the Python path raises stock's error
+    bool ones = true;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = o.output_size[i] >= 0 ? o.output_size[i] : x.size(x.dim() - n + i);
+      out_size.push_back(v);
+      ones = ones && v == 1;
+    }
+    if (ones) return pybind11::none();
+  }
+  return pybind11::cast(AvgPoolFunction::apply(x, &o, &out_size));
+}
+
+}  // namespace
+
+static Register reg_avg_pool([](pybind11::module_& m) {
+  pybind11::class_<AvgPoolOptions>(m, "AvgPoolOptions").def_readonly("nd", &AvgPoolOptions::nd);
+  m.def("avg_pool_options", &make_options,
+        "average pooling options: nd, adaptive, kernel, stride, padding, ceil_mode, count_include_pad, "
+        "divisor_override, output_size (-1 for None)");
+  m.def("avg_pool_apply", &avg_pool, "slimgrad average pooling: one C++ autograd Function call, or None");
+});
+
+}  // namespace slimgrad
