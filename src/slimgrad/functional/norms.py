@@ -73,6 +73,7 @@ for _family in ("rms_norm", "rms_norm_hf", "fused_add_rms_norm", "layer_norm"):
 
 
 _torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_is_compiling = torch.compiler.is_compiling
 #: RMS_STYLES' codes in the compiled core (``norms_rms``'s ``style``).
 _STYLE_CODE = {style: i for i, style in enumerate(RMS_STYLES)}
 
@@ -81,6 +82,8 @@ def _core(input):
     """The compiled core for an eager call on ``input``, or None (see the module docstring): the core must be on,
     built and fit ``input`` (``csrc.for_eager``), no Triton kernel be preferred (the Triton tests run under the
     interpreter on CPU tensors, through the Python Function) and no TorchFunctionMode be active."""
+    if _is_compiling():
+        return None  # before for_eager, which would load (build) the core inside the trace on a first call
     core = csrc.for_eager(input)
     if core is None or _registry.get_preference() == _registry.TRITON or _torch_function_mode_enabled():
         return None  # a TorchFunctionMode sees the functional forms' calls (handle_torch_function): theirs to run
