@@ -18,6 +18,16 @@ The mask is made and read by the ``relu_mask`` kernel family (:mod:`slimgrad.ker
 the contract and the torch reference live; numba on CPU and Triton on CUDA where available): one pass
 over the input for output and mask, one over the gradient and mask in backward. Channels-last and other
 dense layouts go to the kernels as their contiguous permuted view, so the mask is in memory order.
+
+Eager CPU calls run the compiled core (``slimgrad/csrc/relu_mask.cpp``) when :func:`slimgrad.csrc.for_eager`
+allows it: one C++ autograd Function per call, its forward writing output and mask in the same parallel,
+vectorised pass (16.25 bytes moved per fp32 element over forward and backward against stock's 20), with this
+module's layouts, kept bytes, gradient strides and double backward. The Python Function below stays the
+reference and the fallback (torch.compile, torch.func, ``SLIMGRAD_CORE=0``, no compiler; the in-place
+negative-slope refusal), and runs the same core kernels through the registry. Why: a Python Function and its
+bookkeeping cost ~55 µs a call over stock (issue 22); the core call costs ~5. For modules, the producer's
+bookkeeping is lazy on the core path (:class:`LazyUseCell`): the learning hook is registered only when a
+consumer keeps the output.
 """
 
 from __future__ import annotations

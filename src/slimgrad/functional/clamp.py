@@ -30,6 +30,14 @@ threshold with ``value <= threshold``: when the next layer keeps this output any
 instead of a mask and the pass test runs on it in backward (the output lies strictly inside the pass
 region exactly where the input does). Hardsigmoid's output cannot stand in for its input (``x`` just
 below 3 rounds to an output of 1 but still passes its gradient), so it always keeps the mask.
+
+Eager CPU calls run the compiled core (``slimgrad/csrc/range_mask.cpp``) when :func:`slimgrad.csrc.for_eager`
+allows it: one C++ autograd Function per call with this module's kept bytes, layouts, gradient strides and
+double backward, at about stock's cost per call (the Python Function costs ~55 µs more, issue 22). Its kernels
+pack the mask in one vectorised pass; fp32 hardtanh/relu6 and hardsigmoid also write the output in that pass
+(stock's own op finishes the rare elements, NaN or signed zeros, whose bits stock's vectorised and scalar paths
+disagree on), and hardsigmoid's backward applies stock's factor and the mask in one pass. Threshold and the
+other dtypes run stock's op for the output. The Python Function stays the reference and the fallback.
 """
 
 from __future__ import annotations
