@@ -114,7 +114,7 @@ def run(fn, x_leaf, inplace, grad, sliced=False):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed", "sliced"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
-@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("backend", ["torch", "core"])
 def test_matches_stock_bitwise(case, dtype, layout, inplace, backend):
     with kernels.preference(backend):
         _matches_stock_bitwise(case, dtype, layout, inplace)
@@ -438,7 +438,7 @@ def test_range_mask_backends_agree(dtype, rule, lo, hi, numel):
     ref_packed = range_mask.TORCH_IMPL.pack(x, rule, lo, hi)
     ref_sel = range_mask.TORCH_IMPL.select(grad, ref_packed)
     backends = [k for k in registry.implementations(range_mask.FAMILY) if k.supports("cpu", dtype) and k.available]
-    assert {k.backend for k in backends} >= {"torch", "numba"}
+    assert {k.backend for k in backends} >= {"torch", "core"}
     for k in backends:
         impl = k.implementation()
         assert torch.equal(impl.pack(x, rule, lo, hi), ref_packed), k.backend

@@ -1,5 +1,5 @@
-"""The numba CPU kernels against the torch references of their families: same bits for outputs, masks,
-positions and gradients; the Functions under either preference against stock."""
+"""The compiled core's CPU kernels (:mod:`slimgrad.csrc`) against the torch references of their families: same
+bits for outputs, masks, positions and gradients; the Functions under either preference against stock."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ import torch
 import torch.nn.functional as F
 
 from _util import FLOAT_DTYPES, assert_same
-from slimgrad import kernels
+from slimgrad import csrc, kernels
 from slimgrad.functional.activation import leaky_relu, relu
 from slimgrad.functional.dropout import dropout
 from slimgrad.functional.pooling import max_pool1d, max_pool2d
 from slimgrad.kernels import dropout as dropout_family
-from slimgrad.kernels import max_pool, relu_mask
+from slimgrad.kernels import max_pool, range_mask, relu_mask
 
-pytest.importorskip("numba")
+pytestmark = pytest.mark.skipif(csrc.core() is None, reason=f"compiled core unavailable: {csrc.status()['reason']}")
 
 SPECIALS = [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.0, -3.0]
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def numba_impl(family, like):
-    with kernels.preference("numba"):
+def core_impl(family, like):
+    with kernels.preference("core"):
         impl = kernels.choose(family, like)
-    assert impl is not None and impl.name == "numba", f"no numba kernel for {family} {like.dtype}"
+    assert impl is not None and impl.name == "core", f"no core kernel for {family} {like.dtype}"
     return impl
 
 
@@ -49,12 +49,12 @@ def special_input(n, dtype, seed=0):
 @pytest.mark.parametrize("slope", [None, 0.01, 0.0, -0.3, 2.0])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 13, 64, 1001])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
-def test_relu_mask_numba_equals_torch(dtype, slope, n, inplace):
+def test_relu_mask_core_equals_torch(dtype, slope, n, inplace):
     if inplace and slope is not None and slope < 0:
         pytest.skip("outside the contract: the Function runs stock's op and keeps nothing there")
     x = special_input(n, dtype)
     g = special_input(n, dtype, seed=1)
-    fast = numba_impl(relu_mask.FAMILY, x)
+    fast = core_impl(relu_mask.FAMILY, x)
     ref = relu_mask.TORCH_IMPL
     x1, x2 = x.clone(), x.clone()
     out1, packed1 = ref.forward(x1, slope, inplace)
@@ -66,16 +66,16 @@ def test_relu_mask_numba_equals_torch(dtype, slope, n, inplace):
     bits_equal(fast.backward(g, packed2, slope), ref.backward(g, packed1, slope), "grad")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("n", [0, 5, 8, 1001])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
-def test_dropout_bits_numba_equals_torch(dtype, p, n, inplace):
+def test_dropout_bits_core_equals_torch(dtype, p, n, inplace):
     x = special_input(n, dtype)
     g = special_input(n, dtype, seed=1)
     keep = torch.empty(n, dtype=torch.uint8).bernoulli_(1 - p, generator=torch.Generator().manual_seed(2))
     scale = dropout_family.noise_scale(p, dtype)
-    fast = numba_impl(dropout_family.BITS, x)
+    fast = core_impl(dropout_family.BITS, x)
     ref = dropout_family.BITS_TORCH
     out1, packed1 = ref.forward(x.clone(), keep, scale, inplace)
     out2, packed2 = fast.forward(x.clone(), keep, scale, inplace)
@@ -97,10 +97,10 @@ POOL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"k{c[0]}s{c[1]}p{c[2]}d{c[3]}c{int(c[4])}")
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
-def test_max_pool_positions_numba_equals_torch(dtype, case, ties):
+def test_max_pool_positions_core_equals_torch(dtype, case, ties):
     kernel, stride, padding, dilation, ceil_mode, shape = case
     n = math.prod(shape)
     x = special_input(n, dtype).reshape(shape)
@@ -108,7 +108,7 @@ def test_max_pool_positions_numba_equals_torch(dtype, case, ties):
         x = torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(3)).to(dtype)
         x[x == 0] = -float("inf")
     g = special_input(0, dtype)
-    fast = numba_impl(max_pool.FAMILY, x)
+    fast = core_impl(max_pool.FAMILY, x)
     ref = max_pool.TORCH_IMPL
     out1, pos1 = ref.forward(x, kernel, stride, padding, dilation, ceil_mode)
     out2, pos2 = fast.forward(x, kernel, stride, padding, dilation, ceil_mode)
@@ -119,7 +119,7 @@ def test_max_pool_positions_numba_equals_torch(dtype, case, ties):
     bits_equal(fast.backward(g, pos2, *args), ref.backward(g, pos1, *args), "grad")
 
 
-@pytest.mark.parametrize("preference", ["torch", "numba"])
+@pytest.mark.parametrize("preference", ["torch", "core"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_functions_match_stock_under_each_preference(preference, layout, dtype):
@@ -152,30 +152,33 @@ def test_torch_preference_chooses_the_references():
         for family in (relu_mask.FAMILY, dropout_family.BITS, max_pool.FAMILY):
             assert kernels.choose(family, x).name == "torch"
     with kernels.preference("auto"):
-        for family in (relu_mask.FAMILY, dropout_family.BITS, max_pool.FAMILY):
-            assert kernels.choose(family, x).name == "numba"
-        assert kernels.choose(relu_mask.FAMILY, x.bfloat16()).name == "numba"
-        assert kernels.choose(max_pool.FAMILY, x.bfloat16()).name == "torch"
+        for family in (relu_mask.FAMILY, dropout_family.BITS, max_pool.FAMILY, range_mask.FAMILY):
+            for dtype in FLOAT_DTYPES:
+                assert kernels.choose(family, x.to(dtype)).name == "core", (family, dtype)
+        with csrc.disabled():
+            assert kernels.choose(relu_mask.FAMILY, x).name == "torch"
+
+
+def test_numba_preference_says_what_replaced_it():
+    with pytest.raises(ValueError, match="compiled core"):
+        kernels.set_preference("numba")
 
 
 def test_loading_a_kernel_never_moves_the_default_generator():
-    """Loading (compiling or reading the cache of) a CPU kernel runs it once on warm-up data. That data must not
-    come from the default generator: the first dropout call of a run would otherwise leave the generator in
-    another state than stock's, and every later mask would differ (seen in TRL SFT with lora_dropout=0.1)."""
-    pytest.importorskip("numba")
-    from slimgrad.kernels.cpu import dropout as cpu_dropout
-    from slimgrad.kernels.cpu import max_pool as cpu_max_pool
-    from slimgrad.kernels.cpu import range_mask as cpu_range_mask
-    from slimgrad.kernels.cpu import relu_mask as cpu_relu_mask
+    """Loading a CPU kernel must not draw from the default generator: the first dropout call of a run would
+    otherwise leave the generator in another state than stock's, and every later mask would differ (seen in TRL
+    SFT with lora_dropout=0.1, with the numba kernels this project used before the core)."""
+    from slimgrad.kernels import registry
 
-    makers = [cpu_dropout.NumbaDropoutBits, cpu_max_pool.NumbaMaxPoolPositions]
-    makers += [getattr(m, n) for m in (cpu_relu_mask, cpu_range_mask) for n in dir(m)
-               if n.startswith("Numba") and isinstance(getattr(m, n), type)]
-    for make in makers:
-        torch.manual_seed(0)
-        before = torch.get_rng_state()
-        make()
-        assert torch.equal(torch.get_rng_state(), before), make.__name__
+    for family in (relu_mask.FAMILY, dropout_family.BITS, max_pool.FAMILY, range_mask.FAMILY):
+        for kernel in registry.implementations(family):
+            if kernel.backend != "core":
+                continue
+            kernel._loaded = False  # load again, as a fresh process would
+            torch.manual_seed(0)
+            before = torch.get_rng_state()
+            assert kernel.implementation() is not None
+            assert torch.equal(torch.get_rng_state(), before), family
 
 
 def test_first_dropout_call_leaves_the_generator_as_stock_does():

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: floors pyproject declares without a venv that tests them (the README says so): only torch 2.13.0 is tested here
-UNTESTED_FLOORS = {"torch", "numba", "pytest"}
+UNTESTED_FLOORS = {"torch", "pytest"}
 
 
 def _normal(name: str) -> str:

@@ -1,9 +1,9 @@
 """One registry for every fast kernel slimgrad can run: op family x device x dtype -> implementations.
 
-Why one registry: the CPU speed work (JIT-compiled CPU kernels) and the GPU work (Triton kernels) serve
+Why one registry: the CPU speed work (the compiled core's C++ kernels) and the GPU work (Triton kernels) serve
 the same autograd Functions. A Function asks ``choose(family, tensor)`` for an implementation and calls
 it; it never imports a backend itself. Each implementation declares what it supports (devices, dtypes),
-whether it can run here (its import succeeds, the JIT compiler is installed, ...) and a priority; the
+whether it can run here (its import succeeds, the core is built, ...) and a priority; the
 registry picks the first that fits, in the order the preference says, and the choice is inspectable
 (``table()`` and ``python -m slimgrad kernels``). This is xformers' attention dispatch, reduced.
 
@@ -16,15 +16,14 @@ Preference (``SLIMGRAD_KERNELS`` at import, or :func:`set_preference` / :func:`p
 * ``triton``: a Triton implementation wherever one exists for the family and dtype, on CUDA tensors and,
   when ``TRITON_INTERPRET=1`` is set, on CPU tensors (how tests check Triton kernels without a GPU);
   the torch implementation elsewhere.
-* ``numba``: the numba (CPU JIT) implementation wherever one exists, else torch.
 * ``core``: the compiled core's kernel (:mod:`slimgrad.csrc`) wherever one exists, else torch. Core kernels are
   skipped while the core is disabled (``SLIMGRAD_CORE=0``, ``slimgrad.csrc.disabled()``) or cannot be built.
 
 An unknown value, or ``triton`` when triton cannot be imported, is an error that says so.
 
 An implementation is any object; the family fixes its interface (documented where the family's
-Functions live). ``register`` takes a zero-argument ``load`` callable so that heavy imports (numba,
-triton) happen on first use, and a failed import makes the implementation unavailable, not an error.
+Functions live). ``register`` takes a zero-argument ``load`` callable so that heavy work (building
+the core, importing triton) happens on first use, and a failure makes the implementation unavailable, not an error.
 The lookup a Function does per call is one dict access once warm.
 """
 
@@ -53,17 +52,17 @@ __all__ = [
     "triton_interpreting",
 ]
 
-PREFERENCES = ("auto", "torch", "triton", "numba", "core")
+PREFERENCES = ("auto", "torch", "triton", "core")
 
 #: Backend names with a meaning to the preference logic.
-TORCH, TRITON, NUMBA, CORE = "torch", "triton", "numba", "core"
+TORCH, TRITON, CORE = "torch", "triton", "core"
 
 
 @dataclasses.dataclass
 class Kernel:
     """One implementation of one op family.
 
-    ``backend``: "torch", "numba" or "triton" (what the preference selects on). ``devices``: device types
+    ``backend``: "torch", "core" or "triton" (what the preference selects on). ``devices``: device types
     it runs on ("cpu", "cuda"; a Triton kernel lists "cuda" and runs on "cpu" only under the
     interpreter). ``dtypes``: the tensor dtypes it handles. ``priority``: higher wins under "auto".
     ``load``: returns the implementation object; called once, on first use; an exception there makes the
@@ -87,7 +86,7 @@ class Kernel:
             self._loaded = True
             try:
                 self._impl = self.load()
-            except Exception as exc:  # noqa: BLE001 - any import/JIT failure means "not available"
+            except Exception as exc:  # noqa: BLE001 - any import/build failure means "not available"
                 self._error = f"{type(exc).__name__}: {exc}"
                 self._impl = None
         return self._impl
@@ -126,6 +125,9 @@ def _read_env() -> str:
 
 
 def _check_preference(value: str, *, source: str) -> None:
+    if value == "numba":
+        raise ValueError(f"slimgrad: {source} is 'numba', but slimgrad's numba kernels were replaced by its compiled "
+                         f"core (one-pass C++ kernels, built on first use): use 'core' (or 'auto', the default)")
     if value not in PREFERENCES:
         raise ValueError(f"slimgrad: {source} must be one of {', '.join(PREFERENCES)}, got {value!r}")
     if value == TRITON and importlib.util.find_spec("triton") is None:
@@ -163,8 +165,8 @@ def preference(value: str):
 def register(family: str, backend: str, *, devices: Iterable[str], dtypes: Iterable[torch.dtype],
              load: Callable[[], object], priority: int = 0, note: str = "") -> Kernel:
     """Declare an implementation of ``family``. Registering is cheap: nothing is imported until used."""
-    if backend not in (TORCH, TRITON, NUMBA, CORE):
-        raise ValueError(f"slimgrad.kernels.register: 'backend' must be torch, triton, numba or core, got {backend!r}")
+    if backend not in (TORCH, TRITON, CORE):
+        raise ValueError(f"slimgrad.kernels.register: 'backend' must be torch, triton or core, got {backend!r}")
     kernel = Kernel(family, backend, tuple(devices), tuple(dtypes), load, priority, note)
     _KERNELS.setdefault(family, []).append(kernel)
     _CACHE.clear()
@@ -178,7 +180,7 @@ def _candidates(family: str, device_type: str, dtype: torch.dtype) -> list[Kerne
     pref = _PREFERENCE
     if pref == TORCH:
         kernels = [k for k in kernels if k.backend == TORCH]
-    elif pref in (TRITON, NUMBA, CORE):
+    elif pref in (TRITON, CORE):
         # The preferred backend first, then torch (never another fast backend).
         kernels = [k for k in kernels if k.backend in (pref, TORCH)]
         kernels.sort(key=lambda k: (k.backend != pref, -k.priority))
