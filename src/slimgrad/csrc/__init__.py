@@ -305,12 +305,12 @@ def for_eager(x: torch.Tensor):
     """The core module when an eager call on ``x`` may run it, else None: the core is on and built, ``x`` is a
     plain CPU tensor (not a subclass: DTensor, functorch wrappers, fake tensors), and neither torch.compile nor a
     torch.func transform is tracing. Each family adds its own conditions (dtype, layout, autocast)."""
+    if (not _STATE["enabled"] or type(x) is not torch.Tensor or x.device.type != "cpu"
+            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        return None  # checked before loading: never build or load the core inside a compile trace
     module = _STATE["module"]
     if module is _UNLOADED:
         module = core()
-    if (module is None or not _STATE["enabled"] or type(x) is not torch.Tensor or x.device.type != "cpu"
-            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
-        return None
     return module
 
 
