@@ -42,17 +42,6 @@ AvgPoolOptions make_options(int64_t nd, bool adaptive, std::vector<int64_t> kern
   return o;
 }
 
-bool channels_last_grad(const at::Tensor& x4, int64_t nd) {
-  // functional.pooling._grad_format: the input's suggested format (3-d: stock's kernels give contiguous).
-  if (nd == 3 || x4.is_contiguous()) return false;
-  return x4.dim() == 4 && x4.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
-}
-
-std::vector<int64_t> with_one(std::vector<int64_t> v, int64_t value) {
-  v.insert(v.begin(), value);
-  return v;
-}
-
 struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const AvgPoolOptions* o,
                             const std::vector<int64_t>* out_size) {
@@ -73,44 +62,46 @@ struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
       out = at::avg_pool3d(x, o->kernel, o->stride, o->padding, o->ceil_mode, o->count_include_pad,
                            o->divisor_override);
     }
-    const at::Tensor x4 = o->nd == 1 ? x.unsqueeze(-2) : x;
-    ctx->saved_data["shape"] = x4.sizes().vec();
-    ctx->saved_data["cl"] = channels_last_grad(x4, o->nd);
-    // The options object outlives no call: what backward needs is copied.
-    ctx->saved_data["nd"] = o->nd;
-    ctx->saved_data["adaptive"] = o->adaptive;
+    // What backward needs, in one int list: nd, adaptive, channels_last, ceil_mode, count_include_pad,
+    // has divisor, divisor, rank, the (1-d: unsqueezed) input shape, then kernel, stride, padding (1-d: 2-d's).
+    const bool one = o->nd == 1;
+    std::vector<int64_t> shape = x.sizes().vec();
+    if (one) shape.insert(shape.end() - 1, 1);
+    const bool cl = o->nd != 3 && !x.is_contiguous() && shape.size() == 4 &&
+                    (one ? x.unsqueeze(-2) : x).suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+    std::vector<int64_t> v = {o->nd, o->adaptive, cl, o->ceil_mode, o->count_include_pad,
+                              o->divisor_override.has_value(), o->divisor_override.value_or(0),
+                              static_cast<int64_t>(shape.size())};
+    v.insert(v.end(), shape.begin(), shape.end());
     if (!o->adaptive) {
-      const bool one = o->nd == 1;
-      ctx->saved_data["k"] = one ? with_one(o->kernel, 1) : o->kernel;
-      ctx->saved_data["s"] = one ? with_one(o->stride, 1) : o->stride;
-      ctx->saved_data["p"] = one ? with_one(o->padding, 0) : o->padding;
-      ctx->saved_data["ceil"] = o->ceil_mode;
-      ctx->saved_data["cip"] = o->count_include_pad;
-      ctx->saved_data["div"] = o->divisor_override.has_value() ? *o->divisor_override : int64_t(0);
-      ctx->saved_data["has_div"] = o->divisor_override.has_value();
+      for (const auto* opt : {&o->kernel, &o->stride, &o->padding}) {
+        if (one) v.push_back(opt == &o->padding ? 0 : 1);
+        v.insert(v.end(), opt->begin(), opt->end());
+      }
     }
+    ctx->saved_data["a"] = std::move(v);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const int64_t nd = ctx->saved_data["nd"].toInt();
-    const auto shape = ctx->saved_data["shape"].toIntVector();
-    const bool cl = ctx->saved_data["cl"].toBool();
+    const auto v = ctx->saved_data["a"].toIntVector();
+    const int64_t nd = v[0], rank = v[7];
+    const bool adaptive = v[1], cl = v[2], ceil = v[3], cip = v[4];
+    const std::optional<int64_t> div = v[5] ? std::optional<int64_t>(v[6]) : std::nullopt;
+    const std::vector<int64_t> shape(v.begin() + 8, v.begin() + 8 + rank);
     at::Tensor g = nd == 1 ? grads[0].unsqueeze(-2) : grads[0];
     const auto opts = g.options();
     auto stand_in = [&] { return at::empty({}, opts).expand(shape); };
     at::Tensor gi;
-    if (ctx->saved_data["adaptive"].toBool()) {
+    if (adaptive) {
       // No out= variant of its own: the result takes its layout from the input argument, whose values it never
       // reads (a channels_last buffer there, as the Python Function).
       const at::Tensor self = cl ? at::empty(shape, opts.memory_format(at::MemoryFormat::ChannelsLast)) : stand_in();
       gi = nd == 3 ? at::_adaptive_avg_pool3d_backward(g, self) : at::_adaptive_avg_pool2d_backward(g, self);
     } else {
-      const auto k = ctx->saved_data["k"].toIntVector(), s = ctx->saved_data["s"].toIntVector(),
-                 p = ctx->saved_data["p"].toIntVector();
-      const bool ceil = ctx->saved_data["ceil"].toBool(), cip = ctx->saved_data["cip"].toBool();
-      const std::optional<int64_t> div =
-          ctx->saved_data["has_div"].toBool() ? std::optional<int64_t>(ctx->saved_data["div"].toInt()) : std::nullopt;
+      const int64_t m = nd == 1 ? 2 : nd, o0 = 8 + rank;
+      const std::vector<int64_t> k(v.begin() + o0, v.begin() + o0 + m), s(v.begin() + o0 + m, v.begin() + o0 + 2 * m),
+          p(v.begin() + o0 + 2 * m, v.begin() + o0 + 3 * m);
       if (nd == 3) {
         gi = at::avg_pool3d_backward(g, stand_in(), k, s, p, ceil, cip, div);
       } else if (cl) {
