@@ -3,13 +3,13 @@
 //
 // slimgrad.functional.clamp.RangeMaskFunction, step for step, as one C++ autograd Function: the mask of the
 // pass region ("inside": lo < x < hi, NaN clear; "above": not x <= lo, NaN set) is packed in x's memory order by
-// a vectorised kernel (the contract of slimgrad.kernels.range_mask, registered there as its "core" backend),
-// the output is stock's own op (so its bits are stock's, NaN payloads and signed zeros included: stock's clamp
-// treats those differently on its vectorised and scalar paths), except for fp32 hardtanh / relu6, whose output is
-// made in the mask's pass (stock's op then only finishes the rare elements its paths disagree on), and backward is `bit ? grad : +0` (hardsigmoid:
-// after stock's own hardsigmoid_backward applies its factor). The kept tensors, the output-kept mode, the
-// gradient's strides and double backward are the Python Function's. Layout helpers are shared with
-// relu_mask.cpp (namespace slimgrad::masks), so this file is built together with it.
+// a vectorised kernel (the contract of slimgrad.kernels.range_mask, registered there as its "core" backend).
+// The output is made in the same pass where that gives stock's bits: fp32 hardtanh/relu6 and hardsigmoid (stock's
+// own op then finishes the rare elements, NaN or a zero of the other sign than a zero bound, whose bits its
+// vectorised and scalar paths disagree on) and fp32/fp64 threshold; elsewhere it is stock's op. Backward is
+// `bit ? grad : +0` in one pass (hardsigmoid: times stock's fp32 factor 1/6 in the same pass). The kept tensors,
+// the output-kept mode, the gradient's strides and double backward are the Python Function's. Layout helpers are
+// shared with relu_mask.cpp (namespace slimgrad::masks), so this file is built together with it.
 #include "common.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
@@ -253,6 +253,39 @@ bool hardsigmoid_bwd(const T* g, const uint8_t* m, T* out, int64_t nb, int64_t n
   return any.load() != 0 && sizeof(T) == 2;
 }
 
+// threshold on fp32/fp64 in one pass: the bit is !(x <= th) (th in x's dtype, as stock compares), and the output
+// is x where the bit is set, else `value` in x's dtype: stock's `x <= th ? value : x`, bit for bit (NaN and signed
+// zeros are never rewritten, on either of stock's paths).
+template <typename T>
+void threshold_fwd(const T* x, T* out, uint8_t* m, int64_t nb, int64_t n, T th, T value) {
+  at::parallel_for(0, nb, kGrainBytes, [&](int64_t b0, int64_t b1) {
+    int64_t b = b0;
+    const int64_t full = std::min(b1, n / 8);
+#if defined(__AVX2__)
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256 vth = _mm256_set1_ps(th), vval = _mm256_set1_ps(value);
+      for (; b < full; ++b) {
+        const __m256 v = _mm256_loadu_ps(x + 8 * b);
+        const __m256 bit = _mm256_cmp_ps(v, vth, _CMP_NLE_UQ);
+        m[b] = static_cast<uint8_t>(_mm256_movemask_ps(bit));
+        _mm256_storeu_ps(out + 8 * b, _mm256_blendv_ps(vval, v, bit));
+      }
+    }
+#endif
+    for (; b < b1; ++b) {
+      const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
+      int byte = 0;
+      for (int64_t j = 0; j < cnt; ++j) {
+        const T v = x[base + j];
+        const bool bit = !(v <= th);
+        byte |= bit << j;
+        out[base + j] = bit ? v : value;
+      }
+      m[b] = static_cast<uint8_t>(byte);
+    }
+  });
+}
+
 bool supported_dtype(const at::Tensor& x) {
   const auto t = x.scalar_type();
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
@@ -334,6 +367,25 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
                                          zmode, zbits);
       out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
       if (special) at::hardtanh_(out, lo, hi);  // stock's bits where its paths differ
+      ctx->saved_data["perm"] = perm;
+      ctx->saved_data["pshape"] = xc.sizes().vec();
+      if (inplace) ctx->mark_dirty({x});
+      ctx->save_for_backward({packed});
+      return out;
+    }
+    if (!keep_output && kind == kThreshold && dense &&
+        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble)) {
+      // One pass for output and mask, in x's memory order.
+      at::Tensor xc = perm.empty() ? x : x.permute(perm);
+      at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+      packed = at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "threshold_mask", [&] {
+        const at::Scalar th(lo), val(value);
+        threshold_fwd(xc.const_data_ptr<scalar_t>(), oc.mutable_data_ptr<scalar_t>(),
+                      packed.mutable_data_ptr<uint8_t>(), packed.numel(), x.numel(), th.to<scalar_t>(),
+                      val.to<scalar_t>());
+      });
+      out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
       ctx->saved_data["perm"] = perm;
       ctx->saved_data["pshape"] = xc.sizes().vec();
       if (inplace) ctx->mark_dirty({x});
