@@ -134,6 +134,29 @@ void apply_block(const scalar_t* x, scalar_t* out, int64_t b0, int64_t b1, int64
   }
 }
 
+// out (float) = float(x[i]) * (bit i ? scale : 0) for 16-bit x: the cast and the dropout of one pass.
+template <typename in_t, typename Bits>
+void apply_block_to_float(const in_t* x, float* out, int64_t b0, int64_t b1, int64_t n, float scale, Bits bits) {
+  using rVec = at::vec::Vectorized<in_t>;
+  const BitTable& t = table();
+  const int64_t full = std::min(b1, n / 8);
+  const fVec vs(scale);
+  int64_t b = b0;
+  for (; b + 1 < full; b += 2) {
+    const int64_t i = 8 * b;
+    const uint8_t lo_bits = bits(b), hi_bits = bits(b + 1);
+    auto [lo, hi] = at::vec::convert_to_float<in_t>(rVec::loadu(x + i));
+    (lo * (fVec::loadu(t.f[lo_bits]) * vs)).store(out + i);
+    (hi * (fVec::loadu(t.f[hi_bits]) * vs)).store(out + i + 8);
+  }
+  for (; b < b1; ++b) {
+    const uint8_t byte = bits(b);
+    const int64_t end = std::min<int64_t>(8 * b + 8, n);
+    for (int64_t i = 8 * b; i < end; ++i)
+      out[i] = static_cast<float>(x[i]) * ((byte >> (i - 8 * b)) & 1 ? scale : 0.0f);
+  }
+}
+
 // The dropout_bits kernel contract (slimgrad.kernels.dropout): x, keep contiguous, same shape.
 std::tuple<at::Tensor, at::Tensor> bits_forward(const at::Tensor& x, const at::Tensor& keep, double scale,
                                                 bool inplace) {
@@ -406,6 +429,61 @@ at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const 
   if (inplace && g.data_ptr() == grad.data_ptr()) out = g;
   at::Tensor gi = bits_backward(g, packed, scale, out);
   return perm.empty() ? gi : gi.permute(inverse(perm));
+}
+
+bool fuses_cast(const at::Tensor& x, at::ScalarType dtype) {
+  return dtype == at::kFloat && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+         x.is_contiguous();
+}
+
+Forward draw_and_apply_to(const at::Tensor& x, double p, at::ScalarType dtype) {
+  TORCH_CHECK(fuses_cast(x, dtype), "dropout draw_and_apply_to: a contiguous bf16/fp16 x to float32");
+  Forward f;
+  at::Tensor keep = at::empty_like(x, x.options().dtype(dtype)).bernoulli_(1 - p);  // empty_like(x.to(dtype))
+  f.noise_strides = keep.strides().vec();
+  f.noise_contiguous = true;
+  f.scale = noise_scale(p, dtype);
+  const int64_t n = x.numel();
+  const int64_t nbytes = (n + 7) / 8;
+  f.out = at::empty_like(keep);
+  f.packed = at::empty({nbytes}, x.options().dtype(at::kByte));
+  uint8_t* pk = f.packed.data_ptr<uint8_t>();
+  const float* k = keep.const_data_ptr<float>();
+  float* op = f.out.data_ptr<float>();
+  const auto s = static_cast<float>(f.scale);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "dropout_draw_and_apply_to", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, nbytes, kGrainBytes, [&](int64_t b0, int64_t b1) {
+      apply_block_to_float<scalar_t>(xp, op, b0, b1, n, s, [&](int64_t b) -> uint8_t {
+        uint8_t byte;
+        if (8 * b + 8 <= n) {
+          byte = pack8_nonzero<float>(k + 8 * b);
+        } else {
+          byte = 0;
+          for (int64_t i = 8 * b; i < n; ++i) byte |= static_cast<uint8_t>((k[i] != 0) << (i - 8 * b));
+        }
+        pk[b] = byte;
+        return byte;
+      });
+    });
+  });
+  return f;
+}
+
+at::Tensor apply_packed_to(const at::Tensor& x, const at::Tensor& packed, double scale, at::ScalarType dtype) {
+  TORCH_CHECK(fuses_cast(x, dtype), "dropout apply_packed_to: a contiguous bf16/fp16 x to float32");
+  const int64_t n = x.numel();
+  at::Tensor out = at::empty_like(x, x.options().dtype(dtype));
+  const uint8_t* pk = packed.const_data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const auto s = static_cast<float>(scale);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "dropout_apply_packed_to", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, (n + 7) / 8, kGrainBytes, [&](int64_t b0, int64_t b1) {
+      apply_block_to_float<scalar_t>(xp, op, b0, b1, n, s, [&](int64_t b) -> uint8_t { return pk[b]; });
+    });
+  });
+  return out;
 }
 
 }  // namespace dropout_core

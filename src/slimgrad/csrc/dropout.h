@@ -23,5 +23,11 @@ Forward draw_and_apply(const at::Tensor& input, double p, bool inplace);
 at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const std::vector<int64_t>& perm,
                         double scale, bool inplace);
 
+// x.to(dtype) then dropout, in one pass (the cast is exact): for a contiguous bf16/fp16 x and dtype float32, as
+// LoRA's adapters see x. fuses_cast says when these apply; the draw is stock's `empty_like(x.to(dtype))`.
+bool fuses_cast(const at::Tensor& x, at::ScalarType dtype);
+Forward draw_and_apply_to(const at::Tensor& x, double p, at::ScalarType dtype);
+at::Tensor apply_packed_to(const at::Tensor& x, const at::Tensor& packed, double scale, at::ScalarType dtype);
+
 }  // namespace dropout_core
 }  // namespace slimgrad

@@ -56,8 +56,16 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
   const bool need_x = need[0], need_w = need[1];
   bool any_a = false;
   for (size_t i = 0; i < n; ++i) any_a = any_a || need[3 + 3 * i];
-  at::Tensor xa = x;
-  if (n && cast && x.scalar_type() != t[3].scalar_type()) xa = x.to(t[3].scalar_type());
+  // x in the adapters' dtype, made when an adapter reads it (a dropping one reads x itself where the cast fuses
+  // into the dropout's pass)
+  const bool casts = n && cast && x.scalar_type() != t[3].scalar_type();
+  const at::ScalarType a_dtype = n ? t[3].scalar_type() : x.scalar_type();
+  const bool fuse = casts && dropout_core::fuses_cast(x, a_dtype);
+  at::Tensor xa_cache = casts ? at::Tensor() : x;
+  const auto xa = [&]() -> const at::Tensor& {
+    if (!xa_cache.defined()) xa_cache = x.to(a_dtype);
+    return xa_cache;
+  };
   std::vector<at::Tensor> kept_t(n), masks(n);
   std::vector<int64_t> u_dtypes(n), dropping(n, 0);
   std::vector<std::vector<int64_t>> perms(n);
@@ -65,16 +73,19 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor &A = t[3 + 3 * i], &B = t[4 + 3 * i], &b_bias = t[5 + 3 * i];
     const double p = ps[i];
-    at::Tensor dropped = xa, mask;
+    at::Tensor dropped, mask;
     if (p == 1) {
-      dropped = xa * at::zeros({}, xa.options());
+      dropped = xa() * at::zeros({}, xa().options());
     } else if (p > 0) {  // stock's draw (peft's nn.Dropout), kept as bits
-      dropout_core::Forward f = dropout_core::draw_and_apply(xa, p, false);
+      dropout_core::Forward f =
+          fuse ? dropout_core::draw_and_apply_to(x, p, a_dtype) : dropout_core::draw_and_apply(xa(), p, false);
       dropped = std::move(f.out);
       mask = std::move(f.packed);
       perms[i] = std::move(f.perm);
       scales[i] = f.scale;
       dropping[i] = 1;
+    } else {
+      dropped = xa();
     }
     at::Tensor ti = at::linear(dropped, A);
     dropped.reset();
@@ -200,12 +211,16 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
       at::Tensor dt = g_u.mm(B);
       g_u.reset();
       if (need_a) {
-        if (!xa.defined()) {
+        const bool fused = bits && cast && x.scalar_type() != A.scalar_type() && perm.empty() &&
+                           dropout_core::fuses_cast(x, A.scalar_type());
+        if (!xa.defined() && !fused) {
           xa = x;
           if (cast && x.scalar_type() != A.scalar_type()) xa = x.to(A.scalar_type());
         }
         at::Tensor dropped;
-        if (bits) {
+        if (fused) {
+          dropped = dropout_core::apply_packed_to(x, mask(i), scales[i], A.scalar_type());  // cast + dropout
+        } else if (bits) {
           dropped = dropout_core::apply_packed(xa, mask(i), perm, scales[i], false);
         } else if (zero.defined()) {
           dropped = xa * zero;
