@@ -21,6 +21,7 @@
 #include "common.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/Version.h>
 #include <c10/util/BFloat16.h>
@@ -279,6 +280,20 @@ inline void max_update(const acc_t* src, acc_t* bb, acc_t* bq, int64_t n, acc_t 
   }
 }
 
+// 16 channels as fp32 (fp64) vectors: loaded as they are, or converted exactly from bf16/fp16.
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+inline void load16(const scalar_t* p, at::vec::Vectorized<acc_t>* v) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    for (int i = 0; i < 16 / Vec::size(); ++i) v[i] = Vec::loadu(p + i * Vec::size());
+  } else {
+    static_assert(at::vec::Vectorized<scalar_t>::size() == 16 && Vec::size() == 8, "16 reduced floats a vector");
+    auto halves = at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(p));
+    v[0] = std::get<0>(halves);
+    v[1] = std::get<1>(halves);
+  }
+}
+
 // One output row at a time, vectorised over the row's outputs: for each window position (row-major, the
 // order stock scans), the row's inputs at that position (a strided slice) are compared with the running maxima
 // of all the outputs whose window has it in bounds. Each output sees stock's comparisons in stock's order, so
@@ -369,6 +384,9 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
   const int64_t nan_len = std::is_same_v<scalar_t, c10::BFloat16> && vector_conversions() ? vec_len : 0;
   const bool depthless_tail = o.nd == 3;
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int kVecs = 16 / Vec::size();
+  const int64_t C16 = C - C % 16;
   at::parallel_for(0, pixels, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(3 * C);
     acc_t* bm = buf.data();
@@ -381,27 +399,56 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
       const Span sh = span(oh, o.s[1], o.p[1], kH, dH, g.H);
       const Span sw = span(ow, o.s[2], o.p[2], kW, dW, g.W);
       const acc_t p0 = static_cast<acc_t>((sd.k0 * kH + sh.k0) * kW + sw.k0);
-      for (int64_t c = 0; c < C; ++c) {
-        bm[c] = -std::numeric_limits<acc_t>::infinity();
-        bp[c] = p0;
-      }
-      int64_t kd = sd.k0;
-      for (int64_t id = sd.start; id < sd.end; id += dD, ++kd) {
-        int64_t kh = sh.k0;
-        for (int64_t ih = sh.start; ih < sh.end; ih += dH, ++kh) {
-          int64_t kw = sw.k0;
-          for (int64_t iw = sw.start; iw < sw.end; iw += dW, ++kw) {
-            const scalar_t* in = x + (((n * g.D + id) * g.H + ih) * g.W + iw) * C;
-            const acc_t* src;
-            if constexpr (std::is_same_v<scalar_t, acc_t>) {
-              src = in;
-            } else {
-              for (int64_t c = 0; c < C; ++c) tmp[c] = static_cast<acc_t>(in[c]);
-              src = tmp;
-            }
-            max_update<acc_t>(src, bm, bp, C, static_cast<acc_t>((kd * kH + kh) * kW + kw));
+      // Every in-bounds window element in stock's (row-major) order: f(its channel vector, its position).
+      auto each = [&](auto&& f) {
+        int64_t kd = sd.k0;
+        for (int64_t id = sd.start; id < sd.end; id += dD, ++kd) {
+          int64_t kh = sh.k0;
+          for (int64_t ih = sh.start; ih < sh.end; ih += dH, ++kh) {
+            int64_t kw = sw.k0;
+            for (int64_t iw = sw.start; iw < sw.end; iw += dW, ++kw)
+              f(x + (((n * g.D + id) * g.H + ih) * g.W + iw) * C, static_cast<acc_t>((kd * kH + kh) * kW + kw));
           }
         }
+      };
+      // Blocks of 16 channels: maxima and positions stay in registers over the whole window.
+      for (int64_t c0 = 0; c0 < C16; c0 += 16) {
+        Vec best[kVecs], bpos[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          best[v] = Vec(ninf);
+          bpos[v] = Vec(p0);
+        }
+        each([&](const scalar_t* in, acc_t pv) {
+          Vec val[kVecs];
+          load16<scalar_t>(in + c0, val);
+          const Vec vp(pv);
+          for (int v = 0; v < kVecs; ++v) {
+            const Vec m = (val[v] > best[v]) | val[v].isnan();
+            best[v] = Vec::blendv(best[v], val[v], m);
+            bpos[v] = Vec::blendv(bpos[v], vp, m);
+          }
+        });
+        for (int v = 0; v < kVecs; ++v) {
+          best[v].store(bm + c0 + v * Vec::size());
+          bpos[v].store(bp + c0 + v * Vec::size());
+        }
+      }
+      if (C16 < C) {  // the other channels, through the arrays
+        const int64_t rest = C - C16;
+        for (int64_t c = C16; c < C; ++c) {
+          bm[c] = ninf;
+          bp[c] = p0;
+        }
+        each([&](const scalar_t* in, acc_t pv) {
+          const acc_t* src;
+          if constexpr (std::is_same_v<scalar_t, acc_t>) {
+            src = in + C16;
+          } else {
+            for (int64_t c = 0; c < rest; ++c) tmp[c] = static_cast<acc_t>(in[C16 + c]);
+            src = tmp;
+          }
+          max_update<acc_t>(src, bm + C16, bp + C16, rest, pv);
+        });
       }
       scalar_t* op = out + i * C;
       pos_t* pp = pos + i * C;
