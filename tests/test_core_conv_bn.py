@@ -381,6 +381,26 @@ def test_conv_padding_mode_view_input_trainable_weight_keeps_compact_copy(mode):
     assert saved_bytes(core_m, x) == x.numel() * x.element_size()
 
 
+def test_conv_module_copies_and_pickles_after_a_call():
+    """The module's cached core options are dropped by deepcopy and torch.save (remade on the next call)."""
+    import io
+
+    torch.manual_seed(0)
+    slim = slim_copy(nn.Conv2d(3, 4, 3).requires_grad_(False))
+    x = torch.randn(1, 3, 6, 6, requires_grad=True)
+    y = slim(x)
+    assert _ran_core(y)
+    twin = copy.deepcopy(slim)
+    buf = io.BytesIO()
+    torch.save(slim, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for m in (twin, loaded, copy.copy(slim)):
+        out = m(x)
+        assert _ran_core(out)
+        assert_same(out, y)
+
+
 def test_conv_module_options_changed_after_first_call():
     """The module's cached options are remade when an option attribute is replaced."""
     torch.manual_seed(0)

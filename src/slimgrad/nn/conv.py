@@ -40,21 +40,46 @@ def _stock_keeps_what_we_keep(self, input, weight) -> bool:
 # Each forward reads ``self.weight`` and ``self.bias`` once, as stock's does: under a parametrization
 # (spectral_norm, weight_norm) every read runs it, and spectral_norm's power iteration advances per run.
 
+def _dropped():
+    return None
+
+
+class _CoreCache:
+    """The module's cached core options: (option objects it was made from, the core, its ``conv_Cfg``). Copies
+    and pickles of the module drop it (the core's objects neither copy nor pickle); the next call remakes it."""
+
+    __slots__ = ("key", "cfg")
+
+    def __init__(self, key, cfg):
+        self.key, self.cfg = key, cfg
+
+    def __reduce__(self):
+        return (_dropped, ())
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return None
+
+
 def _core_cfg(self, core, weight, nd: int, transposed: bool):
     """The module's cached ``conv_Cfg`` (None: the core does not serve its options), remade when an option
     attribute was replaced since."""
     d = self.__dict__
     c = d.get("_slimgrad_conv_core")
-    if (c is not None and c[0] is self.stride and c[1] is self.padding and c[2] is self.dilation
-            and c[3] is self.groups and c[4] is self.padding_mode and c[5] is self.output_padding and c[6] is core
-            and c[7] is self._reversed_padding_repeated_twice):
-        return c[8]
+    if c is not None:
+        k = c.key
+        if (k[0] is self.stride and k[1] is self.padding and k[2] is self.dilation and k[3] is self.groups
+                and k[4] is self.padding_mode and k[5] is self.output_padding and k[6] is core
+                and k[7] is self._reversed_padding_repeated_twice):
+            return c.cfg
     # As stock's forward: with a padding mode, F.pad with the module's reversed padding, then padding 0.
     padding = self.padding if self.padding_mode == "zeros" else self._reversed_padding_repeated_twice
     cfg = core_cfg(core, nd, transposed, self.stride, padding, self.dilation, self.groups, self.output_padding,
                    self.padding_mode, weight, type(self).__name__)
-    d["_slimgrad_conv_core"] = (self.stride, self.padding, self.dilation, self.groups, self.padding_mode,
-                                self.output_padding, core, self._reversed_padding_repeated_twice, cfg)
+    d["_slimgrad_conv_core"] = _CoreCache((self.stride, self.padding, self.dilation, self.groups, self.padding_mode,
+                                           self.output_padding, core, self._reversed_padding_repeated_twice), cfg)
     return cfg
 
 
