@@ -387,18 +387,37 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int kVecs = 16 / Vec::size();
   const int64_t C16 = C - C % 16;
+  std::vector<Span> dspans(g.OD), hspans(g.OH), wspans(g.OW);
+  for (int64_t i = 0; i < g.OD; ++i) dspans[i] = span(i, o.s[0], o.p[0], kD, dD, g.D);
+  for (int64_t i = 0; i < g.OH; ++i) hspans[i] = span(i, o.s[1], o.p[1], kH, dH, g.H);
+  for (int64_t i = 0; i < g.OW; ++i) wspans[i] = span(i, o.s[2], o.p[2], kW, dW, g.W);
+  // fp32/fp64 blocks go straight to the output unless the arrays are read afterwards (indices, 3-d's rule).
+  const bool direct = std::is_same_v<scalar_t, acc_t> && idx == nullptr && !depthless_tail;
   at::parallel_for(0, pixels, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(3 * C);
     acc_t* bm = buf.data();
     acc_t* bp = bm + C;
     acc_t* tmp = bp + C;
+    // The pixel's coordinates, stepped (divisions only once per chunk).
+    int64_t ow = begin % g.OW, oh = (begin / g.OW) % g.OH, od = (begin / (g.OW * g.OH)) % g.OD,
+            n = begin / (g.OW * g.OH * g.OD);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t ow = i % g.OW, oh = (i / g.OW) % g.OH, od = (i / (g.OW * g.OH)) % g.OD,
-                    n = i / (g.OW * g.OH * g.OD);
-      const Span sd = span(od, o.s[0], o.p[0], kD, dD, g.D);
-      const Span sh = span(oh, o.s[1], o.p[1], kH, dH, g.H);
-      const Span sw = span(ow, o.s[2], o.p[2], kW, dW, g.W);
+      if (i != begin && ++ow == g.OW) {
+        ow = 0;
+        if (++oh == g.OH) {
+          oh = 0;
+          if (++od == g.OD) {
+            od = 0;
+            ++n;
+          }
+        }
+      }
+      const Span& sd = dspans[od];
+      const Span& sh = hspans[oh];
+      const Span& sw = wspans[ow];
       const acc_t p0 = static_cast<acc_t>((sd.k0 * kH + sh.k0) * kW + sw.k0);
+      scalar_t* op = out + i * C;
+      pos_t* pp = pos + i * C;
       // Every in-bounds window element in stock's (row-major) order: f(its channel vector, its position).
       auto each = [&](auto&& f) {
         int64_t kd = sd.k0;
@@ -428,9 +447,18 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
             bpos[v] = Vec::blendv(bpos[v], vp, m);
           }
         });
-        for (int v = 0; v < kVecs; ++v) {
-          best[v].store(bm + c0 + v * Vec::size());
-          bpos[v].store(bp + c0 + v * Vec::size());
+        if (direct) {  // straight to the output; positions through a small buffer
+          acc_t ptmp[16];
+          for (int v = 0; v < kVecs; ++v) {
+            best[v].store(reinterpret_cast<acc_t*>(op) + c0 + v * Vec::size());
+            bpos[v].store(ptmp + v * Vec::size());
+          }
+          for (int j = 0; j < 16; ++j) pp[c0 + j] = static_cast<pos_t>(ptmp[j]);
+        } else {
+          for (int v = 0; v < kVecs; ++v) {
+            best[v].store(bm + c0 + v * Vec::size());
+            bpos[v].store(bp + c0 + v * Vec::size());
+          }
         }
       }
       if (C16 < C) {  // the other channels, through the arrays
@@ -450,9 +478,7 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
           max_update<acc_t>(src, bm + C16, bp + C16, rest, pv);
         });
       }
-      scalar_t* op = out + i * C;
-      pos_t* pp = pos + i * C;
-      for (int64_t c = 0; c < C; ++c) {
+      for (int64_t c = direct ? C16 : 0; c < C; ++c) {
         op[c] = round_out<scalar_t, acc_t>(bm[c], c < nan_len);
         pp[c] = static_cast<pos_t>(bp[c]);
       }
