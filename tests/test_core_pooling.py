@@ -484,3 +484,13 @@ def test_avg_double_backward_refused():
     (g,) = torch.autograd.grad(out, x, torch.ones_like(out, requires_grad=True), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
+
+
+def test_revert_removes_the_cached_options():
+    import slimgrad
+
+    model = slimgrad.convert(nn.Sequential(nn.MaxPool2d(2), nn.AvgPool2d(2)))
+    model(torch.randn(1, 2, 8, 8, requires_grad=True))
+    assert all("_slimgrad_core_pool" in m.__dict__ for m in model)
+    slimgrad.revert(model)
+    assert not any("_slimgrad_core_pool" in m.__dict__ for m in model)

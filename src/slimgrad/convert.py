@@ -29,7 +29,8 @@ __all__ = ["ConversionReport", "convert", "qualified_name", "revert"]
 log = logging.getLogger("slimgrad")
 
 #: Attributes a replacement may set on a module at run time; revert removes them.
-_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept", POLICY_ATTRIBUTE)
+_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept", POLICY_ATTRIBUTE,
+                       "_slimgrad_core_pool")
 
 
 @dataclasses.dataclass(frozen=True)
