@@ -14,9 +14,9 @@ from torch.utils.checkpoint import checkpoint
 
 import slimgrad.nn.activation  # noqa: F401  (registers the replacements)
 from _util import FLOAT_DTYPES, assert_same, input_grad_as_returned, laid_out, saved_bytes, slim_copy
-from slimgrad.functional import _bitmask
 from slimgrad.functional._common import note_input_kept
 from slimgrad.functional.activation import leaky_relu, relu
+from slimgrad.kernels import bitmask as _bitmask
 
 LEAF_MSG = "a leaf Variable that requires grad is being used in an in-place"
 SPECIALS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.0, -3.0]

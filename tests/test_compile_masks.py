@@ -16,7 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import slimgrad
-from slimgrad.functional import _bitmask
+from slimgrad.kernels import bitmask as _bitmask
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 3, 5, 7), (4, 8, 16, 16), (1, 2, 3, 4, 5), (0, 3), (2, 0, 4)])

@@ -28,9 +28,10 @@ __all__ = ["ConversionReport", "convert", "qualified_name", "revert"]
 
 log = logging.getLogger("slimgrad")
 
-#: Attributes a replacement may set on a module at run time; revert removes them.
-_RUNTIME_ATTRIBUTES = ("_slimgrad_output_kept", "_slimgrad_task", "_slimgrad_uses_kept", POLICY_ATTRIBUTE,
-                       "_slimgrad_core_pool")
+#: Attributes a replacement may set on a module at run time (what it learned, the compiled core's per-module
+#: caches: every name starts with this prefix); revert removes them.
+_RUNTIME_PREFIX = "_slimgrad_"
+assert POLICY_ATTRIBUTE.startswith(_RUNTIME_PREFIX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +314,6 @@ def revert(model: nn.Module) -> nn.Module:
         stock = ORIGINALS.get(type(module))
         if stock is not None:
             module.__class__ = stock
-            for attr in _RUNTIME_ATTRIBUTES:
-                module.__dict__.pop(attr, None)
+            for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
+                del module.__dict__[attr]
     return model

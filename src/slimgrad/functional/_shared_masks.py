@@ -66,7 +66,7 @@ def pack(make_mask, source: torch.Tensor, order) -> torch.Tensor:
     """``_bitmask.pack_planar(make_mask(source), order)``, tagged so that :func:`share_masks` can read the mask
     from ``source`` instead where backward reads ``source`` anyway. ``make_mask`` must read nothing but
     ``source`` (and constants it makes)."""
-    from slimgrad.functional import _bitmask
+    from slimgrad.kernels import bitmask as _bitmask
 
     with tagged(SIGN):
         mask = make_mask(source)
@@ -76,7 +76,7 @@ def pack(make_mask, source: torch.Tensor, order) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, shape, order) -> torch.Tensor:
     """``_bitmask.unpack_planar``, tagged (see :func:`pack`)."""
-    from slimgrad.functional import _bitmask
+    from slimgrad.kernels import bitmask as _bitmask
 
     with tagged(UNPACK):
         return _bitmask.unpack_planar(packed, shape, order)

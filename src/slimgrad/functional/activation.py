@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import csrc
-from slimgrad.functional import _bitmask, _common, _layout, _shared_masks
+from slimgrad.functional import _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
+from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import relu_mask
 
 __all__ = ["relu", "leaky_relu"]

@@ -48,9 +48,10 @@ import numbers
 import torch
 
 from slimgrad import csrc
-from slimgrad.functional import _bitmask, _common, _layout, _shared_masks
+from slimgrad.functional import _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.functional.activation import LazyUseCell, _LearnHook
+from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import range_mask
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "threshold", "threshold_", "hardsigmoid", "RangeMaskFunction"]

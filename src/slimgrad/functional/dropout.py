@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import csrc
-from slimgrad.functional import _bitmask, _common, _layout
+from slimgrad.functional import _common, _layout
 from slimgrad.functional._common import check_tensor
+from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import dropout as kernels
 
 __all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d", "POLICIES", "set_dropout_policy",

@@ -36,6 +36,13 @@ from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_off, check_tensor, standin
 from slimgrad.kernels import max_pool
+from slimgrad.kernels.max_pool import (  # the family's torch reference pieces, shared with its kernels
+    _MAX_BACKWARD,
+    _MAX_FORWARD,
+    _indices_from_positions,
+    _positions_from_indices,
+    position_dtype,
+)
 
 __all__ = [
     "MaxPoolFunction",
@@ -54,11 +61,6 @@ __all__ = [
 
 aten = torch.ops.aten
 
-_MAX_FORWARD = {
-    1: torch.max_pool1d_with_indices,
-    2: torch._C._nn.max_pool2d_with_indices,
-    3: torch._C._nn.max_pool3d_with_indices,
-}
 _AVG_FORWARD = {1: torch.avg_pool1d, 2: torch._C._nn.avg_pool2d, 3: torch._C._nn.avg_pool3d}
 _ADAPTIVE_FORWARD = {
     1: torch.adaptive_avg_pool1d,
@@ -66,7 +68,6 @@ _ADAPTIVE_FORWARD = {
     3: torch._C._nn.adaptive_avg_pool3d,
 }
 # 1-d pooling is stock's 2-d kernel on x.unsqueeze(-2); its backward is the 2-d backward.
-_MAX_BACKWARD = {2: aten.max_pool2d_with_indices_backward, 3: aten.max_pool3d_with_indices_backward}
 _AVG_BACKWARD = {2: aten.avg_pool2d_backward, 3: aten.avg_pool3d_backward}
 _ADAPTIVE_BACKWARD = {2: aten._adaptive_avg_pool2d_backward, 3: aten._adaptive_avg_pool3d_backward}
 
@@ -82,16 +83,6 @@ def _tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
         raise ValueError(f"{fn}: '{name}' must be an int or a tuple of 1 or {nd} ints, got {value!r}")
     return tuple(int(v) for v in value)
 
-
-def position_dtype(window_volume: int) -> torch.dtype:
-    """Smallest integer dtype holding a position 0..window_volume-1 inside a pooling window."""
-    if window_volume <= 256:
-        return torch.uint8
-    if window_volume <= 2**15:
-        return torch.int16
-    if window_volume <= 2**31:
-        return torch.int32
-    return torch.int64
 
 
 def _is_default(stride) -> bool:
@@ -136,93 +127,6 @@ def _grad_buffer(shape, like: torch.Tensor, memory_format):
 
 
 # ----------------------------------------------------------------------------------------------- max
-
-
-def _window_starts(out_sizes, in_sizes, stride, padding, device, dtype):
-    """Flat offset (within one channel's spatial block) of each output's window origin, and the flat
-    strides of the spatial dims. The origin may lie in the padding, hence be negative."""
-    nd = len(in_sizes)
-    flat = [math.prod(in_sizes[i + 1:]) for i in range(nd)]
-    base = None
-    for i in range(nd):
-        start = torch.arange(out_sizes[i], device=device, dtype=dtype).mul_(stride[i]).sub_(padding[i])
-        start = start.mul_(flat[i]).reshape((-1,) + (1,) * (nd - 1 - i))
-        base = start if base is None else base + start
-    return base, flat
-
-
-def _window_offsets(kernel, dilation, flat, device):
-    """Flat offset from the window origin of each window position, in row-major kernel order."""
-    offsets = torch.zeros((), dtype=torch.int64, device=device)
-    for i in range(len(kernel)):
-        step = torch.arange(kernel[i], device=device).mul_(dilation[i] * flat[i])
-        offsets = offsets.unsqueeze(-1) + step
-    return offsets.reshape(-1)
-
-
-_MAX_TABLE = 1 << 22  # entries of the offset -> position table; beyond that, decode by division
-
-
-def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype, in_place,
-                            vmappable=False):
-    """Window-local position (row-major over the kernel) of each flat argmax index.
-
-    ``vmappable``: look the table up by indexing instead of ``torch.take`` (which vmap has no batching rule
-    for), as the torch.func twin (``_func_twins``) does.
-
-    Large temporaries cost more than arithmetic here (each fresh big allocation is paid in page faults),
-    so the common path allocates only the small result: the offset from the window origin is formed in
-    place in ``indices`` when the caller does not return them, then mapped to a position by a table.
-    """
-    nd = len(in_sizes)
-    out_sizes = indices.shape[-nd:]
-    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, indices.device, torch.int64)
-    # Offsets from the window origin are unique per window position unless a window's extent exceeds
-    # the input in some inner dim (tiny inputs), where two positions can share an offset.
-    unique = all((kernel[i] - 1) * dilation[i] < in_sizes[i] for i in range(1, nd))
-    extent = sum((kernel[i] - 1) * dilation[i] * flat[i] for i in range(nd)) + 1
-    if unique and extent <= _MAX_TABLE:
-        offsets = _window_offsets(kernel, dilation, flat, indices.device)
-        table = torch.zeros(extent, dtype=dtype, device=indices.device)
-        table[offsets] = torch.arange(offsets.numel(), device=indices.device).to(dtype)
-        off = indices.sub_(base) if in_place else indices - base
-        return table[off] if vmappable else torch.take(table, off)
-    mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
-    pos = None
-    for i in range(nd):
-        coord = torch.div(indices, flat[i], rounding_mode="floor")
-        if i > 0:
-            coord = coord.remainder_(in_sizes[i])
-        start = torch.arange(out_sizes[i], device=indices.device).mul_(stride[i]).sub_(padding[i])
-        k = coord.sub_(start.reshape((-1,) + (1,) * (nd - 1 - i))).div_(dilation[i], rounding_mode="floor")
-        pos = k.mul_(mult[i]) if pos is None else pos.add_(k, alpha=mult[i])
-    return pos.to(dtype)
-
-
-def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
-    """Stock's flat int64 argmax indices, rebuilt from window-local positions.
-
-    index = origin + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. Starting from
-    dilation_last * pos removes the last digit's term; the other digits are extracted in the positions'
-    small dtype, so the only large allocation is the int64 result itself.
-    """
-    nd = len(in_sizes)
-    out_sizes = pos.shape[-nd:]
-    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, pos.device, torch.int64)
-    mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
-    digits = []
-    for i in range(nd - 1):
-        digit = torch.div(pos, mult[i], rounding_mode="floor")
-        if i > 0:
-            digit.remainder_(kernel[i])
-        digits.append(digit)
-    idx = pos.to(torch.int64)
-    if dilation[-1] != 1:
-        idx.mul_(dilation[-1])
-    for i in range(nd - 1):
-        idx.add_(digits[i], alpha=dilation[i] * flat[i] - dilation[-1] * mult[i])
-        digits[i] = None
-    return idx.add_(base)
 
 
 def _depthless_winners(out) -> bool:

@@ -19,7 +19,7 @@ slow; seed on CUDA, where a counter-based generator is nearly free).
 * ``out = x * (keep ? scale : 0)``, the product rounded once in ``x``'s dtype (bf16/fp16: computed in
   fp32), bitwise stock's ``x * noise`` (so ``-x * 0 = -0.0``, ``inf * 0 = NaN``, as stock). ``inplace``:
   written into ``x``, which is returned.
-* ``packed``: ``keep`` packed in the :mod:`slimgrad.functional._bitmask` format (uint8, ``ceil(numel/8)``
+* ``packed``: ``keep`` packed in the :mod:`slimgrad.kernels.bitmask` format (uint8, ``ceil(numel/8)``
   bytes, element ``i`` of ``keep.reshape(-1)`` in bit ``i % 8`` of byte ``i // 8``, LSB first).
 * ``grad``: contiguous, ``x``'s shape; ``grad_input = grad * (bit ? scale : 0)`` rounded as above (stock's
   ``grad * noise``), a new contiguous tensor, or written into ``out`` (contiguous, grad's shape and dtype;
@@ -72,7 +72,7 @@ class TorchDropoutBits:
 
     @staticmethod
     def forward(x, keep, scale, inplace):
-        from slimgrad.functional import _bitmask
+        from slimgrad.kernels import bitmask as _bitmask
 
         noise = keep.to(x.dtype).mul_(scale)
         out = x.mul_(noise) if inplace else x * noise
@@ -83,7 +83,7 @@ class TorchDropoutBits:
 
     @staticmethod
     def backward(grad, packed, scale, out=None):
-        from slimgrad.functional import _bitmask
+        from slimgrad.kernels import bitmask as _bitmask
 
         noise = _bitmask.unpack(packed, grad.shape).to(grad.dtype).mul_(scale)
         return grad * noise if out is None else torch.mul(grad, noise, out=out)

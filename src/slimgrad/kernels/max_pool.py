@@ -17,7 +17,7 @@ Contract::
   the first maximum wins ties, the *last* NaN wins, and an all ``-inf`` window reports its first
   in-bounds position); comparisons in fp32 for bf16/fp16.
 * ``positions``: contiguous, ``out``'s shape, dtype
-  :func:`slimgrad.functional.pooling.position_dtype` ``(prod(kernel))`` (uint8 up to 256 window
+  :func:`position_dtype` ``(prod(kernel))`` (uint8 up to 256 window
   elements): the winner's index in row-major order over the *full* window (padding positions counted),
   ``sum_i k_i * prod(kernel[i+1:])`` for window offsets ``k_i``.
 * ``grad_out``: contiguous, ``out``'s shape. ``grad_input``: a new contiguous tensor of ``x_shape``, zero
@@ -33,6 +33,8 @@ would raise) go to the torch reference, which raises stock's error.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import registry
@@ -43,6 +45,118 @@ FAMILY = "max_pool_positions"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+
+# The family's torch reference pieces (also used by slimgrad.functional.pooling's Python Function).
+
+aten = torch.ops.aten
+
+_MAX_FORWARD = {
+    1: torch.max_pool1d_with_indices,
+    2: torch._C._nn.max_pool2d_with_indices,
+    3: torch._C._nn.max_pool3d_with_indices,
+}
+# 1-d pooling is stock's 2-d kernel on x.unsqueeze(-2); its backward is the 2-d backward.
+_MAX_BACKWARD = {2: aten.max_pool2d_with_indices_backward, 3: aten.max_pool3d_with_indices_backward}
+
+
+def position_dtype(window_volume: int) -> torch.dtype:
+    """Smallest integer dtype holding a position 0..window_volume-1 inside a pooling window."""
+    if window_volume <= 256:
+        return torch.uint8
+    if window_volume <= 2**15:
+        return torch.int16
+    if window_volume <= 2**31:
+        return torch.int32
+    return torch.int64
+
+
+def _window_starts(out_sizes, in_sizes, stride, padding, device, dtype):
+    """Flat offset (within one channel's spatial block) of each output's window origin, and the flat
+    strides of the spatial dims. The origin may lie in the padding, hence be negative."""
+    nd = len(in_sizes)
+    flat = [math.prod(in_sizes[i + 1:]) for i in range(nd)]
+    base = None
+    for i in range(nd):
+        start = torch.arange(out_sizes[i], device=device, dtype=dtype).mul_(stride[i]).sub_(padding[i])
+        start = start.mul_(flat[i]).reshape((-1,) + (1,) * (nd - 1 - i))
+        base = start if base is None else base + start
+    return base, flat
+
+
+def _window_offsets(kernel, dilation, flat, device):
+    """Flat offset from the window origin of each window position, in row-major kernel order."""
+    offsets = torch.zeros((), dtype=torch.int64, device=device)
+    for i in range(len(kernel)):
+        step = torch.arange(kernel[i], device=device).mul_(dilation[i] * flat[i])
+        offsets = offsets.unsqueeze(-1) + step
+    return offsets.reshape(-1)
+
+
+_MAX_TABLE = 1 << 22  # entries of the offset -> position table; beyond that, decode by division
+
+
+def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype, in_place,
+                            vmappable=False):
+    """Window-local position (row-major over the kernel) of each flat argmax index.
+
+    ``vmappable``: look the table up by indexing instead of ``torch.take`` (which vmap has no batching rule
+    for), as the torch.func twin (``_func_twins``) does.
+
+    Large temporaries cost more than arithmetic here (each fresh big allocation is paid in page faults),
+    so the common path allocates only the small result: the offset from the window origin is formed in
+    place in ``indices`` when the caller does not return them, then mapped to a position by a table.
+    """
+    nd = len(in_sizes)
+    out_sizes = indices.shape[-nd:]
+    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, indices.device, torch.int64)
+    # Offsets from the window origin are unique per window position unless a window's extent exceeds
+    # the input in some inner dim (tiny inputs), where two positions can share an offset.
+    unique = all((kernel[i] - 1) * dilation[i] < in_sizes[i] for i in range(1, nd))
+    extent = sum((kernel[i] - 1) * dilation[i] * flat[i] for i in range(nd)) + 1
+    if unique and extent <= _MAX_TABLE:
+        offsets = _window_offsets(kernel, dilation, flat, indices.device)
+        table = torch.zeros(extent, dtype=dtype, device=indices.device)
+        table[offsets] = torch.arange(offsets.numel(), device=indices.device).to(dtype)
+        off = indices.sub_(base) if in_place else indices - base
+        return table[off] if vmappable else torch.take(table, off)
+    mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
+    pos = None
+    for i in range(nd):
+        coord = torch.div(indices, flat[i], rounding_mode="floor")
+        if i > 0:
+            coord = coord.remainder_(in_sizes[i])
+        start = torch.arange(out_sizes[i], device=indices.device).mul_(stride[i]).sub_(padding[i])
+        k = coord.sub_(start.reshape((-1,) + (1,) * (nd - 1 - i))).div_(dilation[i], rounding_mode="floor")
+        pos = k.mul_(mult[i]) if pos is None else pos.add_(k, alpha=mult[i])
+    return pos.to(dtype)
+
+
+def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
+    """Stock's flat int64 argmax indices, rebuilt from window-local positions.
+
+    index = origin + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. Starting from
+    dilation_last * pos removes the last digit's term; the other digits are extracted in the positions'
+    small dtype, so the only large allocation is the int64 result itself.
+    """
+    nd = len(in_sizes)
+    out_sizes = pos.shape[-nd:]
+    base, flat = _window_starts(out_sizes, in_sizes, stride, padding, pos.device, torch.int64)
+    mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
+    digits = []
+    for i in range(nd - 1):
+        digit = torch.div(pos, mult[i], rounding_mode="floor")
+        if i > 0:
+            digit.remainder_(kernel[i])
+        digits.append(digit)
+    idx = pos.to(torch.int64)
+    if dilation[-1] != 1:
+        idx.mul_(dilation[-1])
+    for i in range(nd - 1):
+        idx.add_(digits[i], alpha=dilation[i] * flat[i] - dilation[-1] * mult[i])
+        digits[i] = None
+    return idx.add_(base)
+
+
 class TorchMaxPoolPositions:
     """Reference: stock's ``max_poolNd_with_indices`` forward, positions derived from its indices; backward
     rebuilds stock's int64 indices and runs stock's backward kernel."""
@@ -51,28 +165,26 @@ class TorchMaxPoolPositions:
 
     @staticmethod
     def forward(x, kernel, stride, padding, dilation, ceil_mode):
-        from slimgrad.functional import pooling as P
-
         nd = len(kernel)
-        out, indices = P._MAX_FORWARD[nd](x, kernel, stride, padding, dilation, ceil_mode)
-        dtype = P.position_dtype(_prod(kernel))
-        pos = P._positions_from_indices(indices, tuple(x.shape[-nd:]), kernel, stride, padding, dilation, dtype,
+        out, indices = _MAX_FORWARD[nd](x, kernel, stride, padding, dilation, ceil_mode)
+        dtype = position_dtype(_prod(kernel))
+        pos = _positions_from_indices(indices, tuple(x.shape[-nd:]), kernel, stride, padding, dilation, dtype,
                                         in_place=True)
         return out, pos
 
     @staticmethod
     def backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode):
-        from slimgrad.functional import pooling as P
-
         nd = len(kernel)
         shape = tuple(x_shape)
-        indices = P._indices_from_positions(positions, shape[-nd:], kernel, stride, padding, dilation)
+        indices = _indices_from_positions(positions, shape[-nd:], kernel, stride, padding, dilation)
         if nd == 1:
             shape = shape[:-1] + (1, shape[-1])
             grad_out, indices = grad_out.unsqueeze(-2), indices.unsqueeze(-2)
             kernel, stride, padding, dilation = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
-        op = P._MAX_BACKWARD[max(nd, 2)]
-        grad = op(grad_out, P.standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
+        op = _MAX_BACKWARD[max(nd, 2)]
+        # backward reads only the input's shape: a one-element stand-in expanded to it
+        x_standin = torch.empty((), dtype=grad_out.dtype, device=grad_out.device).expand(shape)
+        grad = op(grad_out, x_standin, kernel, stride, padding, dilation, ceil_mode, indices)
         return grad.squeeze(-2) if nd == 1 else grad
 
 

@@ -16,7 +16,7 @@ compare the others with)::
   the way stock's backward kernel does, see ``slimgrad.functional.clamp._bounds``).
 * ``packed``: ``uint8``, 1-D, ``ceil(numel / 8)`` bytes, bit ``i % 8`` (LSB first) of byte ``i // 8`` for
   element ``i`` of ``x.reshape(-1)``, unused high bits of the last byte zero (the format of
-  :mod:`slimgrad.functional._bitmask`).
+  :mod:`slimgrad.kernels.bitmask`).
 * ``grad``: contiguous, never requiring grad. ``grad_input``: a new contiguous tensor of grad's shape and
   dtype, bitwise ``bit ? grad : +0.0`` (so inf/NaN gradients at clear bits give +0, as stock's kernels).
 
@@ -62,7 +62,7 @@ class TorchRangeMask:
 
     @staticmethod
     def pack(x: torch.Tensor, rule: str, lo: float, hi: float) -> torch.Tensor:
-        from slimgrad.functional import _bitmask
+        from slimgrad.kernels import bitmask as _bitmask
 
         if torch.compiler.is_compiling():
             flat = mask_torch(x, rule, lo, hi).reshape(-1)
@@ -83,7 +83,7 @@ class TorchRangeMask:
 
     @staticmethod
     def select(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        from slimgrad.functional import _bitmask
+        from slimgrad.kernels import bitmask as _bitmask
 
         mask = _bitmask.unpack(packed, grad.shape)
         bits = grad.view(_SAME_SIZE_INT[grad.element_size()])

@@ -18,7 +18,7 @@ compare the others with)::
   leaky_relu is ``x > 0 ? x : x * slope`` (NaN takes the product branch and stays NaN).
 * ``packed``: ``uint8``, 1-D, ``ceil(numel / 8)`` bytes, bit ``i % 8`` (LSB first) of byte ``i // 8`` holds
   element ``i`` of ``x.reshape(-1)``, unused high bits of the last byte zero
-  (``numpy.packbits(..., bitorder="little")``, the format of :mod:`slimgrad.functional._bitmask`). The bit
+  (``numpy.packbits(..., bitorder="little")``, the format of :mod:`slimgrad.kernels.bitmask`). The bit
   says "the gradient passes unscaled":
 
   - relu: ``out != 0`` — set for ``x > 0`` and for NaN (stock's ``threshold_backward(grad, out, 0)`` is
@@ -62,7 +62,7 @@ class TorchReluMask:
 
     @staticmethod
     def forward(x: torch.Tensor, negative_slope, inplace: bool):
-        from slimgrad.functional import _bitmask
+        from slimgrad.kernels import bitmask as _bitmask
 
         relu = negative_slope is None
         if not relu and not inplace:
@@ -98,7 +98,7 @@ class TorchReluMask:
 
     @staticmethod
     def backward(grad: torch.Tensor, packed: torch.Tensor, negative_slope):
-        from slimgrad.functional import _bitmask
+        from slimgrad.kernels import bitmask as _bitmask
 
         mask = _bitmask.unpack(packed, grad.shape)
         if negative_slope is None:

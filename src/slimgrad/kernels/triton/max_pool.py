@@ -123,7 +123,7 @@ def _reference():
 def forward(x, kernel, stride, padding, dilation, ceil_mode):
     if len(kernel) == 3:
         return _reference().forward(x, kernel, stride, padding, dilation, ceil_mode)
-    from slimgrad.functional.pooling import position_dtype
+    from slimgrad.kernels.max_pool import position_dtype
 
     nd = len(kernel)
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _as_2d(kernel, stride, padding, dilation)
