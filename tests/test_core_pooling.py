@@ -438,7 +438,7 @@ def test_avg_modules_match_stock_and_python(stock, shape, dtype, layout):
     (P.adaptive_avg_pool1d, F.adaptive_avg_pool1d, (5,)),
     (P.adaptive_avg_pool2d, F.adaptive_avg_pool2d, ((None, 4),)),
     (P.adaptive_avg_pool3d, F.adaptive_avg_pool3d, ((2, 3, 2),)),
-], ids=str)
+], ids=lambda v: getattr(v, "__name__", str(v)))  # names, not reprs with addresses (xdist compares ids)
 def test_avg_functional_matches_stock_and_python(fn, stock_fn, args):
     nd = int(fn.__name__[-2])
     x = make_input((2, 3) + (7, 8, 9)[3 - nd:], torch.float32, "special", "contiguous")
