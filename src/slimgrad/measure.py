@@ -140,6 +140,9 @@ def _physical(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_CORE_NODE = "torch::autograd::CppNode<slimgrad::"
+
+
 def saved_in_graph(*outputs: torch.Tensor, exclude: Iterable = ()) -> list[SavedRecord]:
     """What the autograd graph behind ``outputs`` keeps for backward, read from the graph itself: one
     :class:`SavedRecord` per distinct storage, parameters and ``exclude`` (modules or tensors) left out.
@@ -149,7 +152,9 @@ def saved_in_graph(*outputs: torch.Tensor, exclude: Iterable = ()) -> list[Saved
     matters (the model's output, say), before returning. Stock nodes expose what they saved as ``_saved_*``
     attributes, custom Functions as ``saved_tensors``; functorch's wrappers are looked through, so under a
     ``vmap`` a record is the whole batch's storage. Tensors kept as ctx attributes are not seen (slimgrad keeps
-    none). Outside transforms it agrees with :func:`saved_bytes` for the same forward.
+    none). Outside transforms it agrees with :func:`saved_bytes` for the same forward, where the forward ran
+    slimgrad's Python path: the compiled core's C++ nodes do not show their saved tensors to Python, so a graph
+    holding one is refused with a ValueError that says what to use instead.
     """
     excluded = _excluded_keys(exclude)
     seen_nodes, seen, records = set(), set(), []
@@ -159,6 +164,12 @@ def saved_in_graph(*outputs: torch.Tensor, exclude: Iterable = ()) -> list[Saved
         if node in seen_nodes:
             continue
         seen_nodes.add(node)
+        if node.name().startswith(_CORE_NODE):
+            raise ValueError(
+                "saved_in_graph: the graph holds a node of slimgrad's compiled core (a C++ autograd Function, "
+                f"{node.name()}), whose saved tensors Python cannot read. In eager mode count with "
+                "slimgrad.measure.SavedTensors / saved_bytes (saved-tensor hooks see the core's tensors), or run the "
+                "forward under slimgrad.csrc.disabled(); under torch.func the core never runs.")
         values = []
         for name in dir(node):
             if name.startswith("_saved_"):
