@@ -284,10 +284,7 @@ def enabled() -> bool:
 
 def set_enabled(flag: bool) -> None:
     """Turn the core on or off, process-wide (``SLIMGRAD_CORE=0`` at start-up is the same as off)."""
-    _STATE["enabled"] = bool(flag)
-    from slimgrad.kernels import registry
-
-    registry.clear_cache()
+    _STATE["enabled"] = bool(flag)  # the kernel registry keys its cached choices on this flag
 
 
 @contextlib.contextmanager

@@ -26,14 +26,10 @@
 #include <immintrin.h>
 #endif
 
+#include "layout.h"
+
 namespace slimgrad {
 namespace masks {  // defined in relu_mask.cpp
-using Strides = std::vector<int64_t>;
-Strides binary_strides(at::IntArrayRef shape, at::IntArrayRef first, at::IntArrayRef second);
-Strides like_strides(const at::Tensor& t);
-at::Tensor conform(const at::Tensor& t, const Strides& strides);
-Strides memory_order(const at::Tensor& t, bool& dense);
-Strides inverse(const Strides& perm);
 at::Tensor unpack(const at::Tensor& packed, at::IntArrayRef shape);
 at::Tensor select(const at::Tensor& grad, const at::Tensor& packed);
 }  // namespace masks

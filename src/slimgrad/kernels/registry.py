@@ -110,7 +110,7 @@ class Kernel:
 
 
 _KERNELS: dict[str, list[Kernel]] = {}
-_CACHE: dict[tuple[str, str, torch.dtype], object] = {}
+_CACHE: dict[tuple[str, str, torch.dtype, bool], object] = {}
 
 
 def triton_interpreting() -> bool:
@@ -192,14 +192,19 @@ def _candidates(family: str, device_type: str, dtype: torch.dtype) -> list[Kerne
     return kernels
 
 
-def _core_enabled() -> bool:
-    from slimgrad import csrc
+_CORE_STATE: list = []  # slimgrad.csrc's state dict, looked up once (kernels never import it at module level)
 
-    return csrc.enabled()
+
+def _core_enabled() -> bool:
+    if not _CORE_STATE:
+        from slimgrad import csrc
+
+        _CORE_STATE.append(csrc._STATE)
+    return _CORE_STATE[0]["enabled"]
 
 
 def clear_cache() -> None:
-    """Forget the per-(family, device, dtype) choices (after the core is switched on or off)."""
+    """Forget the per-(family, device, dtype) choices."""
     _CACHE.clear()
 
 
@@ -214,7 +219,8 @@ def choose_kernel(family: str, device_type: str, dtype: torch.dtype) -> Kernel |
 def choose(family: str, tensor: torch.Tensor):
     """The implementation object to use for ``family`` on ``tensor``'s device and dtype, or None when no
     registered implementation fits (the caller then runs its own torch code)."""
-    key = (family, tensor.device.type, tensor.dtype)
+    # the core's switch is part of the key: csrc.disabled() around one call does not cost the next a lookup
+    key = (family, tensor.device.type, tensor.dtype, _core_enabled())
     try:
         return _CACHE[key]
     except KeyError:
