@@ -128,16 +128,9 @@ class CoreDropoutBits:
         self.backward = core.dropout_bits_backward
 
 
-def _load_core():
-    from slimgrad import csrc
 
-    core = csrc.core()
-    if core is None:
-        raise RuntimeError("the compiled core is unavailable (python -m slimgrad kernels says why)")
-    return CoreDropoutBits(core)
-
-
-registry.register(BITS, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20, load=_load_core,
+registry.register(BITS, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20,
+                  load=registry.core_loader(CoreDropoutBits),
                   note="compiled core: mask applied and packed in one parallel pass")
 registry.register(SEED, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: SEED_TORCH,
                   note="private torch.Generator per call (reference)")

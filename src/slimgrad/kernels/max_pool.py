@@ -234,16 +234,9 @@ class CoreMaxPoolPositions:
         return grad
 
 
-def _load_core():
-    from slimgrad import csrc
 
-    core = csrc.core()
-    if core is None:
-        raise RuntimeError("the compiled core is unavailable (python -m slimgrad kernels says why)")
-    return CoreMaxPoolPositions(core)
-
-
-registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20, load=_load_core,
+registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20,
+                  load=registry.core_loader(CoreMaxPoolPositions),
                   note="compiled core: output and positions in one parallel pass, parallel scatter backward")
 
 

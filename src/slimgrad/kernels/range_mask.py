@@ -108,16 +108,9 @@ class CoreRangeMask:
         self.select = core.range_mask_select
 
 
-def _load_core():
-    from slimgrad import csrc
 
-    core = csrc.core()
-    if core is None:
-        raise RuntimeError("the compiled core is off or unavailable (python -m slimgrad kernels says why)")
-    return CoreRangeMask(core)
-
-
-registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, load=_load_core, priority=20,
+registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20,
+                  load=registry.core_loader(CoreRangeMask),
                   note="compiled core: one pass packing, one pass selecting")
 
 

@@ -40,6 +40,7 @@ import torch
 __all__ = [
     "Kernel",
     "PREFERENCES",
+    "core_loader",
     "register",
     "choose",
     "choose_or_reference",
@@ -201,6 +202,21 @@ def _core_enabled() -> bool:
 
         _CORE_STATE.append(csrc._STATE)
     return _CORE_STATE[0]["enabled"]
+
+
+def core_loader(make: Callable[[object], object]) -> Callable[[], object]:
+    """A ``load`` for a core kernel: ``make(core module)``, or an error (the kernel is then unavailable) where the
+    compiled core is off or could not be built."""
+
+    def load():
+        from slimgrad import csrc
+
+        core = csrc.core()
+        if core is None:
+            raise RuntimeError("the compiled core is off or unavailable (python -m slimgrad kernels says why)")
+        return make(core)
+
+    return load
 
 
 def clear_cache() -> None:

@@ -128,16 +128,9 @@ class CoreReluMask:
         self.backward = core.relu_mask_backward
 
 
-def _load_core():
-    from slimgrad import csrc
 
-    core = csrc.core()
-    if core is None:
-        raise RuntimeError("the compiled core is off or unavailable (python -m slimgrad kernels says why)")
-    return CoreReluMask(core)
-
-
-registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, load=_load_core, priority=20,
+registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20,
+                  load=registry.core_loader(CoreReluMask),
                   note="compiled core: one pass for output and mask")
 
 
