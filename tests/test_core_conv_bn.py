@@ -293,17 +293,20 @@ def test_functional_forms_run_the_core():
 
 
 def test_computed_weight_keeps_x_and_tells_its_producer():
-    """A weight that trains but is not a leaf (a computed weight: stock would keep it too, an extra tensor) with
-    a frozen X: the core keeps X alone and notes it for X's producer (the producer/consumer rule)."""
+    """A weight that trains but is not a leaf (a computed weight: stock would keep it too, an extra tensor): with
+    a frozen X the core keeps X alone; with an X that a producer made (producers mark only outputs that require
+    grad) it notes X for that producer (the producer/consumer rule)."""
     torch.manual_seed(0)
     x = torch.randn(2, 4, 6, 6)
+    produced = x.clone().requires_grad_() * 1.0
     cell = _common.UseCell()
-    _common.mark_producer(x, cell)
+    _common.mark_producer(produced, cell)
     base = torch.randn(6, 4, 3, 3, requires_grad=True)
-    w = base * 1.5
-    out = sf.conv2d(x, w, None, padding=1)
-    assert _ran_core(out)
+    sf.conv2d(produced, base * 1.5, None, padding=1)  # X and the weight train: stock's op, X noted for its producer
     assert cell.kept
+    base.grad = None
+    out = sf.conv2d(x, base * 1.5, None, padding=1)
+    assert _ran_core(out)
     out.backward(torch.ones_like(out))
     base2 = base.detach().clone().requires_grad_()
     ref = F.conv2d(x, base2 * 1.5, None, padding=1)
