@@ -11,6 +11,7 @@
 // the output-kept mode, the gradient's strides and double backward are the Python Function's. Layout helpers are
 // shared with relu_mask.cpp (namespace slimgrad::masks), so this file is built together with it.
 #include "common.h"
+#include "simd16.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -135,32 +136,8 @@ bool hardtanh_fp32(const float* x, float* out, uint8_t* m, int64_t nb, int64_t n
 }
 
 #if defined(__AVX2__)
-// Eight 16-bit floats <-> eight fp32 lanes (as relu_mask.cpp's: exact widening, round-to-nearest-even narrowing).
-template <typename T>
-inline __m256 load8f(const T* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  else
-    return _mm256_cvtph_ps(h);
-}
-
-template <typename T>
-inline void store8f(T* p, __m256 v) {
-  __m128i h;
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
-    t = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), t, ordered);
-    t = _mm256_permute4x64_epi64(_mm256_packus_epi32(t, t), 0x08);
-    h = _mm256_castsi256_si128(t);
-  } else {
-    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-}
+using simd::load8f;
+using simd::store8f;
 #endif
 
 // hardsigmoid in one pass: out = min(max(x + 3, 0), 6) / 6 (fp32 for fp32 and the 16-bit dtypes, rounded once;
