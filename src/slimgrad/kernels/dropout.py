@@ -62,7 +62,10 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 def noise_scale(p: float, dtype: torch.dtype) -> float:
     """The value of stock's noise at kept elements: ``1 / (1 - p)`` rounded by ``div_`` in ``dtype`` (once per
     ``(p, dtype)``: a host sync per call otherwise)."""
-    return torch.ones((), dtype=dtype).div_(1 - p).item()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # a real CPU scalar also under a fake-tensor mode (slimgrad.estimate)
+        return torch.ones((), dtype=dtype).div_(1 - p).item()
 
 
 class TorchDropoutBits:

@@ -232,9 +232,17 @@ def choose_kernel(family: str, device_type: str, dtype: torch.dtype) -> Kernel |
     return None
 
 
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
 def choose(family: str, tensor: torch.Tensor):
     """The implementation object to use for ``family`` on ``tensor``'s device and dtype, or None when no
     registered implementation fits (the caller then runs its own torch code)."""
+    if type(tensor) is not torch.Tensor and _is_fake(tensor):
+        return None  # fake tensors (slimgrad.estimate, export) have no data for a kernel to read: torch code
     # the core's switch is part of the key: csrc.disabled() around one call does not cost the next a lookup
     key = (family, tensor.device.type, tensor.dtype, _core_enabled())
     try:

@@ -1,0 +1,588 @@
+"""``slimgrad.estimate``: the peak memory of one training step, known before the step runs.
+
+The step (forward, loss, backward, and optionally the optimizer's step) runs once on fake tensors
+(``torch._subclasses.FakeTensorMode``: the shapes, dtypes, strides and devices of the real run, no data), so
+nothing the size of an activation is allocated. An allocator simulation watches every op the dispatcher sees
+(forward, backward, optimizer) and replays what a real allocator would hold:
+
+* an op's outputs that bring a new storage are an allocation of that storage's bytes (rounded to the CUDA
+  caching allocator's 512-byte blocks on CUDA);
+* a storage is freed when no tensor, view or autograd node refers to it any more; frees are looked for before
+  each op, so the bytes alive while an op runs are exactly those that a real run holds then;
+* parameters, buffers and inputs are alive from the start; gradients are the storages that end up in a
+  parameter's ``.grad``; optimizer state is what the optimizer's step allocates and keeps.
+
+Why fake tensors rather than the meta device: fake tensors report the real device, so every layer (stock,
+slimgrad's Python path, Hugging Face's attention dispatch) takes the branch it takes in the real run.
+Not seen: scratch space a kernel allocates and frees inside one op (oneDNN's convolution backward on CPU,
+cuDNN's workspace on CUDA). The tests measure how far that puts the estimate from the allocator's records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["BlockEstimate", "MemoryEstimate", "estimate", "parse_bytes", "blocks_of"]
+
+_CUDA_BLOCK = 512
+
+
+def parse_bytes(value, what: str = "budget") -> int:
+    """``12GiB``, ``"800 MB"``, ``1.5e9`` or an int: bytes. GiB/MiB/KiB are powers of 1024, GB/MB/KB of 1000."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: expected a number of bytes or a string like '12GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"{what}: expected a positive number of bytes, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B|B)?\s*", value)
+        if m:
+            scale = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[m.group(2)]
+            n = int(float(m.group(1)) * scale)
+            if n > 0:
+                return n
+    raise ValueError(f"{what}: expected a positive number of bytes or a string like '12GiB', '800MB', got {value!r}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# -- blocks -------------------------------------------------------------------------------------------------
+
+
+def blocks_of(model: nn.Module) -> list[str]:
+    """The repeated blocks a plan decides about: the children of the longest ``nn.ModuleList`` or
+    ``nn.Sequential`` of same-typed modules (a transformer's layers, a ResNet's stages), and for a model
+    without one, its top-level children that hold parameters.
+
+    Several lists of the same length (an encoder and a decoder, a UNet's down and up blocks) all count."""
+    found: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
+            kids = list(m.named_children())
+            if any(sum(1 for _ in k.parameters()) for _, k in kids):
+                found.append((path, m))
+    # keep outermost lists whose children are not themselves inside another kept list
+    lists = []
+    for path, m in found:
+        if any(path.startswith(p + ".") for p, _ in lists):
+            continue
+        kids = [k for _, k in m.named_children()]
+        if len({type(k) for k in kids}) > 2 and isinstance(m, nn.Sequential) and path == "":
+            pass
+        lists.append((path, m))
+    blocks = []
+    for path, m in lists:
+        for name, _ in m.named_children():
+            blocks.append(f"{path}.{name}" if path else name)
+    if not blocks:
+        blocks = [name for name, m in model.named_children() if any(True for _ in m.parameters())]
+    return blocks
+
+
+# -- results ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BlockEstimate:
+    """One block's share: its parameters, their gradients and optimizer state, the activations it keeps for
+    backward (alive at the end of forward), and the most bytes alive while it ran (forward or backward)."""
+
+    path: str
+    weight_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_bytes: int = 0
+    kept_bytes: int = 0
+    peak_bytes: int = 0
+    forward_flops: int = 0
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """What one training step holds, simulated on fake tensors (see :mod:`slimgrad.estimate`).
+
+    ``peak_bytes`` is the most bytes alive at any point of the step, everything included (parameters,
+    buffers, inputs, gradients, optimizer state, activations kept for backward, temporaries).
+    ``step_peak_bytes`` is the part above what existed before the step began (parameters, buffers, inputs,
+    and optimizer state when it already exists): what :func:`slimgrad.peak_bytes` measures around a step.
+    ``at_peak`` splits the peak by kind; ``blocks`` splits it per block (:func:`blocks_of`)."""
+
+    peak_bytes: int
+    step_peak_bytes: int
+    weight_bytes: int
+    input_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    kept_bytes: int
+    at_peak: dict[str, int]
+    peak_where: str
+    blocks: list[BlockEstimate]
+    device: str
+    timeline: list[tuple[int, str, int]] = dataclasses.field(repr=False, default_factory=list)
+
+    def fits(self, budget) -> bool:
+        return self.peak_bytes <= parse_bytes(budget)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("timeline")
+        return d
+
+    def __str__(self) -> str:
+        lines = [f"slimgrad.estimate: peak {_gib(self.peak_bytes)} on {self.device} "
+                 f"({_gib(self.step_peak_bytes)} above the step's start), at {self.peak_where}",
+                 "  at the peak: " + ", ".join(f"{k} {_gib(v)}" for k, v in self.at_peak.items() if v),
+                 f"  weights {_gib(self.weight_bytes)}, inputs {_gib(self.input_bytes)}, gradients "
+                 f"{_gib(self.gradient_bytes)}, optimizer state {_gib(self.optimizer_bytes)}, kept for backward "
+                 f"{_gib(self.kept_bytes)}"]
+        if self.blocks:
+            w = max(len(b.path) for b in self.blocks)
+            lines.append(f"  {'block':<{w}}  {'weights':>10}  {'grads':>10}  {'optim':>10}  {'kept':>10}  {'peak':>10}")
+            for b in self.blocks:
+                lines.append(f"  {b.path:<{w}}  {_gib(b.weight_bytes):>10}  {_gib(b.gradient_bytes):>10}  "
+                             f"{_gib(b.optimizer_bytes):>10}  {_gib(b.kept_bytes):>10}  {_gib(b.peak_bytes):>10}")
+        return "\n".join(lines)
+
+
+# -- the allocator simulation -------------------------------------------------------------------------------
+
+
+def _storage(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    device: str
+
+    def real(self) -> torch.Tensor:
+        extent = self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1 if all(self.shape) else 0
+        base = torch.empty(max(extent, 1), dtype=self.dtype, device=self.device)
+        if self.dtype.is_floating_point or self.dtype.is_complex:
+            base.normal_()
+        else:
+            base.zero_()
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+#: aten ops whose kernels allocate scratch space inside one call (oneDNN convolution, im2col, flash attention
+#: on CPU, oneDNN matmul packing, the embedding backward's counts): measured once per distinct signature
+_SCRATCH_OPS = re.compile(r"conv|mkldnn|_scaled_dot_product|attention|^(mm|bmm|addmm|baddbmm|addbmm)$|"
+                          r"norm.*backward|embedding.*backward|pool.*backward|_softmax_backward|nll_loss|"
+                          r"_fft|linalg|upsample.*backward|_weight_int|_convert_weight")
+
+
+def _spec_of(x):
+    if isinstance(x, torch.Tensor):
+        return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return tuple(_spec_of(v) for v in x)  # hashable; aten takes a tuple for a list argument
+    if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format)):
+        return x
+    raise TypeError  # not replayable
+
+
+def _real_of(x):
+    if isinstance(x, _TensorSpec):
+        return x.real()
+    if isinstance(x, tuple):
+        return [_real_of(v) for v in x] if any(isinstance(v, _TensorSpec) for v in x) else x
+    return x
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage an op brings into being, alive until nothing refers to it; one event per op."""
+
+    def __init__(self, cuda_rounding: bool):
+        super().__init__()
+        self.cuda_rounding = cuda_rounding
+        self.live: dict[int, list] = {}  # cdata -> [weakref, nbytes, kind, owner]
+        self.totals: dict[str, int] = {}
+        self.current = 0
+        self.phase = "forward"
+        self.module_stack: list[str] = []
+        self.node_owner: dict[Any, str] = {}
+        # (bytes alive after the op, bytes its outputs added, signature or None, phase, owner, node name,
+        #  bytes per kind alive after the op)
+        self.events: list[tuple] = []
+        self.signatures: dict = {}
+
+    def _bytes(self, s) -> int:
+        n = s.nbytes()
+        if self.cuda_rounding and s.device.type == "cuda":
+            n = (n + _CUDA_BLOCK - 1) // _CUDA_BLOCK * _CUDA_BLOCK
+        return n
+
+    def add(self, t: torch.Tensor, kind: str, owner: str = "") -> int:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        s = _storage(t)
+        if s is None:
+            return 0
+        ref = StorageWeakRef(s)
+        if ref.cdata in self.live:
+            return 0
+        n = self._bytes(s)
+        self.live[ref.cdata] = [ref, n, kind, owner]
+        self.current += n
+        self.totals[kind] = self.totals.get(kind, 0) + n
+        return n
+
+    def relabel(self, old: str, new: str) -> None:
+        for v in self.live.values():
+            if v[2] == old:
+                v[2] = new
+                self.totals[old] -= v[1]
+                self.totals[new] = self.totals.get(new, 0) + v[1]
+
+    def sweep(self) -> None:
+        dead = [k for k, v in self.live.items() if v[0].expired()]
+        for k in dead:
+            _, n, kind, _ = self.live.pop(k)
+            self.current -= n
+            self.totals[kind] -= n
+
+    def _where(self):
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is None:
+                return "", ""
+            return self.node_owner.get(node, ""), node.name()
+        return (self.module_stack[-1] if self.module_stack else ""), ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.sweep()
+        out = func(*args, **kwargs)
+        kind = {"forward": "activations", "backward": "backward", "optimizer": "optimizer"}[self.phase]
+        owner, node = self._where()
+        new = 0
+        for t in _pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                new += self.add(t, kind, owner)
+        sig = None
+        if _SCRATCH_OPS.search(func.__name__.split(".")[0]):
+            try:
+                sig = (func, _spec_of(tuple(args)), tuple(sorted((k, _spec_of(v)) for k, v in kwargs.items())))
+                hash(sig)
+                self.signatures.setdefault(sig, None)
+            except TypeError:
+                sig = None
+        self.events.append((self.current, new, sig, self.phase, owner, node, dict(self.totals)))
+        return out
+
+
+def _measure_scratch(signatures: dict, device: str) -> None:
+    """The most bytes each op signature holds at once inside its call, outputs included, measured by running it
+    once on real (random) tensors of the same shapes: the allocator's own records on CPU (the profiler's
+    memory events), ``max_memory_allocated`` on CUDA. One op's inputs are allocated at a time."""
+    todo = [s for s, v in signatures.items() if v is None]
+    if not todo:
+        return
+    if device == "cuda":
+        for sig in todo:
+            func, a, kw = sig
+            args, kwargs = _real_of(a), dict(_real_of(kw))
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = func(*args, **kwargs)
+            del out
+            torch.cuda.synchronize()
+            signatures[sig] = torch.cuda.max_memory_allocated() - start
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    windows = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for sig in todo:
+            func, a, kw = sig
+            args, kwargs = _real_of(a), dict(_real_of(kw))
+            with torch.profiler.record_function("slimgrad.estimate.replay"):
+                out = func(*args, **kwargs)
+                del out
+            del args, kwargs
+    events = list(prof.profiler.kineto_results.events())
+    windows = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == "slimgrad.estimate.replay")
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    i = 0
+    for sig, (start, end) in zip(todo, windows):
+        while i < len(memory) and memory[i][0] < start:
+            i += 1
+        current = top = 0
+        while i < len(memory) and memory[i][0] <= end:
+            current += memory[i][1]
+            top = max(top, current)
+            i += 1
+        signatures[sig] = top
+
+
+# -- running the step on fake tensors -----------------------------------------------------------------------
+
+
+def _optimizer_for(spec, params: list[torch.Tensor]):
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        name = spec.lower()
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=1e-3, foreach=None)
+        if name == "adam":
+            return torch.optim.Adam(params, lr=1e-3, foreach=None)
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=1e-3)
+        if name in ("sgd-momentum", "momentum"):
+            return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        raise ValueError(f"estimate: 'optimizer' must be 'adamw', 'adam', 'sgd', 'sgd-momentum' or a "
+                         f"torch.optim.Optimizer, got {spec!r}")
+    if isinstance(spec, torch.optim.Optimizer):
+        defaults = {k: v for k, v in spec.defaults.items() if k != "params"}
+        try:
+            return type(spec)(params, **defaults)
+        except TypeError as e:
+            raise ValueError(f"estimate: cannot rebuild the optimizer {type(spec).__name__} on the simulated "
+                             f"parameters ({e}); pass its name ('adamw', 'sgd') instead") from None
+    raise TypeError(f"estimate: 'optimizer' must be a name ('adamw', 'sgd') or a torch.optim.Optimizer, got "
+                    f"{type(spec).__name__}")
+
+
+def _nodes_from(outputs, seen: set, owner: str, owners: dict) -> None:
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        owners[node] = owner
+        todo.extend(f for f, _ in node.next_functions)
+
+
+@contextlib.contextmanager
+def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str], flops: dict[str, int]):
+    """Wrap every module's forward (as the audit does: hooks would make slimgrad's layers take stock's path)
+    to know which module runs each op and which autograd nodes each module created."""
+    seen: set = set()
+    wrapped = []
+
+    def wrap(module):
+        inner = module.forward
+        path = paths[id(module)]
+
+        def forward(*args, **kwargs):
+            sim.module_stack.append(path)
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                sim.module_stack.pop()
+            _nodes_from(_pytree.tree_leaves(out), seen, path, sim.node_owner)
+            return out
+
+        return forward
+
+    for m in model.modules():
+        wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
+        m.forward = wrap(m)
+    try:
+        yield
+    finally:
+        for m, had_own, own in wrapped:
+            if had_own:
+                m.forward = own
+            else:
+                del m.forward
+
+
+def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None = None,
+             blocks: list[str] | None = None, **kwargs) -> MemoryEstimate:
+    """Simulate one training step of ``model(*args, **kwargs)`` on fake tensors and return its memory.
+
+    The loss is ``loss_fn(output)``, by default ``output.loss`` or the sum of the outputs (as
+    :func:`slimgrad.audit`). ``optimizer``: ``"adamw"``, ``"sgd"``, or an optimizer instance (its class and
+    defaults are used on simulated parameters; the real one is not touched). With an optimizer, the step is
+    the steady state of training: forward and backward with the optimizer state alive, then its step.
+    ``blocks`` names the modules to report on (default: :func:`blocks_of`). Nothing of the user's model or
+    inputs is modified, and no activation is allocated.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .audit import default_loss
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"estimate: 'model' must be a torch.nn.Module, got {type(model).__name__}")
+    if not args and not kwargs:
+        raise ValueError("estimate: give the step's inputs: estimate(model, x) or estimate(model, input_ids=ids)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"estimate: 'loss_fn' must be a callable output -> scalar, got {type(loss_fn).__name__}")
+    loss_of = loss_fn or default_loss
+    block_paths = list(blocks) if blocks is not None else blocks_of(model)
+    modules = dict(model.named_modules())
+    for b in block_paths:
+        if b not in modules:
+            raise ValueError(f"estimate: 'blocks' names {b!r}, which is not a submodule of the model")
+
+    devices = {t.device.type for t in [*model.parameters(), *_pytree.tree_leaves((args, kwargs))]
+               if isinstance(t, torch.Tensor)}
+    device = "cuda" if "cuda" in devices else next(iter(devices - {"meta"}), "cpu")
+    sim = _Allocations(cuda_rounding=True)
+    paths = {id(m): p for p, m in model.named_modules()}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    with fake_mode:
+        params = {n: fake_mode.from_tensor(p, static_shapes=True) for n, p in
+                  model.named_parameters(remove_duplicate=False)}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            params[n].requires_grad_(p.requires_grad)
+        buffers = {n: fake_mode.from_tensor(b, static_shapes=True) for n, b in
+                   model.named_buffers(remove_duplicate=False)}
+
+        def fake_input(t):
+            f = fake_mode.from_tensor(t, static_shapes=True)
+            return f.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else f
+
+        f_args, f_kwargs = _pytree.tree_map_only(torch.Tensor, fake_input, (args, kwargs))
+
+    owned: dict[str, tuple[str, ...]] = {}  # parameter name -> blocks holding it
+    for name in params:
+        owned[name] = tuple(b for b in block_paths if name.startswith(b + "."))
+
+    trainable = [p for n, p in params.items() if p.requires_grad]
+    unique_trainable = list({id(p): p for p in trainable}.values())
+    with fake_mode:
+        opt = _optimizer_for(optimizer, unique_trainable) if unique_trainable else None
+
+    from torch.func import functional_call
+
+    with fake_mode, sim:
+        for t in {id(v): v for v in [*params.values(), *buffers.values()]}.values():
+            sim.add(t, "weights")
+        for t in _pytree.tree_leaves((f_args, f_kwargs)):
+            if isinstance(t, torch.Tensor):
+                sim.add(t, "inputs")
+        if opt is not None:
+            # the steady state: the state exists before the step (one simulated step creates it)
+            sim.phase = "optimizer"
+            for p in unique_trainable:
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            for p in unique_trainable:
+                p.grad = None
+            sim.sweep()
+            sim.relabel("optimizer", "optimizer state")
+        start = sim.current
+        first_event = len(sim.events)
+        sim.phase = "forward"
+        with _tracked_forwards(model, sim, paths, {}):
+            out = functional_call(model, {**params, **buffers}, f_args, f_kwargs, tie_weights=True, strict=False)
+        loss = loss_of(out)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            raise ValueError("estimate: the loss must be a one-element tensor that requires grad, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        del out
+        sim.sweep()
+        kept_by_owner: dict[str, int] = {}
+        for _, n, kind, owner in sim.live.values():
+            if kind == "activations":
+                kept_by_owner[owner] = kept_by_owner.get(owner, 0) + n
+        kept_total = sum(kept_by_owner.values())
+        sim.phase = "backward"
+        loss.backward()
+        del loss
+        sim.sweep()
+        grad_keys = set()
+        for p in unique_trainable:
+            if p.grad is not None:
+                s = _storage(p.grad)
+                if s is not None:
+                    from torch.multiprocessing.reductions import StorageWeakRef
+
+                    grad_keys.add(StorageWeakRef(s).cdata)
+        grad_bytes = sum(sim.live[k][1] for k in grad_keys if k in sim.live)
+        if opt is not None:
+            sim.phase = "optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sim.sweep()
+
+    _measure_scratch(sim.signatures, device)
+    # the peak: after each op, or inside it where its kernel holds more than its outputs (scratch space)
+    peak, peak_at = start, None
+    for i in range(first_event, len(sim.events)):
+        after, new, sig, *_ = sim.events[i]
+        inside = sim.signatures.get(sig) or 0 if sig is not None else 0
+        here = after - new + max(new, inside)
+        if here > peak:
+            peak, peak_at = here, i
+    at_peak: dict[str, int] = {}
+    peak_where = "the step's start"
+    if peak_at is not None:
+        after, new, sig, phase, owner, node, totals = sim.events[peak_at]
+        at_peak = {k: v for k, v in totals.items() if v}
+        inside = sim.signatures.get(sig) or 0 if sig is not None else 0
+        if inside > new:
+            at_peak["scratch inside the op"] = inside - new
+        peak_where = f"{phase} of {owner or '(model)'}" + (f" ({node})" if node else "") + (
+            f", inside {sig[0].__name__}" if inside > new else "")
+    # gradients show as backward allocations until backward ends: name them by what they became
+    if peak_at is not None and grad_bytes and "backward" in at_peak:
+        pass
+    weight_bytes = sim.totals.get("weights", 0)
+    input_bytes = sim.totals.get("inputs", 0)
+    optim_bytes = sim.totals.get("optimizer state", 0) + sim.totals.get("optimizer", 0)
+
+    def param_bytes(t):
+        st = _storage(t)
+        return sim._bytes(st) if st is not None else 0
+
+    block_peak: dict[str, int] = {}
+    for i in range(first_event, len(sim.events)):
+        after, new, sig, phase, owner, node, totals = sim.events[i]
+        if not owner:
+            continue
+        inside = sim.signatures.get(sig) or 0 if sig is not None else 0
+        here = after - new + max(new, inside)
+        for b in block_paths:
+            if owner == b or owner.startswith(b + "."):
+                block_peak[b] = max(block_peak.get(b, 0), here)
+    rows = []
+    for b in block_paths:
+        row = BlockEstimate(b)
+        for name, p in params.items():
+            if b in owned[name]:
+                row.weight_bytes += param_bytes(p)
+                if p.requires_grad:
+                    row.gradient_bytes += param_bytes(p)
+                    if opt is not None:
+                        st = opt.state.get(p, {})
+                        row.optimizer_bytes += sum(param_bytes(v) for v in st.values()
+                                                   if isinstance(v, torch.Tensor))
+        row.kept_bytes = sum(n for o, n in kept_by_owner.items() if o == b or o.startswith(b + "."))
+        row.peak_bytes = block_peak.get(b, 0)
+        rows.append(row)
+    timeline = [(i, e[3], e[0]) for i, e in enumerate(sim.events[first_event:])]
+    return MemoryEstimate(
+        peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
+        gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
+        peak_where=peak_where, blocks=rows, device=device, timeline=timeline)
