@@ -208,7 +208,7 @@ def _real_of(x):
     if isinstance(x, _TensorSpec):
         return x.real()
     if isinstance(x, tuple):
-        return [_real_of(v) for v in x] if any(isinstance(v, _TensorSpec) for v in x) else x
+        return [_real_of(v) for v in x]
     return x
 
 
@@ -304,7 +304,7 @@ def _measure_scratch(signatures: dict, device: str) -> None:
     if device == "cuda":
         for sig in todo:
             func, a, kw = sig
-            args, kwargs = _real_of(a), dict(_real_of(kw))
+            args, kwargs = _real_of(a), {k: _real_of(v) for k, v in kw}
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -319,7 +319,7 @@ def _measure_scratch(signatures: dict, device: str) -> None:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for sig in todo:
             func, a, kw = sig
-            args, kwargs = _real_of(a), dict(_real_of(kw))
+            args, kwargs = _real_of(a), {k: _real_of(v) for k, v in kw}
             with torch.profiler.record_function("slimgrad.estimate.replay"):
                 out = func(*args, **kwargs)
                 del out

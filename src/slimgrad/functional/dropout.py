@@ -148,7 +148,8 @@ def _finish(input, out, perm, inplace):
     """Map the kernel's contiguous result back to ``input``'s shape (and into ``input`` when in place)."""
     if inplace:
         view = input if perm is None else input.permute(perm)
-        if out.data_ptr() != view.data_ptr() or out.stride() != view.stride():
+        same = torch._C._is_alias_of(out, view) and out.storage_offset() == view.storage_offset()
+        if not same or out.stride() != view.stride():  # not data_ptr(): fake tensors (slimgrad.estimate) have none
             view.copy_(out)  # the kernel worked on a contiguous copy of a non-dense input
         return input
     return out if perm is None else out.permute(_inverse(perm))
@@ -169,7 +170,8 @@ def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, 
     """``grad * noise`` from the packed mask; ``inplace``: written into ``grad`` (a fresh tensor of the
     caller's) when its layout allows, which saves a gradient-sized temporary."""
     g = _canonical(grad, perm)
-    out = g if inplace and g.data_ptr() == grad.data_ptr() else None
+    out = g if inplace and torch._C._is_alias_of(g, grad) else None  # a view of grad, not a copy (no data_ptr:
+                                                                      # fake tensors have none)
     gi = kernels.choose_bits(g).backward(g, packed, scale, out)
     return gi if perm is None else gi.permute(_inverse(perm))
 
