@@ -343,15 +343,17 @@ def _measure_scratch(signatures: dict, device: str) -> None:
 # -- running the step on fake tensors -----------------------------------------------------------------------
 
 
-def _optimizer_for(spec, params: list[torch.Tensor]):
+def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Tensor]):
+    """The optimizer the step simulates: a new one of the named kind, or one of ``spec``'s class with its
+    parameter groups' options over the fake parameters (``fake_of``: id of a real parameter -> its fake)."""
     if spec is None:
         return None
     if isinstance(spec, str):
         name = spec.lower()
         if name == "adamw":
-            return torch.optim.AdamW(params, lr=1e-3, foreach=None)
+            return torch.optim.AdamW(params, lr=1e-3)
         if name == "adam":
-            return torch.optim.Adam(params, lr=1e-3, foreach=None)
+            return torch.optim.Adam(params, lr=1e-3)
         if name == "sgd":
             return torch.optim.SGD(params, lr=1e-3)
         if name in ("sgd-momentum", "momentum"):
@@ -359,10 +361,19 @@ def _optimizer_for(spec, params: list[torch.Tensor]):
         raise ValueError(f"estimate: 'optimizer' must be 'adamw', 'adam', 'sgd', 'sgd-momentum' or a "
                          f"torch.optim.Optimizer, got {spec!r}")
     if isinstance(spec, torch.optim.Optimizer):
-        defaults = {k: v for k, v in spec.defaults.items() if k != "params"}
+        import inspect
+
+        accepted = set(inspect.signature(type(spec).__init__).parameters)
+        groups = []
+        for g in spec.param_groups:
+            fakes = [fake_of[id(p)] for p in g["params"] if id(p) in fake_of and fake_of[id(p)].requires_grad]
+            if fakes:
+                groups.append({**{k: v for k, v in g.items() if k != "params" and k in accepted}, "params": fakes})
+        if not groups:
+            return None
         try:
-            return type(spec)(params, **defaults)
-        except TypeError as e:
+            return type(spec)(groups)
+        except (TypeError, ValueError) as e:
             raise ValueError(f"estimate: cannot rebuild the optimizer {type(spec).__name__} on the simulated "
                              f"parameters ({e}); pass its name ('adamw', 'sgd') instead") from None
     raise TypeError(f"estimate: 'optimizer' must be a name ('adamw', 'sgd') or a torch.optim.Optimizer, got "
@@ -471,7 +482,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     trainable = [p for n, p in params.items() if p.requires_grad]
     unique_trainable = list({id(p): p for p in trainable}.values())
     with fake_mode:
-        opt = _optimizer_for(optimizer, unique_trainable) if unique_trainable else None
+        fake_of = {id(p): params[n] for n, p in model.named_parameters(remove_duplicate=False)}
+        opt = _optimizer_for(optimizer, unique_trainable, fake_of) if unique_trainable else None
 
     from torch.func import functional_call
 
