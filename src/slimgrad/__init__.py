@@ -8,9 +8,11 @@ from . import functional, nn
 from ._notices import SlimgradGapError, SlimgradWarning
 from .audit import AuditReport, audit
 from .convert import ConversionReport, convert, revert
+from .estimate import MemoryEstimate, estimate
 from .functional.cross_entropy import fused_linear_cross_entropy
 from .measure import SavedTensors, peak_bytes, saved_bytes
 from .mode import enabled
+from .plan import MemoryPlan, plan
 
 __version__ = "0.1.0"
 __all__ = [
@@ -22,10 +24,14 @@ __all__ = [
     "SlimgradWarning",
     "convert",
     "enabled",
+    "estimate",
     "functional",
     "fused_linear_cross_entropy",
+    "MemoryEstimate",
+    "MemoryPlan",
     "nn",
     "peak_bytes",
+    "plan",
     "revert",
     "saved_bytes",
 ]

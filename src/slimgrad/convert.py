@@ -81,6 +81,8 @@ class ConversionReport:
     #: what the user asked for that did not engage: modules of a family slimgrad claims left as stock, an
     #: option that converted nothing, a disabled integration of a library the model uses (each warned about)
     gaps: list[Gap] = dataclasses.field(default_factory=list)
+    #: the memory plan installed by ``convert(budget=..., example=...)`` (a :class:`slimgrad.plan.MemoryPlan`)
+    plan: object = None
     #: gap subject -> module paths it concerns
     gap_paths: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
@@ -201,7 +203,8 @@ def _chunked_engaged(model: nn.Module, swaps) -> bool:
 
 
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
-            chunked_loss: bool = False, dropout: str | None = None, strict: bool = False):
+            chunked_loss: bool = False, dropout: str | None = None, strict: bool = False, budget=None,
+            example=None, optimizer=None, loss_fn=None):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
 
     ``inplace=False`` (default) converts a deep copy: parameters and buffers are copied (with their
@@ -229,7 +232,19 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     the reason, also with ``report=True`` (the report lists them as ``gaps``). ``strict=True`` raises
     :class:`slimgrad.SlimgradGapError` instead, before anything is swapped. Modules left out by
     ``include`` / ``exclude`` are never gaps.
+
+    ``budget`` (bytes, or ``"12GiB"``) with ``example`` (one batch: a dict of keyword inputs, a tensor, or a
+    tuple of positional inputs): after converting, fit one training step into the budget with
+    :func:`slimgrad.plan` (checkpointing, or on CUDA offloading, only the blocks that must) and install the
+    plan; ``optimizer`` and ``loss_fn`` are as in :func:`slimgrad.estimate`. The plan is printed on the
+    ``slimgrad`` logger and, with ``report=True``, is the report's ``plan``. A budget no plan meets raises
+    ``ValueError`` naming by how much and the smallest budget that can be met.
     """
+    if budget is None and example is not None:
+        raise ValueError("convert: 'example' is used with 'budget' (a memory budget to plan for); give both")
+    if budget is not None and example is None:
+        raise ValueError("convert: 'budget' needs 'example', one batch of the training step to plan for (a dict "
+                         "of keyword inputs, a tensor, or a tuple of positional inputs)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
     for name, flag in (("inplace", inplace), ("report", report), ("chunked_loss", chunked_loss), ("strict", strict)):
@@ -293,6 +308,18 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         if dropout is not None:
             setattr(module, POLICY_ATTRIBUTE, dropout)  # read by the dropout and LoRA forwards (module_policy)
     remember_converted(target)
+    if budget is not None:
+        from .plan import apply_plan, plan
+
+        chosen = plan(target, budget, example, optimizer=optimizer, loss_fn=loss_fn)
+        if not chosen.fits:
+            raise ValueError(f"convert: {chosen}")
+        apply_plan(target, chosen.actions)
+        result.plan = chosen
+        if chosen.actions:  # a plan that recomputes or copies changes the step's time: say so
+            log.warning("%s", chosen)
+        else:
+            log.info("%s", chosen)
     if result.skipped and not report:  # with report=True the caller has the report: no warning on top
         log.warning("%s", result)
     elif result.skipped:
@@ -310,6 +337,9 @@ def revert(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"revert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
+    from .plan import remove_plan
+
+    remove_plan(model)
     for module in model.modules():
         stock = ORIGINALS.get(type(module))
         if stock is not None:

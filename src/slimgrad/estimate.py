@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BlockEstimate", "MemoryEstimate", "estimate", "parse_bytes", "blocks_of"]
+__all__ = ["BlockEstimate", "MemoryEstimate", "blocks_of", "estimate", "parse_bytes", "split_example"]
 
 _CUDA_BLOCK = 512
 
@@ -58,6 +58,19 @@ def parse_bytes(value, what: str = "budget") -> int:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def split_example(example) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of one batch: a dict (or ``BatchEncoding``) is keyword inputs, a tuple or list is
+    positional inputs, a tensor is the one positional input."""
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    raise TypeError(f"'example' must be a batch: a dict of keyword inputs, a tensor, or a tuple of positional "
+                    f"inputs, got {type(example).__name__}")
 
 
 # -- blocks -------------------------------------------------------------------------------------------------
@@ -131,6 +144,7 @@ class MemoryEstimate:
     peak_where: str
     blocks: list[BlockEstimate]
     device: str
+    host_peak_bytes: int = 0
     timeline: list[tuple[int, str, int]] = dataclasses.field(repr=False, default_factory=list)
 
     def fits(self, budget) -> bool:
@@ -215,9 +229,9 @@ def _real_of(x):
 class _Allocations(TorchDispatchMode):
     """Every storage an op brings into being, alive until nothing refers to it; one event per op."""
 
-    def __init__(self, cuda_rounding: bool):
+    def __init__(self, device_type: str):
         super().__init__()
-        self.cuda_rounding = cuda_rounding
+        self.device_type = device_type
         self.live: dict[int, list] = {}  # cdata -> [weakref, nbytes, kind, owner]
         self.totals: dict[str, int] = {}
         self.current = 0
@@ -229,9 +243,9 @@ class _Allocations(TorchDispatchMode):
         self.events: list[tuple] = []
         self.signatures: dict = {}
 
-    def _bytes(self, s) -> int:
+    def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
-        if self.cuda_rounding and s.device.type == "cuda":
+        if device_type == "cuda":
             n = (n + _CUDA_BLOCK - 1) // _CUDA_BLOCK * _CUDA_BLOCK
         return n
 
@@ -244,7 +258,9 @@ class _Allocations(TorchDispatchMode):
         ref = StorageWeakRef(s)
         if ref.cdata in self.live:
             return 0
-        n = self._bytes(s)
+        if t.device.type != self.device_type:  # (a fake tensor's storage is on meta: ask the tensor)
+            kind = "host"  # offloaded to host memory (save_on_cpu): not on the device being planned
+        n = self._bytes(s, t.device.type)
         self.live[ref.cdata] = [ref, n, kind, owner]
         self.current += n
         self.totals[kind] = self.totals.get(kind, 0) + n
@@ -457,7 +473,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     devices = {t.device.type for t in [*model.parameters(), *_pytree.tree_leaves((args, kwargs))]
                if isinstance(t, torch.Tensor)}
     device = "cuda" if "cuda" in devices else next(iter(devices - {"meta"}), "cpu")
-    sim = _Allocations(cuda_rounding=True)
+    sim = _Allocations(device)
     paths = {id(m): p for p, m in model.named_modules()}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
 
@@ -485,7 +501,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         fake_of = {id(p): params[n] for n, p in model.named_parameters(remove_duplicate=False)}
         opt = _optimizer_for(optimizer, unique_trainable, fake_of) if unique_trainable else None
 
-    from torch.func import functional_call
+    from torch.nn.utils.stateless import _reparametrize_module
 
     with fake_mode, sim:
         for t in {id(v): v for v in [*params.values(), *buffers.values()]}.values():
@@ -506,22 +522,24 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         start = sim.current
         first_event = len(sim.events)
         sim.phase = "forward"
-        with _tracked_forwards(model, sim, paths, {}):
-            out = functional_call(model, {**params, **buffers}, f_args, f_kwargs, tie_weights=True, strict=False)
-        loss = loss_of(out)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-            raise ValueError("estimate: the loss must be a one-element tensor that requires grad, got "
-                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        del out
-        sim.sweep()
-        kept_by_owner: dict[str, int] = {}
-        for _, n, kind, owner in sim.live.values():
-            if kind == "activations":
-                kept_by_owner[owner] = kept_by_owner.get(owner, 0) + n
-        kept_total = sum(kept_by_owner.values())
-        sim.phase = "backward"
-        loss.backward()
-        del loss
+        # the fake parameters stay in place through backward: checkpointed blocks run their forward again there
+        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True, strict=False):
+            with _tracked_forwards(model, sim, paths, {}):
+                out = model(*f_args, **f_kwargs)
+            loss = loss_of(out)
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                raise ValueError("estimate: the loss must be a one-element tensor that requires grad, got "
+                                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            del out
+            sim.sweep()
+            kept_by_owner: dict[str, int] = {}
+            for _, n, kind, owner in sim.live.values():
+                if kind == "activations":
+                    kept_by_owner[owner] = kept_by_owner.get(owner, 0) + n
+            kept_total = sum(kept_by_owner.values())
+            sim.phase = "backward"
+            loss.backward()
+            del loss
         sim.sweep()
         grad_keys = set()
         for p in unique_trainable:
@@ -543,36 +561,38 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     peak, peak_at = start, None
     for i in range(first_event, len(sim.events)):
         after, new, sig, *_ = sim.events[i]
+        after -= sim.events[i][6].get("host", 0)
         inside = sim.signatures.get(sig) or 0 if sig is not None else 0
         here = after - new + max(new, inside)
         if here > peak:
             peak, peak_at = here, i
     at_peak: dict[str, int] = {}
+    host_at_peak = 0
     peak_where = "the step's start"
     if peak_at is not None:
         after, new, sig, phase, owner, node, totals = sim.events[peak_at]
-        at_peak = {k: v for k, v in totals.items() if v}
+        at_peak = {k: v for k, v in totals.items() if v and k != "host"}
+        host_at_peak = totals.get("host", 0)
         inside = sim.signatures.get(sig) or 0 if sig is not None else 0
         if inside > new:
             at_peak["scratch inside the op"] = inside - new
         peak_where = f"{phase} of {owner or '(model)'}" + (f" ({node})" if node else "") + (
             f", inside {sig[0].__name__}" if inside > new else "")
-    # gradients show as backward allocations until backward ends: name them by what they became
-    if peak_at is not None and grad_bytes and "backward" in at_peak:
-        pass
+    host_peak = max((e[6].get("host", 0) for e in sim.events[first_event:]), default=0)
     weight_bytes = sim.totals.get("weights", 0)
     input_bytes = sim.totals.get("inputs", 0)
     optim_bytes = sim.totals.get("optimizer state", 0) + sim.totals.get("optimizer", 0)
 
     def param_bytes(t):
         st = _storage(t)
-        return sim._bytes(st) if st is not None else 0
+        return sim._bytes(st, t.device.type) if st is not None else 0
 
     block_peak: dict[str, int] = {}
     for i in range(first_event, len(sim.events)):
         after, new, sig, phase, owner, node, totals = sim.events[i]
         if not owner:
             continue
+        after -= totals.get("host", 0)
         inside = sim.signatures.get(sig) or 0 if sig is not None else 0
         here = after - new + max(new, inside)
         for b in block_paths:
@@ -597,4 +617,4 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     return MemoryEstimate(
         peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
         gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
-        peak_where=peak_where, blocks=rows, device=device, timeline=timeline)
+        peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline)

@@ -1,0 +1,380 @@
+"""``slimgrad.plan``: fit a training step into a memory budget, block by block.
+
+slimgrad's layers already keep the least each gradient needs. When that alone does not fit, a plan picks,
+per block (a transformer layer, a ResNet stage, a UNet block; :func:`slimgrad.estimate.blocks_of`), one of:
+
+* ``keep``: slimgrad's minimal saving alone (no extra time);
+* ``checkpoint``: non-reentrant activation checkpointing of the block (``torch.utils.checkpoint``, which
+  restores the RNG state, so dropout draws the same masks and the numbers stay those of the run without it);
+  costs one more forward of the block in backward;
+* ``offload``: the block's kept tensors go to pinned host memory during forward and come back in backward
+  (``torch.autograd.graph.save_on_cpu``); CUDA only (on CPU, host memory *is* the device memory); costs two
+  copies of the kept bytes over the host link.
+
+Every candidate plan is judged by :func:`slimgrad.estimate` (the step simulated on fake tensors), not by a
+model of it, so what the plan promises is what the allocator replay says. Blocks are taken in order of bytes
+saved per second of extra time; the fewest blocks that meet the budget are chosen by bisection. Recompute
+costs come from a timed forward of each block on the example (under ``no_grad``: a few blocks' activations at
+most, cached per model and example shapes); offload costs from a timed host copy.
+
+Where keeping less already fits, nothing is checkpointed. Where the peak is a transient no plan lowers (one
+layer's backward, the loss's logits), the plan says so and gives the smallest budget it can meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .estimate import MemoryEstimate, _gib, blocks_of, estimate, parse_bytes, split_example
+
+__all__ = ["BlockChoice", "MemoryPlan", "apply_plan", "plan", "remove_plan"]
+
+_ACTIONS = ("keep", "checkpoint", "offload")
+_PLANNED = "_slimgrad_planned"  # the instance attribute holding a block's planned forward
+
+
+@dataclasses.dataclass
+class BlockChoice:
+    path: str
+    action: str
+    kept_bytes: int  # kept for backward by this block without the plan
+    forward_seconds: float  # one forward of the block on the example (the cost of recomputing it)
+    extra_seconds: float  # what the action adds to a step
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """What :func:`plan` chose and what it expects: peaks in bytes on ``device``, times in seconds."""
+
+    budget: int
+    device: str
+    peak_before: int  # the model as given (converted or not), no plan
+    peak_after: int  # with the plan
+    smallest_feasible: int  # the lowest peak any plan reaches (every block checkpointed or offloaded)
+    fits: bool
+    blocks: list[BlockChoice]
+    extra_seconds: float
+    notes: list[str]
+    estimate_before: MemoryEstimate = dataclasses.field(repr=False, default=None)
+    estimate_after: MemoryEstimate = dataclasses.field(repr=False, default=None)
+
+    @property
+    def actions(self) -> dict[str, str]:
+        return {b.path: b.action for b in self.blocks if b.action != "keep"}
+
+    def __str__(self) -> str:
+        verdict = ("fits" if self.fits else f"does NOT fit: {_gib(self.peak_after - self.budget)} over; the "
+                   f"smallest budget any plan meets is {_gib(self.smallest_feasible)}")
+        lines = [f"slimgrad.plan: budget {_gib(self.budget)} on {self.device}: peak {_gib(self.peak_before)} -> "
+                 f"{_gib(self.peak_after)}, {verdict}; about +{self.extra_seconds * 1e3:.1f} ms per step"]
+        changed = [b for b in self.blocks if b.action != "keep"]
+        if changed:
+            w = max(len(b.path) for b in self.blocks)
+            lines.append(f"  {'block':<{w}}  {'action':<10}  {'kept':>10}  {'+ms/step':>9}")
+            for b in self.blocks:
+                lines.append(f"  {b.path:<{w}}  {b.action:<10}  {_gib(b.kept_bytes):>10}  "
+                             f"{b.extra_seconds * 1e3:>9.2f}")
+        else:
+            lines.append("  every block keeps slimgrad's minimal saving alone (nothing checkpointed or offloaded)")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> None:
+        """Kept bytes per block before and after, and the simulated memory over the step (PNG at ``path``)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("MemoryPlan.plot needs matplotlib: pip install matplotlib") from None
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+        names = [b.path for b in self.blocks]
+        before = [b.kept_bytes / 2**20 for b in self.blocks]
+        after_rows = {r.path: r.kept_bytes for r in (self.estimate_after.blocks if self.estimate_after else [])}
+        after = [after_rows.get(n, 0) / 2**20 for n in names]
+        xs = range(len(names))
+        ax1.bar([x - 0.2 for x in xs], before, 0.4, label="without plan")
+        ax1.bar([x + 0.2 for x in xs], after, 0.4, label="with plan")
+        ax1.set_xticks(list(xs), names, rotation=90, fontsize=6)
+        ax1.set_ylabel("MiB kept for backward")
+        ax1.legend()
+        for est, label in ((self.estimate_before, "without plan"), (self.estimate_after, "with plan")):
+            if est is not None and est.timeline:
+                ax2.plot([t[0] for t in est.timeline], [t[2] / 2**20 for t in est.timeline], label=label)
+        ax2.axhline(self.budget / 2**20, color="red", linestyle="--", label="budget")
+        ax2.set_xlabel("op")
+        ax2.set_ylabel(f"MiB alive on {self.device}")
+        ax2.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+# -- planned forwards ---------------------------------------------------------------------------------------
+
+
+class _PlannedForward:
+    """A block's forward under its plan. An object, not a closure: ``copy.deepcopy`` of the model maps
+    ``module`` to the copy, so a copied model checkpoints its own blocks."""
+
+    def __init__(self, module: nn.Module, action: str, previous):
+        self.module = module
+        self.action = action
+        self.previous = previous  # an instance-level forward that was there before (None: the class's)
+
+    def _inner(self, *args, **kwargs):
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self._inner(*args, **kwargs)
+        if self.action == "checkpoint":
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._inner, *args, use_reentrant=False, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return self._inner(*args, **kwargs)
+
+
+def apply_plan(model: nn.Module, actions: dict[str, str]) -> nn.Module:
+    """Install ``actions`` ({block path: "checkpoint" | "offload"}) on ``model`` in place; returns it.
+    Type, parameters, ``state_dict`` keys and hooks are unchanged; :func:`remove_plan` (and
+    :func:`slimgrad.revert`) take it off."""
+    modules = dict(model.named_modules())
+    for path, action in actions.items():
+        if action not in _ACTIONS:
+            raise ValueError(f"plan: the action for {path!r} must be one of {', '.join(_ACTIONS)}, got {action!r}")
+        if path not in modules:
+            raise ValueError(f"plan: {path!r} is not a submodule of the model")
+    remove_plan(model)
+    for path, action in actions.items():
+        if action == "keep":
+            continue
+        module = modules[path]
+        planned = _PlannedForward(module, action, module.__dict__.get("forward"))
+        module.__dict__[_PLANNED] = planned
+        module.forward = planned
+    return model
+
+
+def remove_plan(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        planned = module.__dict__.pop(_PLANNED, None)
+        if planned is not None:
+            if planned.previous is not None:
+                module.forward = planned.previous
+            else:
+                module.__dict__.pop("forward", None)
+    return model
+
+
+def planned_actions(model: nn.Module) -> dict[str, str]:
+    return {p: m.__dict__[_PLANNED].action for p, m in model.named_modules() if _PLANNED in m.__dict__}
+
+
+# -- costs --------------------------------------------------------------------------------------------------
+
+
+_TIMES: dict = {}
+
+
+def _example_key(model, args, kwargs):
+    from torch.utils import _pytree
+
+    leaves = _pytree.tree_leaves((args, kwargs))
+    return (id(model), tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+                             for t in leaves))
+
+
+def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, repeats: int = 2) -> dict[str, float]:
+    """Seconds of one forward of each block on the example, under ``no_grad`` (the best of ``repeats``);
+    cached per model and example shapes. Inputs on the meta device give zeros (nothing can run)."""
+    from torch.utils import _pytree
+
+    key = (_example_key(model, args, kwargs), tuple(blocks))
+    if key in _TIMES:
+        return _TIMES[key]
+    leaves = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in leaves) or any(p.device.type == "meta" for p in model.parameters()):
+        return {b: 0.0 for b in blocks}
+    cuda = any(t.device.type == "cuda" for t in leaves)
+    modules = dict(model.named_modules())
+    best: dict[str, float] = {b: float("inf") for b in blocks}
+    starts: dict[str, float] = {}
+    total: dict[str, float] = {}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def pre(path):
+        def hook(_m, _a):
+            sync()
+            starts[path] = time.perf_counter()
+        return hook
+
+    def post(path):
+        def hook(_m, _a, _o):
+            sync()
+            total[path] = total.get(path, 0.0) + time.perf_counter() - starts[path]
+        return hook
+
+    handles = []
+    for b in blocks:
+        handles.append(modules[b].register_forward_pre_hook(pre(b)))
+        handles.append(modules[b].register_forward_hook(post(b)))
+    try:
+        was_training = model.training
+        with torch.no_grad():
+            for _ in range(repeats):
+                total.clear()
+                model(*args, **kwargs)
+                for b in blocks:
+                    best[b] = min(best[b], total.get(b, 0.0))
+        model.train(was_training)
+    finally:
+        for h in handles:
+            h.remove()
+    result = {b: (v if v != float("inf") else 0.0) for b, v in best.items()}
+    _TIMES[key] = result
+    return result
+
+
+def host_copy_bytes_per_second(device: str) -> float:
+    """Device -> pinned host -> device bandwidth, timed once on 64 MiB (0 where there is nothing to copy to)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return 0.0
+    key = ("bandwidth", device)
+    if key not in _TIMES:
+        x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        host = torch.empty(x.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            host.copy_(x, non_blocking=True)
+            x.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        _TIMES[key] = 6 * x.numel() / (time.perf_counter() - t)
+    return _TIMES[key]
+
+
+# -- the search ---------------------------------------------------------------------------------------------
+
+
+def _already_checkpointed(model: nn.Module) -> bool:
+    """Hugging Face's own gradient checkpointing is on (``gradient_checkpointing_enable()``)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable | None = None,
+         blocks: list[str] | None = None, actions=("checkpoint", "offload")) -> MemoryPlan:
+    """The cheapest per-block plan that fits one training step of ``model`` on ``example`` into ``budget``.
+
+    ``budget``: bytes, or a string such as ``"12GiB"``. ``example``: one batch as the model takes it (a dict
+    of keyword inputs, a tensor, or a tuple of positional inputs); ``optimizer``, ``loss_fn``: as in
+    :func:`slimgrad.estimate`. ``actions``: which of ``"checkpoint"``, ``"offload"`` the plan may use
+    (offload only on CUDA). The model is not changed: :func:`apply_plan` (or ``slimgrad.convert(model,
+    budget=..., example=...)``) installs the result.
+    """
+    budget_bytes = parse_bytes(budget)
+    for a in actions:
+        if a not in ("checkpoint", "offload"):
+            raise ValueError(f"plan: 'actions' may hold 'checkpoint' and 'offload', got {a!r}")
+    args, kwargs = split_example(example)
+    block_paths = list(blocks) if blocks is not None else blocks_of(model)
+    previous = planned_actions(model)
+    notes: list[str] = []
+    remove_plan(model)
+    try:
+        def run(acts: dict[str, str]) -> MemoryEstimate:
+            apply_plan(model, acts)
+            try:
+                return estimate(model, *args, optimizer=optimizer, loss_fn=loss_fn, blocks=block_paths, **kwargs)
+            finally:
+                remove_plan(model)
+
+        before = run({})
+        device = before.device
+        if "offload" in actions and device != "cuda":
+            actions = tuple(a for a in actions if a != "offload")
+            if "checkpoint" not in actions:
+                notes.append("offload moves kept tensors to host memory, which on CPU is the same memory: "
+                             "nothing to plan with")
+        if _already_checkpointed(model):
+            notes.append("the model's own gradient checkpointing is on (gradient_checkpointing_enable()): its "
+                         "layers are already recomputed, so the plan adds nothing on top; turn it off "
+                         "(gradient_checkpointing_disable()) to let the plan checkpoint only where needed")
+            block_paths_planned: list[str] = []
+        else:
+            block_paths_planned = [b.path for b in before.blocks if b.kept_bytes > 0]
+        rows = {b.path: b for b in before.blocks}
+        seconds = block_forward_seconds(model, block_paths_planned, args, kwargs) if block_paths_planned else {}
+        bandwidth = host_copy_bytes_per_second(device) if "offload" in actions else 0.0
+
+        def cost(path: str) -> tuple[str, float]:
+            options = []
+            if "checkpoint" in actions:
+                options.append(("checkpoint", seconds.get(path, 0.0)))
+            if "offload" in actions and bandwidth > 0:
+                options.append(("offload", 2 * rows[path].kept_bytes / bandwidth))
+            return min(options, key=lambda o: o[1])
+
+        choice = {p: cost(p) for p in block_paths_planned} if actions else {}
+        order = sorted(choice, key=lambda p: -rows[p].kept_bytes / max(choice[p][1], 1e-9))
+
+        def acts_for(k: int) -> dict[str, str]:
+            return {p: choice[p][0] for p in order[:k]}
+
+        chosen, after = {}, before
+        if before.peak_bytes > budget_bytes and order:
+            full = run(acts_for(len(order)))
+            if full.peak_bytes > budget_bytes:
+                chosen, after = acts_for(len(order)), full
+            else:
+                lo, hi, best = 1, len(order), (len(order), full)
+                while lo < hi:  # the fewest blocks (cheapest first) that meet the budget
+                    mid = (lo + hi) // 2
+                    e = run(acts_for(mid))
+                    if e.peak_bytes <= budget_bytes:
+                        hi, best = mid, (mid, e)
+                    else:
+                        lo = mid + 1
+                if best[0] != lo:
+                    best = (lo, run(acts_for(lo)))
+                chosen, after = acts_for(best[0]), best[1]
+            smallest = full.peak_bytes
+        else:
+            smallest = before.peak_bytes if not order else None
+        if smallest is None:
+            smallest = run(acts_for(len(order))).peak_bytes if order else before.peak_bytes
+        fits = after.peak_bytes <= budget_bytes
+        if before.peak_bytes <= budget_bytes:
+            notes.append("slimgrad's minimal saving alone fits: nothing is checkpointed or offloaded")
+        elif not fits:
+            notes.append(f"the peak is at {after.peak_where}; no plan lowers it below {_gib(smallest)}")
+            if ("cross_entropy" in after.peak_where or "LogSoftmax" in after.peak_where
+                    or "lm_head" in after.peak_where):
+                notes.append("the peak is in the loss: slimgrad.convert(model, chunked_loss=True) computes it in "
+                             "chunks (then a training forward returns no logits)")
+        elif smallest < before.peak_bytes and after.peak_bytes > smallest:
+            pass
+        choices = []
+        for b in before.blocks:
+            action = chosen.get(b.path, "keep")
+            extra = choice[b.path][1] if action != "keep" else 0.0
+            choices.append(BlockChoice(b.path, action, b.kept_bytes, seconds.get(b.path, 0.0), extra))
+        return MemoryPlan(budget=budget_bytes, device=device, peak_before=before.peak_bytes,
+                          peak_after=after.peak_bytes, smallest_feasible=smallest, fits=fits, blocks=choices,
+                          extra_seconds=sum(c.extra_seconds for c in choices), notes=notes,
+                          estimate_before=before, estimate_after=after)
+    finally:
+        apply_plan(model, previous)
