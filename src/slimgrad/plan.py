@@ -23,6 +23,7 @@ layer's backward, the loss's logits), the plan says so and gives the smallest bu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -128,6 +129,9 @@ class _PlannedForward:
         self.action = action
         self.previous = previous  # an instance-level forward that was there before (None: the class's)
 
+    def _contexts(self):
+        return contextlib.nullcontext(), _running_stats_restored(self.module)
+
     def _inner(self, *args, **kwargs):
         if self.previous is not None:
             return self.previous(*args, **kwargs)
@@ -139,9 +143,25 @@ class _PlannedForward:
         if self.action == "checkpoint":
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(self._inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(self._inner, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return self._inner(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _running_stats_restored(block: nn.Module):
+    """The recomputation in backward leaves normalisation statistics as the forward left them: a batch norm
+    in training mode would otherwise update its running mean and variance (and batch count) a second time."""
+    saved = []
+    for m in block.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats:
+            saved += [(b, b.clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def apply_plan(model: nn.Module, actions: dict[str, str]) -> nn.Module:
