@@ -443,7 +443,7 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
 
 
 def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None = None,
-             blocks: list[str] | None = None, **kwargs) -> MemoryEstimate:
+             blocks: list[str] | None = None, device=None, **kwargs) -> MemoryEstimate:
     """Simulate one training step of ``model(*args, **kwargs)`` on fake tensors and return its memory.
 
     The loss is ``loss_fn(output)``, by default ``output.loss`` or the sum of the outputs (as
@@ -452,6 +452,11 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     the steady state of training: forward and backward with the optimizer state alive, then its step.
     ``blocks`` names the modules to report on (default: :func:`blocks_of`). Nothing of the user's model or
     inputs is modified, and no activation is allocated.
+
+    A model (and inputs) built on the meta device (``with torch.device("meta"): model = ...``) is estimated
+    as if it ran on ``device`` (default ``"cpu"``): nothing of its size is ever allocated, so a model that
+    does not fit here can be sized before its weights are loaded. (Kernels' scratch space is still measured
+    on real tensors of one op's shapes, on ``device``.)
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -472,21 +477,37 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
 
     devices = {t.device.type for t in [*model.parameters(), *_pytree.tree_leaves((args, kwargs))]
                if isinstance(t, torch.Tensor)}
-    device = "cuda" if "cuda" in devices else next(iter(devices - {"meta"}), "cpu")
+    if device is not None:
+        target = torch.device(device)
+        if target.type == "meta":
+            raise ValueError("estimate: 'device' names where the real step will run ('cpu', 'cuda'), not 'meta'")
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("estimate: device='cuda' needs a CUDA build of torch and a GPU here (CUDA kernels "
+                             "decide the scratch and rounding the estimate counts); estimate on the GPU machine")
+        real_devices = devices - {"meta"}
+        if real_devices and real_devices != {target.type}:
+            raise ValueError(f"estimate: 'device' is {target.type!r} but the model or inputs are on "
+                             f"{', '.join(sorted(real_devices))}; 'device' is for models built on the meta device")
+    else:
+        target = torch.device("cuda" if "cuda" in devices else next(iter(devices - {"meta"}), "cpu"))
+    device = target.type
     sim = _Allocations(device)
     paths = {id(m): p for p, m in model.named_modules()}
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
 
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":  # a model built on the meta device: fake tensors where it will run
+            return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, target)
+        return fake_mode.from_tensor(t, static_shapes=True)
+
     with fake_mode:
-        params = {n: fake_mode.from_tensor(p, static_shapes=True) for n, p in
-                  model.named_parameters(remove_duplicate=False)}
+        params = {n: fake(p) for n, p in model.named_parameters(remove_duplicate=False)}
         for n, p in model.named_parameters(remove_duplicate=False):
             params[n].requires_grad_(p.requires_grad)
-        buffers = {n: fake_mode.from_tensor(b, static_shapes=True) for n, b in
-                   model.named_buffers(remove_duplicate=False)}
+        buffers = {n: fake(b) for n, b in model.named_buffers(remove_duplicate=False)}
 
         def fake_input(t):
-            f = fake_mode.from_tensor(t, static_shapes=True)
+            f = fake(t)
             return f.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else f
 
         f_args, f_kwargs = _pytree.tree_map_only(torch.Tensor, fake_input, (args, kwargs))
