@@ -8,7 +8,7 @@ from . import functional, nn
 from ._notices import SlimgradGapError, SlimgradWarning
 from .audit import AuditReport, audit
 from .convert import ConversionReport, convert, revert
-from .estimate import MemoryEstimate, estimate
+from .estimate import MemoryEstimate, estimate, largest_fitting, scaling
 from .functional.cross_entropy import fused_linear_cross_entropy
 from .measure import SavedTensors, peak_bytes, saved_bytes
 from .mode import enabled
@@ -27,6 +27,7 @@ __all__ = [
     "estimate",
     "functional",
     "fused_linear_cross_entropy",
+    "largest_fitting",
     "MemoryEstimate",
     "MemoryPlan",
     "nn",
@@ -34,4 +35,5 @@ __all__ = [
     "plan",
     "revert",
     "saved_bytes",
+    "scaling",
 ]

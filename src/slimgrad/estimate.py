@@ -32,7 +32,8 @@ from torch import nn
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BlockEstimate", "MemoryEstimate", "blocks_of", "estimate", "parse_bytes", "split_example"]
+__all__ = ["BlockEstimate", "MemoryEstimate", "MemoryScaling", "blocks_of", "estimate", "largest_fitting", "parse_bytes",
+           "scaling", "split_example"]
 
 _CUDA_BLOCK = 512
 
@@ -639,3 +640,87 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
         gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
         peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline)
+
+
+# -- how the peak grows with the batch ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MemoryScaling:
+    """The peak as a function of one size ``n`` (batch, sequence length, image side), fitted exactly through
+    three simulated steps: ``peak(n) = fixed + per_unit * n + per_unit_squared * n**2`` (the square term is
+    attention's scores, which grow with the sequence length squared; zero for a batch). ``sizes`` and
+    ``peaks`` are the simulated points; :meth:`largest` checks its answer with one more simulation."""
+
+    sizes: tuple[int, ...]
+    peaks: tuple[int, ...]
+    fixed: float
+    per_unit: float
+    per_unit_squared: float
+
+    def predict(self, n: int) -> int:
+        return int(round(self.fixed + self.per_unit * n + self.per_unit_squared * n * n))
+
+    def __str__(self) -> str:
+        text = f"peak(n) ~= {_gib(int(self.fixed))} + {self.per_unit / 2**20:.3f} MiB * n"
+        if abs(self.per_unit_squared) > 1e-9 * max(1.0, abs(self.per_unit)):
+            text += f" + {self.per_unit_squared / 2**10:.3f} KiB * n^2"
+        return text + f"   (simulated at n = {', '.join(map(str, self.sizes))})"
+
+
+def scaling(model: nn.Module, make_example: Callable[[int], Any], sizes=(1, 2, 4), **estimate_options) -> MemoryScaling:
+    """Fit :class:`MemoryScaling` from :func:`estimate` at three ``sizes``; ``make_example(n)`` builds the batch
+    for size ``n`` (a dict of keyword inputs, a tensor, or a tuple of positional inputs)."""
+    sizes = tuple(int(n) for n in sizes)
+    if len(sizes) != 3 or len(set(sizes)) != 3 or min(sizes) < 1:
+        raise ValueError(f"scaling: 'sizes' must be three different sizes >= 1, got {sizes!r}")
+    peaks = []
+    for n in sizes:
+        a, kw = split_example(make_example(n))
+        peaks.append(estimate(model, *a, **kw, **estimate_options).peak_bytes)
+    (x0, x1, x2), (y0, y1, y2) = sizes, peaks
+    # the parabola through three points (Newton's divided differences)
+    d01 = (y1 - y0) / (x1 - x0)
+    d12 = (y2 - y1) / (x2 - x1)
+    c = (d12 - d01) / (x2 - x0)
+    b = d01 - c * (x0 + x1)
+    a = y0 - b * x0 - c * x0 * x0
+    return MemoryScaling(sizes, tuple(peaks), a, b, c)
+
+
+def largest_fitting(model: nn.Module, budget, make_example: Callable[[int], Any], *, low: int = 1,
+                    high: int = 1 << 20, **estimate_options) -> tuple[int, MemoryEstimate | None]:
+    """The largest ``n`` in ``[low, high]`` whose simulated step fits ``budget`` (bytes or ``"12GiB"``), and its
+    estimate; ``(0, None)`` when even ``low`` does not fit. ``make_example(n)`` builds the batch for size ``n``
+    (``lambda n: {"input_ids": ids[:, :n], "labels": ids[:, :n]}`` for "the longest sequence that fits").
+    Doubling, then bisection: about 2·log2(n) simulations, each a few seconds at most, none allocating."""
+    limit = parse_bytes(budget)
+    if low < 1 or high < low:
+        raise ValueError(f"largest_fitting: need 1 <= low <= high, got low={low}, high={high}")
+
+    def at(n):
+        a, kw = split_example(make_example(n))
+        return estimate(model, *a, **kw, **estimate_options)
+
+    best = at(low)
+    if best.peak_bytes > limit:
+        return 0, None
+    good, bad = low, None
+    n = low
+    while bad is None:
+        n = min(n * 2, high)
+        e = at(n)
+        if e.peak_bytes <= limit:
+            good, best = n, e
+            if n == high:
+                return good, best
+        else:
+            bad = n
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        e = at(mid)
+        if e.peak_bytes <= limit:
+            good, best = mid, e
+        else:
+            bad = mid
+    return good, best
