@@ -143,6 +143,10 @@ class _PlannedForward:
         if self.action == "checkpoint":
             from torch.utils.checkpoint import checkpoint
 
+            if torch.compiler.is_compiling():
+                # traced into one graph: the recomputation is part of the functional joint graph, so the
+                # running statistics are updated once, and dynamo takes no context_fn but its own
+                return checkpoint(self._inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(self._inner, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return self._inner(*args, **kwargs)

@@ -7,6 +7,7 @@ module's ``__dict__``. Everything else goes through :func:`slimgrad.functional.d
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from slimgrad._registry import register
@@ -25,7 +26,9 @@ class Dropout(nn.Dropout):
             p = self.p
             cached = state.get("_slimgrad_core_p")
             if cached is None or cached[0] is not p:  # p, as a float once (a user may assign an int, 0.5, ...)
-                cached = state["_slimgrad_core_p"] = (p, float(p) if isinstance(p, (int, float)) else None)
+                cached = (p, float(p) if isinstance(p, (int, float)) else None)
+                if not torch.compiler.is_compiling():  # dynamo refuses a state write inside a checkpoint's body
+                    state["_slimgrad_core_p"] = cached
             if cached[1] is not None and (core := _core(input, cached[1], state.get(_POLICY))) is not None:
                 return core.dropout_apply(input, cached[1], self.inplace)
         return dropout(input, self.p, self.training, self.inplace, policy=state.get(_POLICY))
