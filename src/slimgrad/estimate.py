@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -146,6 +147,8 @@ class MemoryEstimate:
     blocks: list[BlockEstimate]
     device: str
     host_peak_bytes: int = 0
+    #: what the estimate could not count (ops too large to replay for their scratch space)
+    notes: list[str] = dataclasses.field(default_factory=list)
     timeline: list[tuple[int, str, int]] = dataclasses.field(repr=False, default_factory=list)
 
     def fits(self, budget) -> bool:
@@ -163,6 +166,7 @@ class MemoryEstimate:
                  f"  weights {_gib(self.weight_bytes)}, inputs {_gib(self.input_bytes)}, gradients "
                  f"{_gib(self.gradient_bytes)}, optimizer state {_gib(self.optimizer_bytes)}, kept for backward "
                  f"{_gib(self.kept_bytes)}"]
+        lines += [f"  note: {n}" for n in self.notes]
         if self.blocks:
             w = max(len(b.path) for b in self.blocks)
             lines.append(f"  {'block':<{w}}  {'weights':>10}  {'grads':>10}  {'optim':>10}  {'kept':>10}  {'peak':>10}")
@@ -311,11 +315,34 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-def _measure_scratch(signatures: dict, device: str) -> None:
+#: the most bytes of inputs one op replay may allocate (``SLIMGRAD_ESTIMATE_REPLAY_BYTES``): a bigger op's
+#: scratch is left out of the estimate, and the estimate says so
+_REPLAY_LIMIT = int(float(os.environ.get("SLIMGRAD_ESTIMATE_REPLAY_BYTES", 2 * 2**30)))
+
+
+def _replay_bytes(sig) -> int:
+    total = 0
+    for leaf in _pytree.tree_leaves((sig[1], sig[2])):
+        if isinstance(leaf, _TensorSpec):
+            n = 1
+            for d in leaf.shape:
+                n *= d
+            total += n * leaf.dtype.itemsize
+    return total
+
+
+def _measure_scratch(signatures: dict, device: str, skipped: list[str]) -> None:
     """The most bytes each op signature holds at once inside its call, outputs included, measured by running it
     once on real (random) tensors of the same shapes: the allocator's own records on CPU (the profiler's
     memory events), ``max_memory_allocated`` on CUDA. One op's inputs are allocated at a time."""
-    todo = [s for s, v in signatures.items() if v is None]
+    todo = []
+    for sig, value in signatures.items():
+        if value is None:
+            if _replay_bytes(sig) > _REPLAY_LIMIT:
+                signatures[sig] = 0  # one op larger than the replay allows: its scratch is not counted
+                skipped.append(sig[0].__name__)
+            else:
+                todo.append(sig)
     if not todo:
         return
     if device == "cuda":
@@ -578,7 +605,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
             opt.zero_grad(set_to_none=True)
             sim.sweep()
 
-    _measure_scratch(sim.signatures, device)
+    skipped: list[str] = []
+    _measure_scratch(sim.signatures, device, skipped)
     # the peak: after each op, or inside it where its kernel holds more than its outputs (scratch space)
     peak, peak_at = start, None
     for i in range(first_event, len(sim.events)):
@@ -639,7 +667,9 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     return MemoryEstimate(
         peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
         gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
-        peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline)
+        peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline,
+        notes=[f"scratch space inside {len(skipped)} op call(s) ({', '.join(sorted(set(skipped)))}) is not counted: "
+               f"their inputs exceed SLIMGRAD_ESTIMATE_REPLAY_BYTES ({_gib(_REPLAY_LIMIT)})"] if skipped else [])
 
 
 # -- how the peak grows with the batch ----------------------------------------------------------------------
