@@ -21,7 +21,6 @@ cuDNN's workspace on CUDA). The tests measure how far that puts the estimate fro
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 import re
@@ -33,8 +32,8 @@ from torch import nn
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BlockEstimate", "MemoryEstimate", "MemoryScaling", "blocks_of", "estimate", "largest_fitting", "parse_bytes",
-           "scaling", "split_example"]
+__all__ = ["BlockEstimate", "MemoryEstimate", "MemoryScaling", "blocks_of", "estimate", "largest_fitting",
+           "parse_bytes", "scaling", "split_example"]
 
 _CUDA_BLOCK = 512
 
@@ -617,12 +616,10 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         if here > peak:
             peak, peak_at = here, i
     at_peak: dict[str, int] = {}
-    host_at_peak = 0
     peak_where = "the step's start"
     if peak_at is not None:
         after, new, sig, phase, owner, node, totals = sim.events[peak_at]
         at_peak = {k: v for k, v in totals.items() if v and k != "host"}
-        host_at_peak = totals.get("host", 0)
         inside = sim.signatures.get(sig) or 0 if sig is not None else 0
         if inside > new:
             at_peak["scratch inside the op"] = inside - new
