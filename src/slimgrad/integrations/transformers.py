@@ -88,11 +88,29 @@ class SlimgradCallback(TrainerCallback):
     (a second ``train()``) is harmless: modules already converted are left as they are, and ``report`` then
     lists only the newly converted ones.
 
+    ``budget=`` (bytes or ``"12GiB"``; per rank) fits one training step into a memory budget at train begin
+    with :func:`slimgrad.plan` on the converted model and installs the plan (:attr:`plan`; logged on both
+    loggers). The step planned for is ``example=`` (one batch as the model takes it) or else the first
+    ``per_device_train_batch_size`` rows of the train dataset through the trainer's collator, on the model's
+    device, in the trainer's mixed precision; plan for the longest batch with ``example=`` where lengths vary.
+    The optimizer state counted is ``optimizer=`` or the trainer's optimizer (built before train begin in
+    transformers 5), else AdamW (SGD for ``optim="sgd"``). Choices made with a budget:
+
+    * Hugging Face's gradient checkpointing (``gradient_checkpointing=True``, TRL's default) recomputes every
+      layer; a plan on top would checkpoint twice. The callback turns it off (with a warning) and lets the plan
+      checkpoint only the blocks the budget needs: same numbers (both restore the RNG), less recompute.
+    * ``use_cache`` is set off in the model's configs for training (a recomputed layer would append to the
+      cache twice; transformers does the same under its checkpointing) and restored at train end.
+    * A budget no plan meets raises ``ValueError`` at train begin with how far over it is and the smallest
+      budget a plan meets.
+    * Planning runs forwards on real tensors (to time the blocks) under a forked RNG, so the training's random
+      stream is the one it would be without a budget.
+
     Note: TRL's ``SFTTrainer`` computes its loss with its own chunked LM head (no full logits), calling the
     model's body directly, so ``chunked_loss=True`` changes nothing there; it matters for ``Trainer``.
     """
 
-    def __init__(self, **convert_options):
+    def __init__(self, budget=None, example=None, optimizer=None, loss_fn=None, **convert_options):
         if "inplace" in convert_options or "report" in convert_options:
             raise TypeError("SlimgradCallback: 'inplace' and 'report' are fixed (the trainer's model is converted "
                             "in place and the report is kept on the callback); pass only convert's other options")
@@ -101,8 +119,26 @@ class SlimgradCallback(TrainerCallback):
         if unknown:
             raise TypeError(f"SlimgradCallback: unknown option {unknown[0]!r}; slimgrad.convert takes "
                             f"{', '.join(sorted(known))}")
+        if budget is None:
+            for name, value in (("example", example), ("optimizer", optimizer), ("loss_fn", loss_fn)):
+                if value is not None:
+                    raise ValueError(f"SlimgradCallback: '{name}' is used with 'budget' (a memory budget to plan "
+                                     f"for); give a budget too")
+        else:
+            from slimgrad.estimate import parse_bytes
+
+            parse_bytes(budget, "SlimgradCallback: 'budget'")  # a bad budget fails here, not at train begin
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"SlimgradCallback: 'loss_fn' must be a callable output -> scalar, got "
+                            f"{type(loss_fn).__name__}")
         self.convert_options = convert_options
+        self.budget = budget
+        self.example = example
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
         self.report: ConversionReport | None = None
+        self._use_cache: list = []
+        self.plan = None  # the slimgrad.plan.MemoryPlan installed at the last train begin (with a budget)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
@@ -120,8 +156,64 @@ class SlimgradCallback(TrainerCallback):
                 "loss there)"), strict=bool(options.get("strict", False)))
         _, report = convert(target, inplace=True, report=True, **options)
         self.report = report
-        if state is None or getattr(state, "is_local_process_zero", True):
+        main_process = state is None or getattr(state, "is_local_process_zero", True)
+        if main_process:
             self._log(target, report)
+        if self.budget is not None:
+            # on the model inside DDP/compile wrappers: accelerate puts its autocast forward on that one (before
+            # wrapping it), so the simulated step runs in the trainer's mixed precision
+            self.plan = self._plan(target, args, kwargs, main_process)
+            report.plan = self.plan
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for config, value in getattr(self, "_use_cache", ()):  # the configs as the user had them (saved with the model)
+            config.use_cache = value
+        self._use_cache = []
+
+    # -- budget --------------------------------------------------------------------------------------------
+
+    def _plan(self, target: nn.Module, args, kwargs, main_process: bool):
+        """Plan the budget on the converted model and install it; see the class docstring for the choices."""
+        import torch
+
+        from slimgrad.plan import apply_plan, plan
+
+        if _hf_checkpointing_off(target) and main_process:
+            message = ("slimgrad: SlimgradCallback(budget=...) turned off Hugging Face's gradient checkpointing "
+                       "(gradient_checkpointing=True / TRL's default), which recomputes every layer: the budget's "
+                       "plan checkpoints only the blocks the budget needs (none if keeping less already fits), "
+                       "with the same numbers, so checkpointing twice is avoided; without a budget, "
+                       "SlimgradCallback leaves it on")
+            hf_log.warning("%s", message)
+            log.warning("%s", message)
+        # a layer recomputed in backward would append its keys and values to a cache a second time (as under
+        # Hugging Face's checkpointing, which turns use_cache off in training); a training step needs no cache
+        self._use_cache = _use_cache_off(target)
+        device = _device_of(target)
+        example = self.example if self.example is not None else _example_batch(args, kwargs.get("train_dataloader"))
+        example = _to_device(example, device)
+        optimizer = self.optimizer if self.optimizer is not None else _trainer_optimizer(args, kwargs.get("optimizer"))
+        # planning runs forwards (timed, on real tensors): the training's random stream must not move
+        devices = [] if device.type == "cpu" else [device.index or 0]
+        with torch.random.fork_rng(devices=devices, device_type="cuda" if device.type == "cpu" else device.type):
+            try:
+                chosen = plan(target, self.budget, example, optimizer=optimizer, loss_fn=self.loss_fn)
+            except ValueError as e:
+                if not isinstance(optimizer, torch.optim.Optimizer) or "cannot rebuild the optimizer" not in str(e):
+                    raise
+                hf_log.warning("slimgrad: %s; the budget is planned with AdamW's state (two fp32 copies of "
+                               "the trainable parameters) instead", e)
+                chosen = plan(target, self.budget, example, optimizer="adamw", loss_fn=self.loss_fn)
+        if not chosen.fits:
+            raise ValueError(f"SlimgradCallback(budget={self.budget!r}): no plan meets the budget at train begin "
+                             f"(estimated per rank, for a batch of {_shapes(example)}):\n{chosen}")
+        apply_plan(target, chosen.actions)
+        if main_process:
+            message = f"{chosen}\n  planned at train begin for a batch of {_shapes(example)} (per rank)"
+            level = logging.WARNING if chosen.actions else logging.INFO  # recompute changes the step's time
+            hf_log.log(level, "%s", message)
+            log.log(level, "%s", message)
+        return chosen
 
     @staticmethod
     def _log(model: nn.Module, report: ConversionReport) -> None:
@@ -147,3 +239,104 @@ class SlimgradCallback(TrainerCallback):
         # convert already warned on the slimgrad logger (once per process); the trainer's log gets them every run
         for gap in report.gaps:
             hf_log.warning("%s", gap.message())
+
+
+# -- budget helpers -----------------------------------------------------------------------------------------
+
+
+def _hf_checkpointing_off(model: nn.Module) -> bool:
+    """Turn Hugging Face's gradient checkpointing off (``TrainingArguments(gradient_checkpointing=True)``, TRL's
+    ``SFTConfig`` default), as its own API does; True if it was on."""
+    import warnings
+
+    if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        return False
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):  # transformers 5, 4
+        disable = getattr(model, name, None)
+        if callable(disable):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # 5.x: gradient_checkpointing_disable is an alias
+                disable()
+            break
+    for m in model.modules():  # a model without the API (or a wrapper that did not forward it): the flags
+        if getattr(m, "gradient_checkpointing", False) is True:
+            m.gradient_checkpointing = False
+    return True
+
+
+def _use_cache_off(model: nn.Module) -> list:
+    """Set ``use_cache=False`` on the model's configs for training; returns [(config, previous value)]."""
+    changed = []
+    for m in model.modules():
+        config = m.__dict__.get("config")
+        if config is not None and getattr(config, "use_cache", False) is True and id(config) not in {
+                id(c) for c, _ in changed}:
+            changed.append((config, True))
+            config.use_cache = False
+    return changed
+
+
+def _device_of(model: nn.Module):
+    import torch
+
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _example_batch(args, dataloader):
+    """One training batch as the trainer feeds the model: the first ``per_device_train_batch_size`` rows of
+    the train dataloader's dataset through its collator (what removes unused columns, pads and builds labels).
+    Not by iterating the dataloader: that would draw the sampler's permutation and move accelerate's state."""
+    import itertools
+
+    import torch
+
+    if dataloader is None or not hasattr(dataloader, "dataset") or getattr(dataloader, "collate_fn", None) is None:
+        raise ValueError("SlimgradCallback(budget=...): the trainer passed no train_dataloader to on_train_begin "
+                         "(transformers before 4.x?); give the batch to plan for: SlimgradCallback(budget=..., "
+                         "example=batch)")
+    n = getattr(args, "per_device_train_batch_size", None) or getattr(dataloader, "batch_size", None) or 1
+    dataset = dataloader.dataset
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        rows = [dataset[i] for i in range(min(n, len(dataset)))]
+    else:  # an iterable dataset: its first rows (its own random state, if any, forked)
+        with torch.random.fork_rng(devices=[]):
+            rows = list(itertools.islice(iter(dataset), n))
+    if not rows:
+        raise ValueError("SlimgradCallback(budget=...): the train dataset is empty; nothing to plan for")
+    return dataloader.collate_fn(rows)
+
+
+def _to_device(batch, device):
+    import torch
+    from torch.utils import _pytree
+
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        batch = dict(batch)  # a BatchEncoding / BatchFeature: plain keyword inputs
+    return _pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def _shapes(batch) -> str:
+    import torch
+
+    if isinstance(batch, dict):
+        return ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if isinstance(v, torch.Tensor))
+    if isinstance(batch, torch.Tensor):
+        return str(tuple(batch.shape))
+    return ", ".join(str(tuple(v.shape)) for v in batch if isinstance(v, torch.Tensor))
+
+
+def _trainer_optimizer(args, optimizer):
+    """What the estimate counts as optimizer state: the trainer's optimizer (transformers 5 has built it
+    before ``on_train_begin``; accelerate's wrapper is looked through), else the kind ``args.optim`` names:
+    SGD for ``sgd``, AdamW (two fp32 states per trainable parameter: an upper bound for 8-bit and factored
+    optimizers) for everything else."""
+    import torch
+
+    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    name = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "adamw"))).lower()
+    return "sgd" if name == "sgd" else "adamw"
