@@ -130,7 +130,11 @@ class _PlannedForward:
         self.previous = previous  # an instance-level forward that was there before (None: the class's)
 
     def _contexts(self):
-        return contextlib.nullcontext(), _running_stats_restored(self.module)
+        recompute = _running_stats_restored(self.module)
+        # torch's checkpoint keeps the CPU generator's state (5 KiB, made outside any dispatch mode) as long as it
+        # keeps this context; under slimgrad.estimate a tensor of that size, held alike, makes the peak count it
+        recompute.rng_state_stand_in = _rng_state_stand_in()
+        return contextlib.nullcontext(), recompute
 
     def _inner(self, *args, **kwargs):
         if self.previous is not None:
@@ -150,6 +154,18 @@ class _PlannedForward:
             return checkpoint(self._inner, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return self._inner(*args, **kwargs)
+
+
+def _rng_state_stand_in():
+    """Inside :func:`slimgrad.estimate` on CPU: a simulated tensor the size of ``torch.get_rng_state()``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from .estimate import _Allocations
+
+    sims = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Allocations)]
+    if not sims or sims[-1].device_type != "cpu":
+        return None  # a real step, or a CUDA one (there the generator states are host memory)
+    return torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8)
 
 
 @contextlib.contextmanager
