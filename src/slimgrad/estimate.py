@@ -74,6 +74,26 @@ def split_example(example) -> tuple[tuple, dict]:
                     f"inputs, got {type(example).__name__}")
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile`` wrappers, which
+    :func:`estimate` and :func:`slimgrad.plan` work on (block paths are the inner module's).
+
+    Why: DDP's forward drives its reducer (fake parameters never report their gradients, and after a real
+    step it touches its real buckets), and a compiled module's forward would trace fake tensors. What the
+    estimate gives is the eager step of the inner module, per rank: DDP adds its gradient buckets (one more
+    copy of the trainable parameters' gradients, none with ``gradient_as_bucket_view=True``), and a compiled
+    graph usually holds less (fused temporaries)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DataParallel, DistributedDataParallel)) and isinstance(model.module, nn.Module):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 # -- blocks -------------------------------------------------------------------------------------------------
 
 
@@ -491,6 +511,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"estimate: 'model' must be a torch.nn.Module, got {type(model).__name__}")
+    model = unwrap(model)
     if not args and not kwargs:
         raise ValueError("estimate: give the step's inputs: estimate(model, x) or estimate(model, input_ids=ids)")
     if loss_fn is not None and not callable(loss_fn):

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .estimate import MemoryEstimate, _gib, blocks_of, estimate, parse_bytes, split_example
+from .estimate import MemoryEstimate, _gib, blocks_of, estimate, parse_bytes, split_example, unwrap
 
 __all__ = ["BlockChoice", "MemoryPlan", "apply_plan", "plan", "remove_plan"]
 
@@ -188,7 +188,7 @@ def apply_plan(model: nn.Module, actions: dict[str, str]) -> nn.Module:
     """Install ``actions`` ({block path: "checkpoint" | "offload"}) on ``model`` in place; returns it.
     Type, parameters, ``state_dict`` keys and hooks are unchanged; :func:`remove_plan` (and
     :func:`slimgrad.revert`) take it off."""
-    modules = dict(model.named_modules())
+    modules = dict(unwrap(model).named_modules())  # paths of the module inside DDP / compile wrappers
     for path, action in actions.items():
         if action not in _ACTIONS:
             raise ValueError(f"plan: the action for {path!r} must be one of {', '.join(_ACTIONS)}, got {action!r}")
@@ -217,7 +217,7 @@ def remove_plan(model: nn.Module) -> nn.Module:
 
 
 def planned_actions(model: nn.Module) -> dict[str, str]:
-    return {p: m.__dict__[_PLANNED].action for p, m in model.named_modules() if _PLANNED in m.__dict__}
+    return {p: m.__dict__[_PLANNED].action for p, m in unwrap(model).named_modules() if _PLANNED in m.__dict__}
 
 
 # -- costs --------------------------------------------------------------------------------------------------
@@ -325,6 +325,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
     (offload only on CUDA). The model is not changed: :func:`apply_plan` (or ``slimgrad.convert(model,
     budget=..., example=...)``) installs the result.
     """
+    model = unwrap(model)  # DDP / compile: the inner module is planned (the paths are its own)
     budget_bytes = parse_bytes(budget)
     for a in actions:
         if a not in ("checkpoint", "offload"):
