@@ -21,12 +21,12 @@ import logging
 
 import pytest
 import torch
+from tests import _budget_models as bm
 from torch import nn
 
 import slimgrad
 from slimgrad.audit import default_loss
 from slimgrad.estimate import MemoryEstimate, blocks_of, estimate, parse_bytes, split_example
-from tests import _budget_models as bm
 
 TOLERANCE = 0.05
 MiB = 2**20
@@ -238,9 +238,9 @@ def test_estimate_allocates_no_activation():
     """A model whose step holds several hundred MiB of activations: the estimate counts them, but running it
     allocates next to nothing (fake tensors; no op here needs its scratch space measured on real tensors)."""
     model = nn.Sequential(*[_Scale(16) for _ in range(8)])
-    x = torch.randn(16, 16, 256, 256)  # 64 MiB per activation
+    x = torch.randn(8, 16, 256, 256)  # 32 MiB per activation
     e = slimgrad.estimate(model, x)
-    assert e.step_peak_bytes > 500 * MiB
+    assert e.step_peak_bytes > 250 * MiB
     used = slimgrad.peak_bytes(lambda: slimgrad.estimate(model, x))
     assert used < 2 * MiB, used
     # and it is right: the real step holds what the estimate says
@@ -286,8 +286,10 @@ def test_block_rows(name):
         trainable = [p for p in params if p.requires_grad]
         assert b.weight_bytes == sum(p.nbytes for p in params), b
         assert b.gradient_bytes == sum(p.nbytes for p in trainable), b
-        assert b.optimizer_bytes >= 2 * b.gradient_bytes > 0, b  # AdamW: two moments per trainable parameter
-        assert 0 < b.kept_bytes and 0 < b.peak_bytes <= e.peak_bytes, b
+        assert b.optimizer_bytes >= 2 * b.gradient_bytes, b  # AdamW: two moments per trainable parameter
+        assert 0 <= b.peak_bytes <= e.peak_bytes, b
+        if ".layers." in b.path or ".stages." in b.path:  # (HF ResNet's blocks also hold its classifier's)
+            assert b.gradient_bytes > 0 and b.kept_bytes > 0 and b.peak_bytes > 0, b
     assert sum(b.kept_bytes for b in e.blocks) <= e.kept_bytes
     # blocks chosen by the caller
     first = e.blocks[0].path
