@@ -202,8 +202,36 @@ def _chunked_engaged(model: nn.Module, swaps) -> bool:
     return any(OPTIONS.get(ORIGINALS[type(m)]) == CHUNKED_LOSS for m in model.modules() if type(m) in ORIGINALS)
 
 
+def _plan_with_chunked_loss(target: nn.Module, chosen, budget, example, optimizer, loss_fn):
+    """The plan with the loss computed in chunks, where a causal-LM head takes it and it fits with less
+    recomputation (or fits at all); otherwise ``chosen``, with the heads left as they were."""
+    from .plan import plan
+
+    swapped = []
+    for module in target.modules():
+        kind = type(module)
+        replacement = REPLACEMENTS.get(kind)
+        if OPTIONS.get(kind) != CHUNKED_LOSS or replacement is None:
+            continue
+        reason_fn = getattr(replacement, "unsupported_reason", None)
+        if reason_fn is not None and reason_fn(module) is not None:
+            continue
+        module.__class__ = replacement
+        swapped.append((module, kind))
+    if not swapped:
+        return chosen
+    alternative = plan(target, budget, example, optimizer=optimizer, loss_fn=loss_fn)
+    if alternative.fits and (not chosen.fits or alternative.extra_seconds < chosen.extra_seconds):
+        alternative.notes.append("chunked loss is on (it fits with less recomputation): a training forward with "
+                                 "labels returns the loss and logits=None; pass chunked_loss=False to keep logits")
+        return alternative
+    for module, kind in swapped:
+        module.__class__ = kind
+    return chosen
+
+
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
-            chunked_loss: bool = False, dropout: str | None = None, strict: bool = False, budget=None,
+            chunked_loss: bool | None = None, dropout: str | None = None, strict: bool = False, budget=None,
             example=None, optimizer=None, loss_fn=None):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
 
@@ -236,9 +264,11 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     ``budget`` (bytes, or ``"12GiB"``) with ``example`` (one batch: a dict of keyword inputs, a tensor, or a
     tuple of positional inputs): after converting, fit one training step into the budget with
     :func:`slimgrad.plan` (checkpointing, or on CUDA offloading, only the blocks that must) and install the
-    plan; ``optimizer`` and ``loss_fn`` are as in :func:`slimgrad.estimate`. The plan is printed on the
-    ``slimgrad`` logger and, with ``report=True``, is the report's ``plan``. A budget no plan meets raises
-    ``ValueError`` naming by how much and the smallest budget that can be met.
+    plan; ``optimizer`` and ``loss_fn`` are as in :func:`slimgrad.estimate`. With a budget and
+    ``chunked_loss`` left at None, the plan turns chunked loss on where a causal-LM head takes it and that
+    fits with less recomputation (or fits at all); ``chunked_loss=False`` keeps the logits whatever it costs.
+    The plan is printed on the ``slimgrad`` logger and, with ``report=True``, is the report's ``plan``. A
+    budget no plan meets raises ``ValueError`` naming by how much and the smallest budget that can be met.
     """
     if budget is None and example is not None:
         raise ValueError("convert: 'example' is used with 'budget' (a memory budget to plan for); give both")
@@ -247,9 +277,13 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
                          "of keyword inputs, a tensor, or a tuple of positional inputs)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
-    for name, flag in (("inplace", inplace), ("report", report), ("chunked_loss", chunked_loss), ("strict", strict)):
+    for name, flag in (("inplace", inplace), ("report", report), ("strict", strict)):
         if not isinstance(flag, bool):
             raise TypeError(f"convert: '{name}' must be True or False, got {flag!r}")
+    if chunked_loss is not None and not isinstance(chunked_loss, bool):
+        raise TypeError(f"convert: 'chunked_loss' must be True, False or None, got {chunked_loss!r}")
+    chunked_auto = chunked_loss is None and budget is not None  # the plan may turn it on where it helps
+    chunked_loss = bool(chunked_loss)
     if dropout is not None:
         from .functional.dropout import check_policy
 
@@ -312,6 +346,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         from .plan import apply_plan, plan
 
         chosen = plan(target, budget, example, optimizer=optimizer, loss_fn=loss_fn)
+        if chunked_auto and (not chosen.fits or chosen.actions):
+            chosen = _plan_with_chunked_loss(target, chosen, budget, example, optimizer, loss_fn)
         if not chosen.fits:
             raise ValueError(f"convert: {chosen}")
         apply_plan(target, chosen.actions)

@@ -201,12 +201,19 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reductio
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not softcap > 0):
         raise ValueError(f"{fn}: 'softcap' must be a positive number or None, got {softcap!r}")
-    if not torch.compiler.is_compiling() and target.device.type != "meta":  # meta: no values to check
+    # meta and fake tensors (slimgrad.estimate) have no values to check
+    if not torch.compiler.is_compiling() and target.device.type != "meta" and not _is_fake(target):
         bad = (target != ignore_index) & ((target < 0) | (target >= weight.shape[0]))
         if bool(bad.any()):
             value = target[bad].flatten()[0].item()
             raise IndexError(f"{fn}: 'target' holds {value}, outside [0, {weight.shape[0]}) and not "
                              f"ignore_index={ignore_index}")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return type(t) is not torch.Tensor and is_fake(t)
 
 
 def fused_linear_cross_entropy(
