@@ -489,6 +489,23 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
                 del m.forward
 
 
+@contextlib.contextmanager
+def _data_dependence_explained(sim: _Allocations):
+    """Fake tensors have no values: a step that reads one (``.item()``, ``if x.any():``) cannot be simulated.
+    Say where, in slimgrad's words, instead of torch's internal exception."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        owner, node = sim._where()
+        where = f"{sim.phase} of {owner or '(model)'}" + (f" ({node})" if node else "")
+        raise ValueError(f"estimate: the step reads a tensor's values ({e.func}) in the {where}, which a "
+                         f"simulated step cannot (fake tensors hold no data): data-dependent control flow or "
+                         f"output shapes there. Estimate the model without that part, or measure it with "
+                         f"slimgrad.peak_bytes around a real step") from e
+
+
 def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None = None,
              blocks: list[str] | None = None, device=None, **kwargs) -> MemoryEstimate:
     """Simulate one training step of ``model(*args, **kwargs)`` on fake tensors and return its memory.
@@ -592,7 +609,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         first_event = len(sim.events)
         sim.phase = "forward"
         # the fake parameters stay in place through backward: checkpointed blocks run their forward again there
-        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True, strict=False):
+        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True, strict=False), \
+                _data_dependence_explained(sim):
             with _tracked_forwards(model, sim, paths, {}):
                 out = model(*f_args, **f_kwargs)
             loss = loss_of(out)
