@@ -273,7 +273,10 @@ def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, rep
         handles.append(modules[b].register_forward_hook(post(b)))
     try:
         was_training = model.training
-        with torch.no_grad():
+        # timing must not change the model or the run: batch norms in training mode would update their running
+        # statistics, and dropout would advance the generator (the planned run would then differ from the plain one)
+        rng_devices = [t.device for t in leaves if t.device.type == "cuda"][:1]
+        with torch.no_grad(), _running_stats_restored(model), torch.random.fork_rng(devices=rng_devices):
             for _ in range(repeats):
                 total.clear()
                 model(*args, **kwargs)
