@@ -1,0 +1,320 @@
+"""A memory budget where users train: ``SlimgradCallback(budget=...)`` in transformers' Trainer and TRL's
+SFTTrainer, a planned model under ``torch.compile(fullgraph=True)``, and DDP (the estimate is per rank).
+
+The trainer tests train two independent copies of one tiny Llama with peft LoRA, both converted by the
+callback, one with a budget between the smallest peak any plan reaches and the unplanned peak (so the plan
+must checkpoint blocks), and compare every step's loss bitwise: checkpointing recomputes the same forward with
+the RNG restored, so a plan changes memory and time, never the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+from slimgrad.plan import apply_plan, planned_actions
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("datasets")
+
+from tests.test_trainer import (  # noqa: E402
+    dataset,
+    lora_config,
+    tiny_llama,
+    tiny_tokenizer,
+    train_trainer,
+    training_args,
+)
+
+from slimgrad.integrations.transformers import SlimgradCallback  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lora_llama():
+    return peft.get_peft_model(tiny_llama(), lora_config())
+
+
+def first_batch(rows=2, keys=("input_ids", "attention_mask", "labels")):
+    return {k: torch.tensor(dataset()[k][:rows]) for k in keys}
+
+
+def middle_budget(model, batch, autocast=None, optimizer="adamw"):
+    """A budget halfway between the smallest peak a plan reaches and the unplanned peak of ``model``
+    converted (a copy), with AdamW: one the plan meets only by checkpointing some blocks."""
+    converted = slimgrad.convert(copy.deepcopy(model))
+    converted.config.use_cache = False
+    context = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with context:
+        unlimited = slimgrad.plan(converted, "1TiB", batch, optimizer=optimizer)
+    assert unlimited.smallest_feasible < unlimited.peak_before, unlimited  # the premise: checkpointing lowers it
+    return (unlimited.smallest_feasible + unlimited.peak_before) // 2
+
+
+def checkpointing_flags(model):
+    return [m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+# -- Trainer ------------------------------------------------------------------------------------------------
+
+
+def test_trainer_budget_plans_on_the_first_batch_and_trains_bitwise_as_without(tmp_path, caplog):
+    stock = lora_llama()
+    budget = middle_budget(stock, first_batch())
+    plain_callback, budget_callback = SlimgradCallback(), SlimgradCallback(budget=budget)
+    expected = train_trainer(tmp_path, "plain", copy.deepcopy(stock), callbacks=[plain_callback])
+    with caplog.at_level(logging.INFO, logger="slimgrad"):
+        actual = train_trainer(tmp_path, "budget", copy.deepcopy(stock), callbacks=[budget_callback])
+    assert actual.losses == expected.losses  # bitwise, every step
+    assert expected.losses[-1] < expected.losses[0]
+    chosen = budget_callback.plan
+    assert chosen.fits and chosen.peak_after <= budget < chosen.peak_before
+    assert budget_callback.report.plan is chosen
+    installed = planned_actions(actual.model)
+    assert installed == chosen.actions and installed, installed
+    assert all(p.startswith("base_model.model.model.layers.") for p in installed)
+    assert planned_actions(expected.model) == {} and plain_callback.plan is None
+    # the batch planned for is what the trainer feeds: 2 rows, the text column dropped, labels kept (int64)
+    assert chosen.estimate_before.input_bytes == 3 * 2 * 12 * 8
+    assert any("slimgrad.plan: budget" in r.getMessage() and "per rank" in r.getMessage() for r in caplog.records)
+    # the trainer's AdamW state is counted: the estimate's optimizer state is two fp32 copies of the LoRA weights
+    lora_bytes = sum(p.numel() * 4 for p in actual.model.parameters() if p.requires_grad)
+    assert chosen.estimate_before.optimizer_bytes >= 2 * lora_bytes
+
+
+def test_trainer_budget_turns_hf_checkpointing_off_and_plans_instead(tmp_path, caplog):
+    """gradient_checkpointing=True checkpoints every layer before training; with a budget the callback turns it
+    off (warning) so no layer is checkpointed twice, and the plan checkpoints what the budget needs. The numbers
+    are those of the fully checkpointed run. Without a budget Hugging Face's checkpointing stays on."""
+    stock = lora_llama()
+    budget = middle_budget(stock, first_batch())
+    expected = train_trainer(tmp_path, "hf", copy.deepcopy(stock), callbacks=[SlimgradCallback()],
+                             gradient_checkpointing=True)
+    assert any(checkpointing_flags(expected.model)) and planned_actions(expected.model) == {}
+    callback = SlimgradCallback(budget=budget)
+    with caplog.at_level(logging.WARNING, logger="slimgrad"):
+        actual = train_trainer(tmp_path, "budget", copy.deepcopy(stock), callbacks=[callback],
+                               gradient_checkpointing=True)
+    assert actual.losses == expected.losses
+    assert checkpointing_flags(actual.model) and not any(checkpointing_flags(actual.model))
+    assert planned_actions(actual.model) == callback.plan.actions and callback.plan.actions
+    assert len(callback.plan.actions) <= len(actual.model.base_model.model.model.layers)
+    assert any("turned off Hugging Face's gradient checkpointing" in r.getMessage() for r in caplog.records)
+
+
+def test_trainer_budget_no_plan_meets_raises_at_train_begin(tmp_path):
+    model = lora_llama()
+    with pytest.raises(ValueError, match=r"(?s)no plan meets the budget.*over; the smallest budget any plan meets"):
+        train_trainer(tmp_path, "tiny", model, callbacks=[SlimgradCallback(budget="1KiB")])
+    assert planned_actions(model) == {}
+
+
+def test_callback_budget_options_are_checked_up_front():
+    with pytest.raises(ValueError, match="'example' is used with 'budget'"):
+        SlimgradCallback(example=first_batch())
+    with pytest.raises(ValueError, match="SlimgradCallback: 'budget'"):
+        SlimgradCallback(budget="twelve GiB")
+    with pytest.raises(TypeError, match="'loss_fn' must be a callable"):
+        SlimgradCallback(budget="1GiB", loss_fn=3)
+    # no dataloader passed (a callback called by hand): the batch must be given
+    with pytest.raises(ValueError, match="example=batch"):
+        SlimgradCallback(budget="1GiB").on_train_begin(None, None, None, model=lora_llama())
+
+
+def test_callback_budget_with_example_and_optimizer_name():
+    model = lora_llama()
+    budget = middle_budget(model, first_batch(), optimizer="sgd")
+    callback = SlimgradCallback(budget=budget, example=first_batch(), optimizer="sgd")
+    assert model.config.use_cache is True  # (transformers 5's Trainer sets it from args.use_cache, False)
+    callback.on_train_begin(None, None, None, model=model)
+    assert callback.plan.fits and planned_actions(model) == callback.plan.actions and callback.plan.actions
+    assert callback.plan.estimate_before.optimizer_bytes == 0  # plain SGD keeps no state
+    # a recomputed layer must not append to a cache twice: off for training, as the user had it afterwards
+    assert model.config.use_cache is False
+    callback.on_train_end(None, None, None, model=model)
+    assert model.config.use_cache is True
+
+
+# -- TRL ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_trainer_budget_same_losses_as_hf_checkpointing(tmp_path):
+    """SFTConfig's defaults: gradient_checkpointing=True, bf16 autocast. The callback with a budget plans under
+    the trainer's autocast, replaces TRL's every-layer checkpointing by the plan, and trains bitwise alike."""
+    trl = pytest.importorskip("trl")
+
+    class RecordingSFT(trl.SFTTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            result = super().compute_loss(model, inputs, *args, **kwargs)
+            loss = result[0] if isinstance(result, tuple) else result
+            self.__dict__.setdefault("losses", []).append(loss.item())
+            return result
+
+    data = dataset().remove_columns(["labels", "attention_mask", "text"])
+    batch = first_batch(keys=("input_ids",))
+    batch["labels"] = batch["input_ids"]
+    budget = middle_budget(lora_llama(), batch, autocast=torch.bfloat16)
+
+    def run(name, callback):
+        config = trl.SFTConfig(**training_args(tmp_path, name))
+        assert config.gradient_checkpointing and config.bf16  # the premise above
+        trainer = RecordingSFT(model=tiny_llama(), args=config, train_dataset=data, peft_config=lora_config(),
+                               processing_class=tiny_tokenizer(), callbacks=[callback])
+        trainer.train()
+        return trainer
+
+    expected = run("hf", SlimgradCallback())
+    callback = SlimgradCallback(budget=budget)
+    actual = run("budget", callback)
+    assert actual.losses == expected.losses and len(actual.losses) == 3
+    assert any(checkpointing_flags(expected.model)) and not any(checkpointing_flags(actual.model))
+    assert callback.plan.fits and planned_actions(actual.model) == callback.plan.actions and callback.plan.actions
+
+
+# -- torch.compile ------------------------------------------------------------------------------------------
+
+
+def small_cnn(dropout=0.0):
+    torch.manual_seed(0)
+
+    def block(c):
+        return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.Dropout(dropout))
+
+    return slimgrad.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), block(8), block(8), block(8),
+                                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)))
+
+
+def step(model, x, call=None, seed=1):
+    """One loss and backward through ``call`` (a compiled ``model``, say); the gradients by ``model``'s names."""
+    torch.manual_seed(seed)
+    loss = (call or model)(x).square().sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_planned_model_compiles_fullgraph_like_eager(backend):
+    """Checkpointed blocks under torch.compile(fullgraph=True): the loss, gradients and batch-norm running
+    statistics (updated once, not again by the recomputation) of the eager planned model, within the
+    tolerance of the repo's compile tests (inductor reorders fp32 sums)."""
+    torch._dynamo.reset()
+    eager = small_cnn()
+    apply_plan(eager, {"1": "checkpoint", "2": "checkpoint"})
+    compiled_model = copy.deepcopy(eager)
+    assert planned_actions(compiled_model) == {"1": "checkpoint", "2": "checkpoint"}
+    x = torch.randn(4, 3, 16, 16)
+    loss, grads = step(eager, x)
+    compiled_loss, compiled_grads = step(compiled_model, x, torch.compile(compiled_model, fullgraph=True,
+                                                                          backend=backend))
+    torch.testing.assert_close(compiled_loss, loss, rtol=2e-5, atol=2e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, buffer), (_, compiled_buffer) in zip(eager.named_buffers(), compiled_model.named_buffers()):
+        torch.testing.assert_close(compiled_buffer, buffer, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_planned_model_compiled_draws_the_same_dropout_masks_as_unplanned():
+    """Compiled, the recomputation of a checkpointed block draws the dropout masks of its forward: the planned
+    model's loss and gradients are bitwise those of the unplanned one under the same backend and seed."""
+    torch._dynamo.reset()
+    model = small_cnn(dropout=0.3)
+    planned = apply_plan(copy.deepcopy(model), {"1": "checkpoint", "2": "checkpoint"})
+    x = torch.randn(4, 3, 16, 16)
+    loss, grads = step(model, x, torch.compile(model, fullgraph=True, backend="aot_eager"))
+    planned_loss, planned_grads = step(planned, x, torch.compile(planned, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(planned_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(planned_grads[name], grad), name
+
+
+def test_estimate_and_plan_of_a_compiled_model_are_the_eager_inner_module():
+    model = small_cnn()
+    compiled = torch.compile(model)
+    x = torch.randn(4, 3, 16, 16)
+    slimgrad.estimate(model, x, optimizer="adamw")  # (the first estimate in a process can measure scratch apart)
+    eager, through = slimgrad.estimate(model, x, optimizer="adamw"), slimgrad.estimate(compiled, x, optimizer="adamw")
+    assert through.peak_bytes == eager.peak_bytes
+    assert [b.path for b in through.blocks] == [b.path for b in eager.blocks] and "1" in [b.path for b in eager.blocks]
+    chosen = slimgrad.plan(compiled, eager.peak_bytes, x)
+    assert [b.path for b in chosen.blocks] == [b.path for b in eager.blocks]
+    apply_plan(compiled, {"2": "checkpoint"})
+    assert planned_actions(compiled) == planned_actions(model) == {"2": "checkpoint"}
+
+
+# -- DDP ----------------------------------------------------------------------------------------------------
+
+
+_DDP_SCRIPT = textwrap.dedent("""
+    import json, os, sys, tempfile
+    import torch, torch.distributed as dist
+    from torch import nn
+    import slimgrad
+    from slimgrad.plan import apply_plan, planned_actions
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(sys.argv[1], "store"), rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = slimgrad.convert(nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4)],
+                                               nn.Linear(16, 2)))
+        reference = slimgrad.convert(nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                                     for _ in range(4)], nn.Linear(16, 2)))
+        reference.load_state_dict(model.state_dict())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        x = torch.randn(8, 16)
+        ddp(x).sum().backward()  # a real step first: DDP's reducer has buckets now
+        for p in model.parameters():
+            p.grad = None
+        slimgrad.estimate(reference, x, optimizer="adamw")  # (the first in a process can measure scratch apart)
+        alone = slimgrad.estimate(reference, x, optimizer="adamw")
+        through = slimgrad.estimate(ddp, x, optimizer="adamw")
+        chosen = slimgrad.plan(ddp, alone.peak_bytes, x, optimizer="adamw")
+        apply_plan(ddp, {"1": "checkpoint", "2": "checkpoint"})
+        for p in model.parameters():
+            p.grad = None
+        ddp(x).sum().backward()  # planned, under DDP
+        reference(x).sum().backward()
+        same = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        result = dict(alone=alone.peak_bytes, through=through.peak_bytes, paths=[b.path for b in chosen.blocks],
+                      reference_paths=[b.path for b in alone.blocks],
+                      planned=planned_actions(ddp), same=same)
+        with open(os.path.join(sys.argv[1], "result.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torch 2.13's gloo can abort at interpreter exit (see tests/test_distributed.py)
+""")
+
+
+@pytest.mark.slow
+def test_estimate_and_plan_look_through_ddp_per_rank(tmp_path):
+    """A single-process gloo group (world size 1, in a subprocess that leaves with os._exit): DDP is
+    estimated and planned as the module it wraps (the per-rank step: the batch given is the rank's), and a
+    plan installed through the wrapper trains with the gradients of the unplanned model."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _DDP_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert (tmp_path / "result.json").exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["through"] == result["alone"] > 0
+    assert result["paths"] == result["reference_paths"] and "1" in result["paths"]  # not "module.1"
+    assert result["planned"] == {"1": "checkpoint", "2": "checkpoint"}
+    assert result["same"]
