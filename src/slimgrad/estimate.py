@@ -112,7 +112,7 @@ def blocks_of(model: nn.Module) -> list[str]:
     # keep outermost lists whose children are not themselves inside another kept list
     lists = []
     for path, m in found:
-        if any(path.startswith(p + ".") for p, _ in lists):
+        if any(p == "" or path.startswith(p + ".") for p, _ in lists):  # the model itself is a kept list: all inside
             continue
         kids = [k for _, k in m.named_children()]
         if len({type(k) for k in kids}) > 2 and isinstance(m, nn.Sequential) and path == "":
@@ -406,6 +406,20 @@ def _measure_scratch(signatures: dict, device: str, skipped: list[str]) -> None:
 # -- running the step on fake tensors -----------------------------------------------------------------------
 
 
+def _packed_tensors(p: torch.Tensor) -> list[torch.Tensor]:
+    """A bitsandbytes packed weight (4-bit ``Params4bit``, ``Int8Params``) and the tensors of its quantization
+    state. Its forward reads attributes (``quant_state``, ``SCB``) that a fake copy would not have, and would
+    rebuild the parameter around the fake: it stays real in the model, and is counted as a weight."""
+    name = type(p).__name__
+    if name == "Params4bit" and getattr(p, "quant_state", None) is not None:
+        from .functional.quantized import _quant_state_tensors
+
+        return [p, *_quant_state_tensors(p.quant_state)]
+    if name == "Int8Params":
+        return [p, *[t for t in (getattr(p, "SCB", None),) if isinstance(t, torch.Tensor)]]
+    return []
+
+
 def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Tensor]):
     """The optimizer the step simulates: a new one of the named kind, or one of ``spec``'s class with its
     parameter groups' options over the fake parameters (``fake_of``: id of a real parameter -> its fake)."""
@@ -558,7 +572,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     device = target.type
     sim = _Allocations(device)
     paths = {id(m): p for p, m in model.named_modules()}
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # bitsandbytes' packed weights stay real (see _packed_tensors); fake mode converts them where an op reads them
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":  # a model built on the meta device: fake tensors where it will run
@@ -570,6 +585,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         for n, p in model.named_parameters(remove_duplicate=False):
             params[n].requires_grad_(p.requires_grad)
         buffers = {n: fake(b) for n, b in model.named_buffers(remove_duplicate=False)}
+        packed = {n: [fake(t) for t in _packed_tensors(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                  if _packed_tensors(p)}  # the same fakes as fake mode's own conversions (they are memoized)
 
         def fake_input(t):
             f = fake(t)
@@ -590,7 +607,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     from torch.nn.utils.stateless import _reparametrize_module
 
     with fake_mode, sim:
-        for t in {id(v): v for v in [*params.values(), *buffers.values()]}.values():
+        for t in {id(v): v for v in [*params.values(), *buffers.values(), *sum(packed.values(), [])]}.values():
             sim.add(t, "weights")
         for t in _pytree.tree_leaves((f_args, f_kwargs)):
             if isinstance(t, torch.Tensor):
@@ -609,7 +626,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         first_event = len(sim.events)
         sim.phase = "forward"
         # the fake parameters stay in place through backward: checkpointed blocks run their forward again there
-        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True, strict=False), \
+        with _reparametrize_module(model, {**{n: p for n, p in params.items() if n not in packed}, **buffers},
+                                   tie_weights=True, strict=False), \
                 _data_dependence_explained(sim):
             with _tracked_forwards(model, sim, paths, {}):
                 out = model(*f_args, **f_kwargs)
