@@ -1,0 +1,470 @@
+"""slimgrad.plan / convert(budget=, example=) / apply_plan / remove_plan: the plan meets its budget on the real
+allocator, checkpoints only what it must, keeps every number bitwise, and is a drop-in on the model.
+
+What is comparable. A plan promises ``peak_bytes`` of :func:`slimgrad.estimate`: everything alive at the step's
+peak, i.e. what existed before the step (parameters, buffers, inputs, optimizer state) plus the step's own peak
+above that. :func:`slimgrad.peak_bytes` measures only the second part (the allocator's records, relative to the
+level at the call), so the measured figure here is ``bytes of the real tensors alive at the start`` (unique
+storages of parameters, buffers, inputs and optimizer state, counted on the real model) ``+ peak_bytes(step)``.
+The step is the one the plan simulates with an optimizer: forward, loss, backward, ``opt.step()``,
+``opt.zero_grad(set_to_none=True)``, measured after one warm-up step (the steady state of training).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+import slimgrad
+from slimgrad.audit import default_loss
+from slimgrad.estimate import _gib, blocks_of, split_example
+from slimgrad.plan import MemoryPlan, apply_plan, planned_actions, remove_plan
+
+# -- models ---------------------------------------------------------------------------------------------------
+
+
+def _llama(layers=4, dropout=0.1):
+    """A Llama-like bf16 model with peft LoRA (q/k/v/o, LoRA dropout on), 4 layers: enough blocks to choose among."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                           "o_proj"],
+                                                       lora_dropout=dropout, init_lora_weights=False))
+    model.train()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _resnet():
+    """The in-repo ResNet-18 (narrow), batch norm in training mode."""
+    from slimgrad.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet18", num_classes=10, width_scale=0.125)
+    model.train()
+    return model, torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _unet():
+    """A tiny diffusers UNet2DConditionModel with peft LoRA on the attention projections (base frozen)."""
+    peft = pytest.importorskip("peft")
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
+    unet.requires_grad_(False)
+    model = peft.get_peft_model(unet, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v",
+                                                                                         "to_out.0"],
+                                                      init_lora_weights=False))
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    return model, {"sample": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10, 10]),
+                   "encoder_hidden_states": torch.randn(2, 4, 32, generator=g)}
+
+
+BUILDERS = {"llama": _llama, "resnet": _resnet, "unet": _unet}
+
+
+@pytest.fixture(scope="module")
+def extremes():
+    """{name: (peak without a plan, smallest feasible)} of the converted model, planned once per model."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, example = BUILDERS[name]()
+            full = slimgrad.plan(slimgrad.convert(model), 1, example, optimizer="sgd")
+            assert not full.fits and full.smallest_feasible < full.peak_before, str(full)
+            cache[name] = (full.peak_before, full.smallest_feasible)
+        return cache[name]
+
+    return get
+
+
+# -- steps ----------------------------------------------------------------------------------------------------
+
+
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+
+def _step(model, example, opt, grads=None):
+    args, kwargs = split_example(example)
+    loss = default_loss(model(*args, **kwargs))
+    loss.backward()
+    if grads is not None:
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _start_bytes(model, example, opt) -> int:
+    """Bytes of the real tensors alive before a step: parameters, buffers, inputs, optimizer state."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *[t for t in _pytree.tree_leaves(example) if isinstance(t, torch.Tensor)],
+               *[v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _measured_peak(model, example) -> tuple[int, int]:
+    """(bytes alive at the step's start, measured peak of one steady-state step above that)."""
+    opt = _sgd(model)
+    _step(model, example, opt)  # warm-up: slimgrad layers learn what their consumers keep
+    start = _start_bytes(model, example, opt)
+    return start, slimgrad.peak_bytes(lambda: _step(model, example, opt))
+
+
+# -- the plan meets its budget ----------------------------------------------------------------------------------
+
+
+def _check_budget_met(name, extremes):
+    before, smallest = extremes(name)
+    budgets = [before - 1, (before + smallest) // 2, smallest]  # just under the peak, between, the smallest
+    counts = []
+    for budget in budgets:
+        model, example = BUILDERS[name]()
+        planned, report = slimgrad.convert(model, budget=budget, example=example, optimizer="sgd", report=True)
+        chosen = report.plan
+        assert chosen.fits and chosen.peak_after <= budget and planned_actions(planned) == chosen.actions
+        start, step_peak = _measured_peak(planned, example)
+        # the start is the same on both sides: what the estimate counted before the step is what exists
+        assert start == chosen.estimate_after.peak_bytes - chosen.estimate_after.step_peak_bytes
+        # what the plan promised holds on the real allocator, hence the budget does
+        assert start + step_peak <= chosen.peak_after <= budget, (name, budget, start + step_peak, str(chosen))
+        counts.append(len(chosen.actions))
+    # the fewest blocks: a budget just under the peak needs fewer than the smallest feasible budget
+    assert 1 <= counts[0] <= counts[1] <= counts[2] and counts[0] < counts[2], counts
+
+
+@pytest.mark.parametrize("name", ["llama", "resnet"])
+def test_plan_meets_its_budget_on_the_real_allocator(name, extremes):
+    _check_budget_met(name, extremes)
+
+
+@pytest.mark.slow
+def test_plan_meets_its_budget_unet_lora(extremes):
+    _check_budget_met("unet", extremes)
+
+
+def test_unplanned_estimate_matches_measured_peak_llama():
+    """The baseline the budget checks rest on: without a plan, the estimate is the measured peak."""
+    model, example = _llama()
+    model = slimgrad.convert(model)
+    est = slimgrad.estimate(model, optimizer="sgd", **example)
+    start, step_peak = _measured_peak(model, example)
+    assert (start, step_peak) == (est.peak_bytes - est.step_peak_bytes, est.step_peak_bytes)
+
+
+# -- exactness --------------------------------------------------------------------------------------------------
+
+
+def _two_steps(model, example):
+    opt, grads, losses = _sgd(model), [], []
+    for seed in (10, 11):
+        torch.manual_seed(seed)  # the same dropout draws on both sides
+        losses.append(_step(model, example, opt, grads))
+    return losses, grads, model.state_dict()
+
+
+def _assert_bitwise(a, b):
+    (la, ga, sa), (lb, gb, sb) = a, b
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y), (x, y)
+    assert len(ga) == len(gb) == 2
+    for gx, gy in zip(ga, gb):
+        assert gx.keys() == gy.keys() and gx
+        for n in gx:
+            assert torch.equal(gx[n], gy[n]), n
+    assert sa.keys() == sb.keys()
+    for n in sa:
+        assert torch.equal(sa[n], sb[n]), n
+
+
+@pytest.mark.parametrize("name", ["llama", "resnet"])
+def test_planned_model_is_bitwise_the_unplanned_one(name, extremes):
+    _, smallest = extremes(name)
+    model, example = BUILDERS[name]()
+    plain = slimgrad.convert(model)
+    planned = slimgrad.convert(BUILDERS[name]()[0], budget=smallest, example=example, optimizer="sgd")
+    assert len(planned_actions(planned)) >= 2
+    _assert_bitwise(_two_steps(plain, example), _two_steps(planned, example))
+    if name == "resnet":  # batch-norm running statistics moved, once per step, on both sides
+        assert planned.state_dict()["bn1.num_batches_tracked"].item() == 2
+
+
+def test_planned_unet_lora_is_bitwise_the_unplanned_one():
+    model, example = _unet()
+    plain = slimgrad.convert(model)
+    planned = slimgrad.convert(_unet()[0])
+    blocks = [p for p, _ in planned.named_modules() if p.count(".") == 3 and "_blocks." in p]
+    assert len(blocks) == 4, blocks  # down_blocks.0/1, up_blocks.0/1
+    apply_plan(planned, {b: "checkpoint" for b in blocks})
+    _assert_bitwise(_two_steps(plain, example), _two_steps(planned, example))
+
+
+def test_planned_model_does_not_checkpoint_twice_the_lora_dropout_draws():
+    """The checkpointed LoRA dropout draws its mask once per step: the RNG advances as without the plan."""
+    model, example = _llama()
+    plain, planned = slimgrad.convert(model), slimgrad.convert(_llama()[0])
+    apply_plan(planned, {b: "checkpoint" for b in blocks_of(planned)})
+    states = []
+    for m in (plain, planned):
+        torch.manual_seed(3)
+        _step(m, example, _sgd(m))
+        states.append(torch.get_rng_state())
+    assert torch.equal(*states)
+
+
+def test_convert_with_a_budget_leaves_the_rng_and_batch_norm_statistics_alone(extremes):
+    """Planning times each block on the example; that forward must not advance the generator or move running
+    statistics (the planned run would then differ from the unplanned one)."""
+    _, smallest = extremes("resnet")
+    model, example = _resnet()
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    planned = slimgrad.convert(model, budget=smallest, example=example, optimizer="sgd")
+    assert planned_actions(planned)
+    assert torch.equal(torch.get_rng_state(), torch.random.manual_seed(5).get_state())
+    for k, v in planned.state_dict().items():
+        assert torch.equal(v, stats[k]), k
+
+
+# -- a budget that needs no plan, a budget no plan meets -----------------------------------------------------------
+
+
+def test_a_budget_at_or_above_the_peak_plans_nothing(extremes):
+    before, _ = extremes("llama")
+    model, example = _llama()
+    chosen = slimgrad.plan(slimgrad.convert(model), before, example, optimizer="sgd")
+    assert chosen.fits and chosen.actions == {} and chosen.peak_after == chosen.peak_before == before
+    assert any("slimgrad's minimal saving alone fits" in n for n in chosen.notes), chosen.notes
+    assert "nothing checkpointed or offloaded" in str(chosen)
+    planned, report = slimgrad.convert(_llama()[0], budget="1TiB", example=example, optimizer="sgd", report=True)
+    assert planned_actions(planned) == {} and report.plan.fits and report.plan.budget == 2**40
+
+
+def test_a_budget_below_the_smallest_feasible_says_by_how_much(extremes):
+    before, smallest = extremes("llama")
+    budget = smallest - (before - smallest)
+    model, example = _llama()
+    chosen = slimgrad.plan(slimgrad.convert(model), budget, example, optimizer="sgd")
+    assert not chosen.fits and chosen.smallest_feasible == smallest == chosen.peak_after
+    assert len(chosen.actions) == 4  # every layer was tried
+    assert "does NOT fit" in str(chosen)
+    with pytest.raises(ValueError) as err:
+        slimgrad.convert(_llama()[0], budget=budget, example=example, optimizer="sgd")
+    message = str(err.value)
+    assert message.startswith("convert: ")
+    assert f"{_gib(smallest - budget)} over" in message
+    assert f"the smallest budget any plan meets is {_gib(smallest)}" in message
+
+
+# -- drop-in ------------------------------------------------------------------------------------------------------
+
+
+def _mlp():
+    """Six same-typed blocks (Linear, GELU, Dropout) and a head: the model itself is the list of blocks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1)) for _ in range(6)],
+                          nn.Linear(64, 1))
+    return model, torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+
+
+def test_blocks_of_a_sequential_model_are_its_children_not_their_insides():
+    model, _ = _mlp()
+    assert blocks_of(slimgrad.convert(model)) == [str(i) for i in range(7)]
+
+
+def _mlp_extremes():
+    model, x = _mlp()
+    full = slimgrad.plan(slimgrad.convert(model), 1, x)
+    return full.peak_before, full.smallest_feasible
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_planned_model_is_a_drop_in(inplace):
+    before, smallest = _mlp_extremes()
+    model, x = _mlp()
+    plain = slimgrad.convert(copy.deepcopy(model))
+    params = dict(model.named_parameters())
+    planned = slimgrad.convert(model, inplace=inplace, budget=(before + smallest) // 2, example=x)
+    actions = planned_actions(planned)
+    assert 0 < len(actions) < 6 and set(actions.values()) == {"checkpoint"}
+    assert (planned is model) == inplace
+    assert {n: type(m) for n, m in planned.named_modules()} == {n: type(m) for n, m in plain.named_modules()}
+    assert list(planned.state_dict()) == list(plain.state_dict())
+    for n, p in planned.named_parameters():
+        assert (p is params[n]) == inplace
+    for path in actions:  # the class's forward is untouched; the plan is an instance attribute
+        assert type(planned.get_submodule(path)).forward is type(plain.get_submodule(path)).forward
+
+
+def _count_recomputes(model, path):
+    """Forward calls of the first submodule of block ``path`` during one training step: 2 when checkpointed."""
+    calls = []
+    handle = model.get_submodule(path)[0].register_forward_hook(lambda *_: calls.append(1))
+    _step(model, torch.randn(8, 64), _sgd(model))
+    handle.remove()
+    return len(calls)
+
+
+def test_deepcopy_of_a_planned_model_checkpoints_its_own_blocks():
+    model, _ = _mlp()
+    planned = apply_plan(slimgrad.convert(model), {"1": "checkpoint", "3": "checkpoint"})
+    clone = copy.deepcopy(planned)
+    assert planned_actions(clone) == {"1": "checkpoint", "3": "checkpoint"}
+    for path in ("1", "3"):
+        block = clone.get_submodule(path)
+        assert block.forward.module is block and block.forward is not planned.get_submodule(path).forward
+    outside = []
+    handle = planned.get_submodule("1")[0].register_forward_hook(lambda *_: outside.append(1))
+    assert _count_recomputes(clone, "1") == 2 and _count_recomputes(clone, "2") == 1
+    assert outside == []  # the copy never runs the original's modules
+    handle.remove()
+
+
+def test_revert_and_remove_plan_take_the_plan_off():
+    model, _ = _mlp()
+    planned = apply_plan(slimgrad.convert(model), {"1": "checkpoint"})
+    remove_plan(planned)
+    assert planned_actions(planned) == {} and "forward" not in planned.get_submodule("1").__dict__
+    assert _count_recomputes(planned, "1") == 1
+    apply_plan(planned, {"1": "checkpoint"})
+    slimgrad.revert(planned)
+    assert planned_actions(planned) == {} and "forward" not in planned.get_submodule("1").__dict__
+    assert type(planned.get_submodule("1.0")) is nn.Linear
+    assert _count_recomputes(planned, "1") == 1
+
+
+def test_remove_plan_restores_an_instance_forward_that_was_there_before():
+    model, x = _mlp()
+    model = slimgrad.convert(model)
+    block = model.get_submodule("2")
+    calls = []
+    class_forward = block.forward
+
+    def own(*args, **kwargs):
+        calls.append(1)
+        return class_forward(*args, **kwargs)
+
+    block.forward = own
+    apply_plan(model, {"2": "checkpoint"})
+    apply_plan(model, {"2": "checkpoint"})  # applying again replaces the plan, it does not nest it
+    _step(model, x, _sgd(model))
+    assert len(calls) == 2  # the user's forward runs, and is recomputed
+    remove_plan(model)
+    assert block.forward is own
+
+
+def test_no_grad_and_eval_run_the_plain_forward(monkeypatch):
+    import torch.utils.checkpoint as ckpt
+
+    model, x = _mlp()
+    plain = slimgrad.convert(copy.deepcopy(model))
+    planned = apply_plan(slimgrad.convert(model), {"1": "checkpoint", "4": "checkpoint"})
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for m in (plain, planned):
+        m.eval()
+    with torch.no_grad():
+        assert torch.equal(planned(x), plain(x))
+    with torch.inference_mode():
+        assert torch.equal(planned(x), plain(x))
+    assert calls == []
+    planned.train()
+    _step(planned, x, _sgd(planned))
+    assert len(calls) == 2
+
+
+def test_hooks_on_planned_blocks_still_fire():
+    model, x = _mlp()
+    planned = apply_plan(slimgrad.convert(model), {"2": "checkpoint"})
+    fired = []
+    block = planned.get_submodule("2")
+    block.register_forward_pre_hook(lambda *_: fired.append("pre"))
+    block.register_forward_hook(lambda *_: fired.append("post"))
+    block.register_full_backward_hook(lambda *_: fired.append("backward"))
+    _step(planned, x, _sgd(planned))
+    assert fired == ["pre", "post", "backward"]
+
+
+def test_hf_gradient_checkpointing_on_means_the_plan_adds_nothing():
+    model, example = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    chosen = slimgrad.plan(slimgrad.convert(model), 1, example, optimizer="sgd")
+    assert chosen.actions == {} and not chosen.fits
+    assert any("gradient_checkpointing_enable()" in n for n in chosen.notes), chosen.notes
+    assert "gradient_checkpointing_enable()" in str(chosen)
+    planned = slimgrad.convert(model, budget=chosen.peak_before, example=example, optimizer="sgd")
+    assert planned_actions(planned) == {}
+
+
+# -- argument errors ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["twelve", "12XB", "-1GiB", "0", "0GiB", "", "GiB", -5, 0])
+def test_bad_budgets_are_refused_naming_the_budget(bad):
+    model, x = _mlp()
+    with pytest.raises(ValueError, match="^budget: expected a positive number of bytes"):
+        slimgrad.plan(model, bad, x)
+
+
+def test_argument_errors():
+    model, x = _mlp()
+    with pytest.raises(ValueError, match="'budget' needs 'example'"):
+        slimgrad.convert(model, budget="1GiB")
+    with pytest.raises(ValueError, match="'example' is used with 'budget'"):
+        slimgrad.convert(model, example=x)
+    with pytest.raises(TypeError, match="budget"):
+        slimgrad.plan(model, True, x)
+    with pytest.raises(TypeError, match="'example' must be a batch"):
+        slimgrad.plan(model, "1GiB", 3)
+    with pytest.raises(ValueError, match="'actions' may hold 'checkpoint' and 'offload', got 'recompute'"):
+        slimgrad.plan(model, "1GiB", x, actions=("recompute",))
+    with pytest.raises(ValueError, match="'blocks' names 'nope'"):
+        slimgrad.plan(model, "1GiB", x, blocks=["nope"])
+    apply_plan(model, {"1": "checkpoint"})
+    with pytest.raises(ValueError, match="the action for '2' must be one of keep, checkpoint, offload, got 'recompute'"):
+        apply_plan(model, {"2": "recompute"})
+    with pytest.raises(ValueError, match="'layers.9' is not a submodule of the model"):
+        apply_plan(model, {"layers.9": "checkpoint"})
+    assert planned_actions(model) == {"1": "checkpoint"}  # a refused plan leaves the one installed in place
+
+
+def test_a_single_action_string_is_one_action():
+    before, smallest = _mlp_extremes()
+    model, x = _mlp()
+    chosen = slimgrad.plan(slimgrad.convert(model), smallest, x, actions="checkpoint")
+    assert chosen.fits and set(chosen.actions.values()) == {"checkpoint"}
+
+
+# -- the printed plan and its plot ------------------------------------------------------------------------------------
+
+
+def test_plan_text_and_plot(tmp_path):
+    before, smallest = _mlp_extremes()
+    model, x = _mlp()
+    budget = (before + smallest) // 2
+    chosen = slimgrad.plan(slimgrad.convert(model), budget, x)
+    assert isinstance(chosen, MemoryPlan) and chosen.fits
+    text = str(chosen)
+    first = text.splitlines()[0]
+    assert first.startswith(f"slimgrad.plan: budget {_gib(budget)} on cpu: peak {_gib(before)} -> "
+                            f"{_gib(chosen.peak_after)}, fits; about +")
+    rows = {line.split()[0]: line.split()[1] for line in text.splitlines()[2:] if line.startswith("  ")
+            and not line.lstrip().startswith("note")}
+    assert rows == {b.path: b.action for b in chosen.blocks} and set(rows) == {str(i) for i in range(7)}
+    assert "checkpoint" in rows.values() and "keep" in rows.values()
+    pytest.importorskip("matplotlib")
+    chosen.plot(str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
