@@ -330,6 +330,8 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
     """
     model = unwrap(model)  # DDP / compile: the inner module is planned (the paths are its own)
     budget_bytes = parse_bytes(budget)
+    if isinstance(actions, str):  # actions="checkpoint": one action, not its letters
+        actions = (actions,)
     for a in actions:
         if a not in ("checkpoint", "offload"):
             raise ValueError(f"plan: 'actions' may hold 'checkpoint' and 'offload', got {a!r}")
