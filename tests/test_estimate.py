@@ -104,20 +104,22 @@ def test_estimate_with_optimizer_matches_steady_state(name, optimizer, converted
             assert torch.equal(v, state_before[id(p)][k]), k
 
 
-def test_estimate_qlora_matches_measured_peak():
-    """QLoRA: bitsandbytes 4-bit bases (nf4, double quantization) with LoRA on every linear layer, on CPU."""
+@pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
+@pytest.mark.parametrize("bits,optimizer", [(4, None), (4, "adamw"), (8, None)], ids=["nf4", "nf4-adamw", "int8"])
+def test_estimate_qlora_matches_measured_peak(bits, optimizer, converted):
+    """QLoRA: bitsandbytes' packed bases (4-bit nf4 with double quantization, or LLM.int8) with LoRA on every
+    linear layer, on CPU. The packed weights stay real during the estimate (bitsandbytes' forward reads their
+    quantization state) and count as weights."""
     pytest.importorskip("bitsandbytes")
-    model, example = bm.qlora_llama()
-    measured = bm.measured_step_peak(model, example)
-    try:
-        e = _estimate(model, example)
-    except RuntimeError as err:
-        if "Params4bit" in str(err):
-            pytest.xfail("estimate cannot simulate bitsandbytes' Params4bit on fake tensors: the fake copy of a "
-                         "4-bit weight loses its quant_state, and bitsandbytes' forward then rebuilds a Params4bit "
-                         f"around the fake tensor ({err})")
-        raise
-    _check(e, measured, "qlora stock")
+    model, example = bm.qlora_llama(bits=bits)
+    if converted:
+        model = slimgrad.convert(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]) if optimizer else None
+    measured = bm.measured_step_peak(model, example, opt, warm=None if opt else 1)
+    e = _estimate(model, example, optimizer=optimizer)
+    _check(e, measured, f"qlora {bits}-bit {optimizer} {'converted' if converted else 'stock'}")
+    packed = [p for p in model.parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
+    assert packed and e.weight_bytes >= sum(p.nbytes for p in model.parameters())  # the packed ones included
 
 
 # --- how the estimate scales with the batch --------------------------------------------------------------
