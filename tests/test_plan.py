@@ -434,7 +434,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="'blocks' names 'nope'"):
         slimgrad.plan(model, "1GiB", x, blocks=["nope"])
     apply_plan(model, {"1": "checkpoint"})
-    with pytest.raises(ValueError, match="the action for '2' must be one of keep, checkpoint, offload, got 'recompute'"):
+    with pytest.raises(ValueError, match="action for '2' must be one of keep, checkpoint, offload, got 'recompute'"):
         apply_plan(model, {"2": "recompute"})
     with pytest.raises(ValueError, match="'layers.9' is not a submodule of the model"):
         apply_plan(model, {"layers.9": "checkpoint"})

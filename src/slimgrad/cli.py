@@ -1,4 +1,4 @@
-"""``python -m slimgrad ...``: the demo, the audit and the kernel table.
+"""``python -m slimgrad ...``: the demo, the audit, the memory estimate and plan, and the kernel table.
 
 Errors a user can cause (unknown model, bad shape, a factory that raises) end in one line on stderr and
 exit code 2, never a traceback.
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib
+import json
 import os
 import sys
 import time
@@ -195,6 +197,99 @@ def audit_command(args) -> int:
     return 0
 
 
+def _plan_dict(chosen) -> dict:
+    return {"budget": chosen.budget, "device": chosen.device, "peak_before": chosen.peak_before,
+            "peak_after": chosen.peak_after, "smallest_feasible": chosen.smallest_feasible, "fits": chosen.fits,
+            "extra_seconds": chosen.extra_seconds, "actions": chosen.actions, "notes": list(chosen.notes),
+            "blocks": [dataclasses.asdict(b) for b in chosen.blocks]}
+
+
+def _side_by_side(estimates: dict) -> list[str]:
+    """The totals of each estimate in one column each, so stock and converted compare at a glance."""
+    rows = [("peak (everything alive)", "peak_bytes"), ("peak above the step's start", "step_peak_bytes"),
+            ("weights", "weight_bytes"), ("inputs", "input_bytes"), ("gradients", "gradient_bytes"),
+            ("optimizer state", "optimizer_bytes"), ("kept for backward", "kept_bytes")]
+    names = list(estimates)
+    lines = [f"{'MiB':<30}" + "".join(f"{n:>12}" for n in names)]
+    for label, field in rows:
+        lines.append(f"{label:<30}" + "".join(f"{getattr(estimates[n], field) / 2**20:12.2f}" for n in names))
+    return lines
+
+
+def estimate_command(args) -> int:
+    """Simulate one training step (forward, loss, backward, optimizer step) on fake tensors: no activation is
+    allocated, so a model that would not fit can be sized here. Exit code 1 when --budget cannot be met."""
+    from .estimate import estimate, parse_bytes
+    from .plan import plan
+
+    _writable("--json", args.json)
+    _writable("--plot", args.plot)
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_bytes(args.budget, "--budget")
+        except (TypeError, ValueError) as e:
+            raise UserError(str(e)) from None
+    if args.plot:
+        if budget is None:
+            raise UserError("--plot draws the memory plan: give --budget too (e.g. --budget 12GiB)")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'slimgrad[plot]'") from None
+    which = ["stock", "slimgrad"] if args.which is None else [args.which]
+    progress = _Progress(2 + len(which) + (budget is not None), args.quiet)
+    progress.step("building the model")
+    model, inputs, kwargs = _build_audit_target(args)
+    if budget is not None and inputs and kwargs:
+        raise UserError("--budget plans for one batch: a dict of keyword inputs, or positional inputs; the "
+                        "--factory returned both")
+    model.train()  # a training step: dropout draws, batch norms use the batch
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    models = {"stock": model} if "stock" in which else {}
+    estimates = {}
+    try:
+        if "slimgrad" in which:
+            models["slimgrad"] = convert(model)  # a converted deep copy: the stock model stays as built
+        for name in which:
+            progress.step(f"simulating one training step of the {name} model on fake tensors")
+            estimates[name] = estimate(models[name], *inputs, optimizer=optimizer, **kwargs)
+        chosen = None
+        if budget is not None:
+            name = which[-1]
+            progress.step(f"planning the {name} model for a budget of {args.budget}")
+            chosen = plan(models[name], budget, kwargs if kwargs else inputs, optimizer=optimizer)
+    except (ValueError, TypeError, ImportError) as e:  # slimgrad's own argument errors: already one line
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(message.removeprefix("estimate: ").removeprefix("plan: ")) from None
+    except Exception as e:  # the user's model failing on the user's input, in any way
+        if os.environ.get("SLIMGRAD_TRACEBACK"):
+            raise
+        raise UserError(f"the model could not run on the example input: {_first_line(e)} "
+                        f"(SLIMGRAD_TRACEBACK=1 shows the traceback)") from None
+    progress.step("done")
+    opt = f", optimizer {optimizer}" if optimizer else ", no optimizer"
+    print(f"one training step (forward, loss, backward{', optimizer step' if optimizer else ''}){opt}, "
+          f"simulated on fake tensors:")
+    for line in _side_by_side(estimates):
+        print(line)
+    for name in which:
+        print(f"\n{'stock PyTorch' if name == 'stock' else 'slimgrad.convert'}:")
+        print(estimates[name])
+    if chosen is not None:
+        print(f"\nmemory plan for the {'stock' if which[-1] == 'stock' else 'converted'} model:")
+        print(chosen)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**{n: e.as_dict() for n, e in estimates.items()},
+                       **({"plan": _plan_dict(chosen)} if chosen is not None else {})}, f, indent=1)
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        chosen.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if chosen is None or chosen.fits else 1
+
+
 def _core_lines(status: dict) -> list[str]:
     state = ("loaded" if status["loaded"] else "built (cached), not loaded in this process" if status["cached"]
              else "not built yet (built on first use, or `python -m slimgrad build`)")
@@ -264,6 +359,32 @@ def main(argv=None) -> int:
     a.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     a.set_defaults(run=audit_command)
 
+    e = sub.add_parser("estimate", help="memory of one training step before running it (stock and slimgrad), "
+                                        "and a plan that fits a budget")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="an in-repo CNN")
+    src.add_argument("--hf", choices=sorted(_HF_CONFIGS), help="a small Hugging Face model built from a config")
+    src.add_argument("--factory", help="'module:function' returning (model, input), (model, (inputs, ...)), "
+                                       "(model, {'name': input}) or (model, (inputs, ...), {'name': input})")
+    e.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--image-size", type=int, default=224)
+    e.add_argument("--seq-len", type=int, default=128)
+    e.add_argument("--optimizer", default="none", choices=["none", "adamw", "sgd"],
+                   help="include the optimizer's state and step (default: forward and backward only)")
+    which = e.add_mutually_exclusive_group()
+    which.add_argument("--convert", dest="which", action="store_const", const="slimgrad",
+                       help="only the model converted by slimgrad (default: stock and converted side by side)")
+    which.add_argument("--stock", dest="which", action="store_const", const="stock",
+                       help="only the stock model")
+    e.add_argument("--budget", metavar="BYTES", help="e.g. 12GiB, 800MB: also plan the converted model (the stock "
+                                                     "one with --stock) for this budget; exit code 1 if no plan "
+                                                     "meets it")
+    e.add_argument("--json", metavar="PATH", help="also write the estimates (and plan) as JSON")
+    e.add_argument("--plot", metavar="PATH", help="also draw the plan as a PNG (needs --budget and matplotlib)")
+    e.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    e.set_defaults(run=estimate_command, which=None)
+
     k = sub.add_parser("kernels", help="which kernel runs per op family, device and dtype (SLIMGRAD_KERNELS)")
     k.set_defaults(run=kernels_command, batch_size=1)
 
@@ -275,9 +396,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or getattr(args, "image_size", 32) < 32 or getattr(args, "seq_len", 1) < 1:
         parser.error("--batch-size and --seq-len must be >= 1 and --image-size >= 32")
-    in_repo_cnn = args.command == "demo" or (args.command == "audit" and not getattr(args, "hf", None)
+    in_repo_cnn = args.command == "demo" or (args.command in ("audit", "estimate") and not getattr(args, "hf", None)
                                              and not getattr(args, "factory", None)
-                                             and args.case != "input-bn-eval")
+                                             and getattr(args, "case", None) != "input-bn-eval")
     if in_repo_cnn and args.batch_size < 2:
         parser.error("--batch-size must be >= 2 for the in-repo CNNs: their batch norms train, and batch norm "
                      "in training mode needs more than one value per channel")
