@@ -218,7 +218,9 @@ class _TensorSpec:
         extent = self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride)) + 1 if all(self.shape) else 0
         base = torch.empty(max(extent, 1), dtype=self.dtype, device=self.device)
         if self.dtype.is_floating_point or self.dtype.is_complex:
-            base.normal_()
+            # the user's generator is not advanced: an estimate (or a plan) must not change the run's random draws
+            with torch.random.fork_rng(devices=[base.device] if base.device.type == "cuda" else []):
+                base.normal_()
         else:
             base.zero_()
         return base.as_strided(self.shape, self.stride, self.offset)
