@@ -31,11 +31,11 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
 from tests.test_trainer import (  # noqa: E402
+    RecordingTrainer,  # noqa: E402
     dataset,
     lora_config,
     tiny_llama,
     tiny_tokenizer,
-    train_trainer,
     training_args,
 )
 
@@ -48,8 +48,22 @@ def lora_llama():
     return peft.get_peft_model(tiny_llama(), lora_config())
 
 
-def first_batch(rows=2, keys=("input_ids", "attention_mask", "labels")):
+#: the rows' attention mask is all ones; it is left out of what the trainer feeds because transformers 4.x's
+#: sdpa mask reads its values (``_ignore_causal_mask_sdpa``: ``padding_mask.all()``), which a step simulated on
+#: fake tensors cannot (slimgrad.estimate says so); transformers 5 does not read them
+KEYS = ("input_ids", "labels")
+
+
+def first_batch(rows=2, keys=KEYS):
     return {k: torch.tensor(dataset()[k][:rows]) for k in keys}
+
+
+def train_trainer(tmp_path, name, model, callbacks=None, **overrides):
+    args = transformers.TrainingArguments(**training_args(tmp_path, name, **overrides))
+    data = dataset().remove_columns(["attention_mask"])
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train()
+    return trainer
 
 
 def middle_budget(model, batch, autocast=None, optimizer="adamw"):
@@ -88,8 +102,9 @@ def test_trainer_budget_plans_on_the_first_batch_and_trains_bitwise_as_without(t
     assert all(p.startswith("base_model.model.model.layers.") for p in installed)
     assert planned_actions(expected.model) == {} and plain_callback.plan is None
     # the batch planned for is what the trainer feeds: 2 rows, the text column dropped, labels kept (int64)
-    assert chosen.estimate_before.input_bytes == 3 * 2 * 12 * 8
-    assert any("slimgrad.plan: budget" in r.getMessage() and "per rank" in r.getMessage() for r in caplog.records)
+    assert chosen.estimate_before.input_bytes == len(KEYS) * 2 * 12 * 8
+    assert any("slimgrad.plan: budget" in r.getMessage() and "(2, 12), labels (2, 12) (per rank)" in r.getMessage()
+               for r in caplog.records)
     # the trainer's AdamW state is counted: the estimate's optimizer state is two fp32 copies of the LoRA weights
     lora_bytes = sum(p.numel() * 4 for p in actual.model.parameters() if p.requires_grad)
     assert chosen.estimate_before.optimizer_bytes >= 2 * lora_bytes
@@ -101,13 +116,15 @@ def test_trainer_budget_turns_hf_checkpointing_off_and_plans_instead(tmp_path, c
     are those of the fully checkpointed run. Without a budget Hugging Face's checkpointing stays on."""
     stock = lora_llama()
     budget = middle_budget(stock, first_batch())
-    expected = train_trainer(tmp_path, "hf", copy.deepcopy(stock), callbacks=[SlimgradCallback()],
-                             gradient_checkpointing=True)
+    overrides = dict(gradient_checkpointing=True)
+    if not hasattr(transformers.TrainingArguments, "activation_checkpointing_kwargs"):
+        # transformers 4.x checkpoints reentrantly by default, where a frozen embedding fails (as in test_trainer)
+        overrides["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    expected = train_trainer(tmp_path, "hf", copy.deepcopy(stock), callbacks=[SlimgradCallback()], **overrides)
     assert any(checkpointing_flags(expected.model)) and planned_actions(expected.model) == {}
     callback = SlimgradCallback(budget=budget)
     with caplog.at_level(logging.WARNING, logger="slimgrad"):
-        actual = train_trainer(tmp_path, "budget", copy.deepcopy(stock), callbacks=[callback],
-                               gradient_checkpointing=True)
+        actual = train_trainer(tmp_path, "budget", copy.deepcopy(stock), callbacks=[callback], **overrides)
     assert actual.losses == expected.losses
     assert checkpointing_flags(actual.model) and not any(checkpointing_flags(actual.model))
     assert planned_actions(actual.model) == callback.plan.actions and callback.plan.actions
@@ -152,6 +169,9 @@ def test_callback_budget_with_example_and_optimizer_name():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="TRL's collator feeds an attention mask, whose values transformers 4.x's sdpa mask reads "
+                           "(see KEYS); slimgrad.estimate cannot simulate that step")
 def test_sft_trainer_budget_same_losses_as_hf_checkpointing(tmp_path):
     """SFTConfig's defaults: gradient_checkpointing=True, bf16 autocast. The callback with a budget plans under
     the trainer's autocast, replaces TRL's every-layer checkpointing by the plan, and trains bitwise alike."""
