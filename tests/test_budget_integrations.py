@@ -338,3 +338,31 @@ def test_estimate_and_plan_look_through_ddp_per_rank(tmp_path):
     assert result["paths"] == result["reference_paths"] and "1" in result["paths"]  # not "module.1"
     assert result["planned"] == {"1": "checkpoint", "2": "checkpoint"}
     assert result["same"]
+
+
+class _Unrebuildable(torch.optim.SGD):
+    """An optimizer whose constructor the estimate cannot call with parameter groups alone."""
+
+    def __init__(self, params, scale):
+        super().__init__(params, lr=0.1 * scale, momentum=0.9)
+
+
+def test_callback_counts_the_trainers_optimizer_through_accelerates_wrapper():
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+    x = torch.randn(8, 16)
+    model = mlp()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    wrapper = type("AcceleratedOptimizer", (), {})()  # what accelerate hands callbacks: .optimizer is the real one
+    wrapper.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    callback = SlimgradCallback(budget="1GiB", example=x)
+    callback.on_train_begin(None, None, None, model=model, optimizer=wrapper)
+    assert callback.plan.estimate_before.optimizer_bytes == param_bytes  # SGD's momentum: one copy
+    # an optimizer the estimate cannot rebuild: AdamW's state is counted instead (two copies), with a warning
+    model = mlp()
+    callback = SlimgradCallback(budget="1GiB", example=x)
+    callback.on_train_begin(None, None, None, model=model, optimizer=_Unrebuildable(model.parameters(), 1.0))
+    n_params = len(list(model.parameters()))
+    assert callback.plan.estimate_before.optimizer_bytes == 2 * param_bytes + 4 * n_params  # + fp32 step counts
