@@ -250,7 +250,8 @@ def estimate_command(args) -> int:
     estimates = {}
     try:
         if "slimgrad" in which:
-            models["slimgrad"] = convert(model)  # a converted deep copy: the stock model stays as built
+            # a converted deep copy: the stock model stays as built
+            models["slimgrad"] = convert(model, chunked_loss=args.chunked_loss)
         for name in which:
             progress.step(f"simulating one training step of the {name} model on fake tensors")
             estimates[name] = estimate(models[name], *inputs, optimizer=optimizer, **kwargs)
@@ -377,6 +378,8 @@ def main(argv=None) -> int:
                        help="only the model converted by slimgrad (default: stock and converted side by side)")
     which.add_argument("--stock", dest="which", action="store_const", const="stock",
                        help="only the stock model")
+    e.add_argument("--chunked-loss", action="store_true",
+                   help="convert with chunked_loss=True (the loss computed in chunks, no full logits)")
     e.add_argument("--budget", metavar="BYTES", help="e.g. 12GiB, 800MB: also plan the converted model (the stock "
                                                      "one with --stock) for this budget; exit code 1 if no plan "
                                                      "meets it")
