@@ -495,3 +495,23 @@ def test_plan_text_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     chosen.plot(str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offload_is_planned_only_on_cuda():
+    before, smallest = _mlp_extremes()
+    model, x = _mlp()
+    chosen = slimgrad.plan(slimgrad.convert(model), smallest, x, actions=("offload",))
+    assert chosen.actions == {} and not chosen.fits
+    assert any("on CPU is the same memory" in n for n in chosen.notes), chosen.notes
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="offload to pinned host memory needs CUDA"))])
+def test_offloaded_blocks_are_bitwise_the_plain_ones(device):
+    """An installed offload (save_on_cpu) keeps the numbers: the kept tensors come back as they went."""
+    model, x = _mlp()
+    plain = slimgrad.convert(model).to(device)
+    planned = apply_plan(slimgrad.convert(_mlp()[0]).to(device), {"1": "offload", "4": "offload"})
+    assert planned_actions(planned) == {"1": "offload", "4": "offload"}
+    x = x.to(device)
+    _assert_bitwise(_two_steps(plain, x), _two_steps(planned, x))
