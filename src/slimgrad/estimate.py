@@ -422,6 +422,31 @@ def _packed_tensors(p: torch.Tensor) -> list[torch.Tensor]:
     return []
 
 
+@contextlib.contextmanager
+def _packed_restored(model: nn.Module):
+    """bitsandbytes rewrites packed weights in its forward (on a CPU with AVX512-BF16, a 4-bit layer in eval mode
+    repacks its weight, ``weight.data = packed``, and rewrites its quant_state's fields): under fake mode that
+    would leave fake tensors in the user's model. Each packed weight's data and quantization state are put back."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    saved = []
+    with _disable_current_modes():  # (under fake mode, reading .data would give a fake alias)
+        for p in model.parameters():
+            if _packed_tensors(p):
+                qs = getattr(p, "quant_state", None)
+                saved.append((p, p.data, qs, dict(vars(qs)) if qs is not None else None))
+    try:
+        yield
+    finally:
+        with _disable_current_modes():
+            for p, data, qs, fields in saved:
+                p.data = data
+                if qs is not None:
+                    vars(qs).clear()
+                    vars(qs).update(fields)
+                    p.quant_state = qs
+
+
 def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Tensor]):
     """The optimizer the step simulates: a new one of the named kind, or one of ``spec``'s class with its
     parameter groups' options over the fake parameters (``fake_of``: id of a real parameter -> its fake)."""
@@ -630,7 +655,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         # the fake parameters stay in place through backward: checkpointed blocks run their forward again there
         with _reparametrize_module(model, {**{n: p for n, p in params.items() if n not in packed}, **buffers},
                                    tie_weights=True, strict=False), \
-                _data_dependence_explained(sim):
+                _data_dependence_explained(sim), _packed_restored(model):
             with _tracked_forwards(model, sim, paths, {}):
                 out = model(*f_args, **f_kwargs)
             loss = loss_of(out)
