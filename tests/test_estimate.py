@@ -129,6 +129,40 @@ def test_estimate_qlora_matches_measured_peak(bits, optimizer, converted):
     assert packed and e.weight_bytes >= sum(p.nbytes for p in model.parameters())  # the packed ones included
 
 
+@pytest.mark.parametrize("bits,training", [(4, False), pytest.param(4, True, marks=pytest.mark.slow),
+                                           pytest.param(8, False, marks=pytest.mark.slow)],
+                         ids=["nf4-eval", "nf4-train", "int8-eval"])
+def test_qlora_model_is_untouched(bits, training):
+    """The packed weights stay real during the estimate, and bitsandbytes' forward may rewrite them (on a CPU
+    with AVX512-BF16, a 4-bit layer in eval mode repacks its weight and quant_state on its first call): after
+    the estimate the model's state, packed weights and quantization state included, is what it was, and its
+    real step gives what an untouched copy gives. LLM.int8 in eval mode runs bitsandbytes' inference kernel,
+    whose output shape depends on the data (outlier columns): the estimate refuses it, leaving the model as
+    it was too."""
+    pytest.importorskip("bitsandbytes")
+    model, example = bm.qlora_llama(bits=bits)
+    model.train(training)
+    twin = copy.deepcopy(model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    e = None
+    if bits == 8 and not training:
+        with pytest.raises(ValueError, match="reads a tensor's values.*int8_vectorwise_quant"):
+            _estimate(model, example)
+    else:
+        e = _estimate(model, example)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert after[k].device == v.device and torch.equal(after[k], v), k
+    assert all(p.grad is None for p in model.parameters())
+    loss, loss_twin = (default_loss(m(**example)) for m in (model, twin))
+    assert torch.equal(loss, loss_twin)
+    if e is not None:  # and a real step holds what the estimate says
+        model.zero_grad(set_to_none=True)
+        measured = bm.measured_step_peak(model, example)
+        _check(e, measured, f"qlora {bits}-bit {'train' if training else 'eval'} mode")
+
+
 # --- how the estimate scales with the batch --------------------------------------------------------------
 
 
