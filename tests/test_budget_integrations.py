@@ -110,6 +110,7 @@ def test_trainer_budget_plans_on_the_first_batch_and_trains_bitwise_as_without(t
     assert chosen.estimate_before.optimizer_bytes >= 2 * lora_bytes
 
 
+@pytest.mark.slow
 def test_trainer_budget_turns_hf_checkpointing_off_and_plans_instead(tmp_path, caplog):
     """gradient_checkpointing=True checkpoints every layer before training; with a budget the callback turns it
     off (warning) so no layer is checkpointed twice, and the plan checkpoints what the budget needs. The numbers
