@@ -97,31 +97,30 @@ def unwrap(model: nn.Module) -> nn.Module:
 # -- blocks -------------------------------------------------------------------------------------------------
 
 
-def blocks_of(model: nn.Module) -> list[str]:
-    """The repeated blocks a plan decides about: the children of the longest ``nn.ModuleList`` or
-    ``nn.Sequential`` of same-typed modules (a transformer's layers, a ResNet's stages), and for a model
-    without one, its top-level children that hold parameters.
+def _is_block(m: nn.Module) -> bool:
+    """A module worth a plan's decision: it holds parameters and has modules of its own (a layer, a stage),
+    not a single conv, activation or dropout."""
+    return any(True for _ in m.children()) and any(True for _ in m.parameters())
 
-    Several lists of the same length (an encoder and a decoder, a UNet's down and up blocks) all count."""
-    found: list[tuple[str, nn.Module]] = []
+
+def blocks_of(model: nn.Module) -> list[str]:
+    """The blocks a plan decides about: the composite children (modules of modules, holding parameters) of the
+    outermost ``nn.ModuleList``/``nn.Sequential`` that has at least two of them — a transformer's layers (an
+    encoder's and a decoder's), a ResNet's residual blocks, a UNet's down, mid and up blocks. Single layers
+    (a conv, an activation, a dropout) are never blocks: recomputing one saves nothing worth its time. A model
+    without such a list: its composite top-level children, else its top-level children with parameters."""
+    lists: list[tuple[str, nn.Module]] = []
     for path, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
-            kids = list(m.named_children())
-            if any(sum(1 for _ in k.parameters()) for _, k in kids):
-                found.append((path, m))
-    # keep outermost lists whose children are not themselves inside another kept list
-    lists = []
-    for path, m in found:
-        if any(p == "" or path.startswith(p + ".") for p, _ in lists):  # the model itself is a kept list: all inside
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
-        kids = [k for _, k in m.named_children()]
-        if len({type(k) for k in kids}) > 2 and isinstance(m, nn.Sequential) and path == "":
-            pass
-        lists.append((path, m))
-    blocks = []
-    for path, m in lists:
-        for name, _ in m.named_children():
-            blocks.append(f"{path}.{name}" if path else name)
+        if any(p == "" or path.startswith(p + ".") for p, _ in lists):
+            continue  # inside a kept list: its blocks are decided as a whole
+        if sum(1 for k in m.children() if _is_block(k)) >= 2:
+            lists.append((path, m))
+    blocks = [f"{path}.{name}" if path else name
+              for path, m in lists for name, k in m.named_children() if _is_block(k)]
+    if not blocks:
+        blocks = [name for name, m in model.named_children() if _is_block(m)]
     if not blocks:
         blocks = [name for name, m in model.named_children() if any(True for _ in m.parameters())]
     return blocks
