@@ -98,8 +98,8 @@ def test_budget_prints_the_plan_and_writes_json_and_plot(factory, capsys, tmp_pa
     printed = out.split("memory plan for the converted model:\n")[1].splitlines()
     assert printed[0].startswith(f"slimgrad.plan: budget {budget / 2**20:.1f} MiB on cpu: peak "
                                  f"{full.peak_before / 2**20:.1f} MiB -> ") and ", fits; about +" in printed[0]
-    rows = {r.split()[0]: r.split()[1] for r in printed[2:9]}
-    assert set(rows) == {str(i) for i in range(7)}
+    rows = {r.split()[0]: r.split()[1] for r in printed[2:] if r.startswith("  ") and "note:" not in r}
+    assert set(rows) == {str(i) for i in range(6)}  # the head (one Linear) is no block
     # which of the equal blocks are checkpointed, and so how many, follows measured times (noisy)
     data = json.loads((tmp_path / "e.json").read_text())
     assert set(data) == {"stock", "slimgrad", "plan"}

@@ -307,7 +307,8 @@ def test_a_budget_below_the_smallest_feasible_says_by_how_much(extremes):
 
 def test_blocks_of_a_sequential_model_are_its_children_not_their_insides():
     model, _ = _mlp()
-    assert blocks_of(slimgrad.convert(model)) == [str(i) for i in range(7)]
+    # the six composite blocks; the head is one Linear, which recomputing would not make smaller
+    assert blocks_of(slimgrad.convert(model)) == [str(i) for i in range(6)]
 
 
 @functools.lru_cache
@@ -490,7 +491,7 @@ def test_plan_text_and_plot(tmp_path):
                             f"{_gib(chosen.peak_after)}, fits; about +")
     rows = {line.split()[0]: line.split()[1] for line in text.splitlines()[2:] if line.startswith("  ")
             and not line.lstrip().startswith("note")}
-    assert rows == {b.path: b.action for b in chosen.blocks} and set(rows) == {str(i) for i in range(7)}
+    assert rows == {b.path: b.action for b in chosen.blocks} and set(rows) == {str(i) for i in range(6)}
     assert "checkpoint" in rows.values() and "keep" in rows.values()
     pytest.importorskip("matplotlib")
     chosen.plot(str(tmp_path / "plan.png"))
