@@ -37,6 +37,7 @@ __all__ = ["BlockChoice", "MemoryPlan", "apply_plan", "plan", "remove_plan"]
 
 _ACTIONS = ("keep", "checkpoint", "offload")
 _PLANNED = "_slimgrad_planned"  # the instance attribute holding a block's planned forward
+_USE_CACHE = "_slimgrad_planned_use_cache"  # a config whose use_cache the plan turned off (restored on removal)
 
 
 @dataclasses.dataclass
@@ -202,11 +203,22 @@ def apply_plan(model: nn.Module, actions: dict[str, str]) -> nn.Module:
         planned = _PlannedForward(module, action, module.__dict__.get("forward"))
         module.__dict__[_PLANNED] = planned
         module.forward = planned
+    if "checkpoint" in actions.values():
+        # A Hugging Face cache filled during forward would be filled again by the recomputation (HF's own
+        # checkpointing turns use_cache off in training for the same reason): off while the plan is on.
+        for module in unwrap(model).modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", None) is True:
+                config.use_cache = False
+                module.__dict__[_USE_CACHE] = config
     return model
 
 
 def remove_plan(model: nn.Module) -> nn.Module:
     for module in model.modules():
+        config = module.__dict__.pop(_USE_CACHE, None)
+        if config is not None:
+            config.use_cache = True
         planned = module.__dict__.pop(_PLANNED, None)
         if planned is not None:
             if planned.previous is not None:
@@ -380,28 +392,27 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         def acts_for(k: int) -> dict[str, str]:
             return {p: choice[p][0] for p in order[:k]}
 
-        chosen, after = {}, before
+        tried = {0: before}  # blocks planned -> estimate; checkpointing can also raise a peak (the recompute)
+
+        def at(k: int) -> MemoryEstimate:
+            if k not in tried:
+                tried[k] = run(acts_for(k))
+            return tried[k]
+
+        k_chosen = 0
         if before.peak_bytes > budget_bytes and order:
-            full = run(acts_for(len(order)))
-            if full.peak_bytes > budget_bytes:
-                chosen, after = acts_for(len(order)), full
-            else:
-                lo, hi, best = 1, len(order), (len(order), full)
+            if at(len(order)).peak_bytes <= budget_bytes:
+                lo, hi = 1, len(order)
                 while lo < hi:  # the fewest blocks (cheapest first) that meet the budget
                     mid = (lo + hi) // 2
-                    e = run(acts_for(mid))
-                    if e.peak_bytes <= budget_bytes:
-                        hi, best = mid, (mid, e)
-                    else:
-                        lo = mid + 1
-                if best[0] != lo:
-                    best = (lo, run(acts_for(lo)))
-                chosen, after = acts_for(best[0]), best[1]
-            smallest = full.peak_bytes
-        else:
-            smallest = before.peak_bytes if not order else None
-        if smallest is None:
-            smallest = run(acts_for(len(order))).peak_bytes if order else before.peak_bytes
+                    lo, hi = (lo, mid) if at(mid).peak_bytes <= budget_bytes else (mid + 1, hi)
+                k_chosen = lo
+            else:  # nothing fits: the lowest peak seen
+                k_chosen = min(tried, key=lambda k: (tried[k].peak_bytes, k))
+        elif order:
+            at(len(order))  # for smallest_feasible
+        chosen, after = acts_for(k_chosen), at(k_chosen)
+        smallest = min(e.peak_bytes for e in tried.values())
         fits = after.peak_bytes <= budget_bytes
         if before.peak_bytes <= budget_bytes:
             notes.append("slimgrad's minimal saving alone fits: nothing is checkpointed or offloaded")
@@ -411,8 +422,6 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                     or "lm_head" in after.peak_where):
                 notes.append("the peak is in the loss: slimgrad.convert(model, chunked_loss=True) computes it in "
                              "chunks (then a training forward returns no logits)")
-        elif smallest < before.peak_bytes and after.peak_bytes > smallest:
-            pass
         choices = []
         for b in before.blocks:
             action = chosen.get(b.path, "keep")
