@@ -300,6 +300,13 @@ def test_a_budget_below_the_smallest_feasible_says_by_how_much(extremes):
     assert message.startswith("convert: ")
     assert f"{_gib(smallest - budget)} over" in message
     assert f"the smallest budget any plan meets is {_gib(smallest)}" in message
+    # in place: the refused conversion leaves the user's model as it came
+    model = _mlp()[0]
+    types = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="does NOT fit"):
+        slimgrad.convert(model, inplace=True, budget=budget, example=example, optimizer="sgd")
+    assert {n: type(m) for n, m in model.named_modules()} == types
+    assert not any(a.startswith("_slimgrad_") for m in model.modules() for a in m.__dict__)
 
 
 # -- drop-in ------------------------------------------------------------------------------------------------------

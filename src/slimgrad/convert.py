@@ -349,6 +349,11 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         if chunked_auto and (not chosen.fits or chosen.actions):
             chosen = _plan_with_chunked_loss(target, chosen, budget, example, optimizer, loss_fn)
         if not chosen.fits:
+            if inplace:  # leave the user's model as it came: the conversion was for the plan
+                for module, _ in swaps:
+                    module.__class__ = ORIGINALS[type(module)]
+                    for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
+                        del module.__dict__[attr]
             raise ValueError(f"convert: {chosen}")
         apply_plan(target, chosen.actions)
         result.plan = chosen

@@ -303,6 +303,21 @@ def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, rep
     return result
 
 
+def _alike_timed_alike(model: nn.Module, rows: dict, seconds: dict[str, float]) -> dict[str, float]:
+    """Blocks of one type that keep the same bytes (a transformer's layers) get their median time: timing noise
+    must not decide which of equal blocks a plan takes."""
+    modules = dict(model.named_modules())
+    groups: dict = {}
+    for path in seconds:
+        groups.setdefault((type(modules[path]), rows[path].kept_bytes), []).append(path)
+    result = dict(seconds)
+    for paths in groups.values():
+        times = sorted(seconds[p] for p in paths)
+        for p in paths:
+            result[p] = times[len(times) // 2]
+    return result
+
+
 def host_copy_bytes_per_second(device: str) -> float:
     """Device -> pinned host -> device bandwidth, timed once on 64 MiB (0 where there is nothing to copy to)."""
     if device != "cuda" or not torch.cuda.is_available():
@@ -376,6 +391,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             block_paths_planned = [b.path for b in before.blocks if b.kept_bytes > 0]
         rows = {b.path: b for b in before.blocks}
         seconds = block_forward_seconds(model, block_paths_planned, args, kwargs) if block_paths_planned else {}
+        seconds = _alike_timed_alike(unwrap(model), rows, seconds)
         bandwidth = host_copy_bytes_per_second(device) if "offload" in actions else 0.0
 
         def cost(path: str) -> tuple[str, float]:
@@ -387,7 +403,10 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             return min(options, key=lambda o: o[1])
 
         choice = {p: cost(p) for p in block_paths_planned} if actions else {}
-        order = sorted(choice, key=lambda p: -rows[p].kept_bytes / max(choice[p][1], 1e-9))
+        # bytes kept per second of extra time, best first; ties (alike blocks) in model order, so the same
+        # model and budget give the same plan from run to run
+        position = {p: i for i, p in enumerate(block_paths_planned)}
+        order = sorted(choice, key=lambda p: (-rows[p].kept_bytes / max(choice[p][1], 1e-9), position[p]))
 
         def acts_for(k: int) -> dict[str, str]:
             return {p: choice[p][0] for p in order[:k]}
