@@ -232,6 +232,13 @@ _SCRATCH_OPS = re.compile(r"conv|mkldnn|_scaled_dot_product|attention|^(mm|bmm|a
                           r"_fft|linalg|upsample.*backward|_weight_int|_convert_weight")
 
 
+def _mixed_dtypes(args) -> bool:
+    """Tensors of two floating dtypes in one op (bf16 + fp32): TensorIterator may cast one into a temporary
+    copy inside the op (an add of bf16 and fp32 on CPU holds twice its output)."""
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dim()}
+    return len(dtypes) > 1
+
+
 def _spec_of(x):
     if isinstance(x, torch.Tensor):
         return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device.type)
@@ -324,7 +331,7 @@ class _Allocations(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 new += self.add(t, kind, owner)
         sig = None
-        if _SCRATCH_OPS.search(func.__name__.split(".")[0]):
+        if _SCRATCH_OPS.search(func.__name__.split(".")[0]) or _mixed_dtypes(args):
             try:
                 sig = (func, _spec_of(tuple(args)), tuple(sorted((k, _spec_of(v)) for k, v in kwargs.items())))
                 hash(sig)
