@@ -398,7 +398,7 @@ def verdict(r: dict, fraction: float, budget: int) -> str:
         return f"not measured ({r['why'].get(('plan', fraction), '?')})"
     best_alt = max(others, key=others.get) if others else None
     if best_alt is not None and others[best_alt] > plan_n:
-        cause = _size_cause(r, fraction, budget, plan_n)
+        cause = _size_cause(r, budget, plan_n + 1)
         problems.append(f"{label[best_alt]} fits batch {others[best_alt]} > the plan's {plan_n}; {cause}")
     fitting = {a: seconds[key_of[(a, fraction)]] for a, _ in ALTERNATIVES
                if a not in ("plan", "stock") and (a, fraction) in key_of}
@@ -406,7 +406,7 @@ def verdict(r: dict, fraction: float, budget: int) -> str:
     if plan_key is None:
         if fitting:
             problems.append(f"the plan does not fit the reference batch, which {', '.join(label[a] for a in fitting)}"
-                            f" fit{'s' if len(fitting) == 1 else ''}; {_size_cause(r, fraction, budget, 0)}")
+                            f" fit{'s' if len(fitting) == 1 else ''}; {_size_cause(r, budget, r['work'].ref)}")
     elif fitting:
         fastest = min(fitting, key=fitting.get)
         plan_s = seconds[plan_key]
@@ -418,10 +418,9 @@ def verdict(r: dict, fraction: float, budget: int) -> str:
     return "does not hold: " + "; ".join(problems)
 
 
-def _size_cause(r: dict, fraction: float, budget: int, plan_n: int) -> str:
-    """Why the plan stops at plan_n: what slimgrad.plan says at the next size (the measured peak's place)."""
+def _size_cause(r: dict, budget: int, n: int) -> str:
+    """Why the plan does not fit size n: what slimgrad.plan says there (the lowest peak and its place)."""
     work, bench = r["work"], r["bench"]
-    n = plan_n + 1
     batch = work.batch(n, bench.device)
     m = slimgrad.convert(copy.deepcopy(bench.stock))
     p = slimgrad.plan(m, budget + _before_step_bytes(m, batch), batch)
