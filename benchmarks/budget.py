@@ -223,7 +223,8 @@ class Bench:
             m = copy.deepcopy(self.stock)
             whole = budget + _before_step_bytes(m, batch)
             try:
-                m = slimgrad.convert(m, budget=whole, example=batch)
+                m, report = slimgrad.convert(m, budget=whole, example=batch, report=True)
+                self.plan_notes[(budget, n)] = " ".join(report.plan.notes)
             except ValueError as exc:
                 self.plan_notes[(budget, n)] = str(exc)
                 m = None
@@ -369,7 +370,10 @@ def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progres
                 m = bench.model("plan", budget, fraction, work.ref)
                 acts = tuple(sorted(planned_actions(m).items()))
                 every = tuple(sorted((b, "checkpoint") for b in blocks_of(bench.stock)))
-                key = "slim" if not acts else "slim+ckpt" if acts == every else f"plan:{acts}"
+                if "chunked loss is on" in bench.plan_notes.get((budget, work.ref), ""):
+                    key = f"plan+chunked:{acts}"
+                else:
+                    key = "slim" if not acts else "slim+ckpt" if acts == every else f"plan:{acts}"
                 if key in ("slim", "slim+ckpt"):  # the same configuration: the same model, the same timing
                     m = configs.get(key, bench.model(key, budget, fraction, work.ref))
             else:
@@ -484,9 +488,11 @@ def table(r: dict) -> list[str]:
     lines += ["", "</details>", ""]
     for fraction, budget in r["budgets"]:
         acts = r["plan_actions"].get(fraction)
+        chunked = "chunked loss is on" in r["plan_notes"].get((budget, work.ref), "")
         desc = ("refused at the reference batch" if acts is None else
-                "nothing checkpointed (slimgrad alone fits)" if not acts else
-                f"checkpoints {len(acts)} of {len(blocks_of(r['bench'].stock))} blocks")
+                "nothing checkpointed" + (", chunked loss" if chunked else " (slimgrad alone fits)") if not acts
+                else f"checkpoints {len(acts)} of {len(blocks_of(r['bench'].stock))} blocks"
+                + (", chunked loss" if chunked else ""))
         lines.append(f"- {fraction:.0%} ({budget / MiB:.1f} MiB): plan at batch {work.ref}: {desc}. "
                      f"Target: {verdict(r, fraction, budget)}.")
     return lines
@@ -528,7 +534,10 @@ def main(argv=None) -> str:
              "linear guess from two sizes, then doubling/halving and bisection); the Llama's sequence length is "
              "fixed. *ms*: median step time (forward + backward) at the reference batch over interleaved "
              f"rounds ({repeats}), or *does not fit* with the measured peak there. Each plan is made for the "
-             "batch it runs (slimgrad.convert(model, budget=step budget + weights + batch, example=batch)).",
+             "batch it runs: `slimgrad.convert(model, budget=step budget + weights + batch, example=batch)` (convert "
+             "budgets everything on the device; these budgets are above the step's start), which may also turn on "
+             "the chunked loss where that fits with less recomputation (the plan line says so). Garbage is "
+             "collected before each measured step.",
              "",
              "Full checkpointing: transformers' `activation_checkpointing_enable(activation_checkpointing_kwargs="
              "{\"use_reentrant\": False})` (what `gradient_checkpointing_enable` calls) on the Llama; "
