@@ -328,10 +328,10 @@ def time_configs(work: Workload, configs: dict, device, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------- one workload
 
 
-def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progress) -> dict:
+def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progress, fractions=FRACTIONS) -> dict:
     bench = Bench(work, device, compile_ok, progress)
     stock_peak = bench.peak("stock", 0, 1.0, work.ref)
-    budgets = [(f, int(f * stock_peak)) for f in FRACTIONS]
+    budgets = [(f, int(f * stock_peak)) for f in fractions]
     alts = [a for a, _ in ALTERNATIVES]
     sizes: dict = {}
     ref_peak: dict = {}
@@ -504,7 +504,8 @@ def main(argv=None) -> str:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--only", default="", help="comma-separated: llama, cnn")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (minutes of compile time)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, no compile: a smoke run (seconds)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, the 50 %% budget only, no compile: a smoke run (seconds)")
     parser.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(DOC.parents[1])}")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -518,7 +519,9 @@ def main(argv=None) -> str:
     def progress(what):
         print(f"\r[{time.perf_counter() - started:5.0f} s] {what}" + " " * 30, end="", file=sys.stderr, flush=True)
 
-    results = [run_workload(w, device, repeats, not (args.no_compile or args.quick), progress) for w in works]
+    fractions = (0.5,) if args.quick else FRACTIONS
+    results = [run_workload(w, device, repeats, not (args.no_compile or args.quick), progress, fractions)
+               for w in works]
     total = time.perf_counter() - started
     print(f"\r[{total:5.0f} s] done" + " " * 60, file=sys.stderr)
 
@@ -528,11 +531,13 @@ def main(argv=None) -> str:
     lines = ["# Fitting a memory budget: slimgrad's plan against the alternatives", "",
              f"`OMP_NUM_THREADS=1 {cmd.strip()}` — torch {torch.__version__}, {machine}, 1 thread, "
              f"{time.strftime('%Y-%m-%d')}, {total:.0f} s in all.", "",
-             "Budgets are 25 / 50 / 75 % of stock's step peak at the reference batch (the peak above the step's "
-             "start: `slimgrad.peak_bytes(lambda: step())`, the profiler's allocator records on CPU). *Largest "
-             "batch*: the largest batch whose measured step peak fits the budget, found by measured steps (a "
-             "linear guess from two sizes, then doubling/halving and bisection); the Llama's sequence length is "
-             "fixed. *ms*: median step time (forward + backward) at the reference batch over interleaved "
+             f"Budgets are {' / '.join(f'{f:.0%}' for f in fractions)} of stock's step peak at the reference "
+             "batch (the peak above the step's start: `slimgrad.peak_bytes(lambda: step())`, the profiler's "
+             "allocator records on CPU). *Largest batch*: the largest batch whose measured step peak fits the "
+             "budget, found by measured steps (from a linear guess through the reference batch and half of it, "
+             "or for the plan from what slimgrad with or without full checkpointing fits: steps of +1, +2, +4 ... "
+             "away from it, then bisection); the Llama's sequence length is fixed. *ms*: median step time "
+             "(forward + backward) at the reference batch over interleaved "
              f"rounds ({repeats}), or *does not fit* with the measured peak there. Each plan is made for the "
              "batch it runs: `slimgrad.convert(model, budget=step budget + weights + batch, example=batch)` (convert "
              "budgets everything on the device; these budgets are above the step's start), which may also turn on "
