@@ -473,7 +473,8 @@ def table(r: dict) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
     if r["compile_seconds"] or r["compile_error"]:
-        lines.append("Compile time (first step, `dynamic=True`): " + ", ".join(
+        lines.append("Compile time (first step, `dynamic=True`; Inductor's on-disk cache from an earlier run shortens "
+                     "it, the first run on a machine takes longer): " + ", ".join(
             f"{f:.0%}: {s:.0f} s" for f, s in sorted(r["compile_seconds"].items()))
             + "".join(f"; {f:.0%}: failed ({e})" for f, e in sorted(r["compile_error"].items())) + ".")
     lines.append("")
