@@ -202,6 +202,9 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
     allocation and free, including those inside C++ kernels), so temporaries inside a backward kernel
     count. The result of ``fn`` is released before returning.
     """
+    import gc
+
+    gc.collect()  # garbage of earlier steps freed inside the measured one would count against it
     device = next(
         (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
         None,
