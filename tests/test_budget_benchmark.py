@@ -12,8 +12,21 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
+@pytest.fixture
+def _process_state_restored():
+    """budget.main is a script: it quiets the slimgrad logger and pins one thread for the whole process."""
+    import logging
+
+    import torch
+
+    level, threads = logging.getLogger("slimgrad").level, torch.get_num_threads()
+    yield
+    logging.getLogger("slimgrad").setLevel(level)
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_budget_quick_prints_both_tables(capsys):
+def test_budget_quick_prints_both_tables(capsys, _process_state_restored):
     import budget
 
     text = budget.main(["--quick"])

@@ -34,8 +34,13 @@ MiB = 2**20
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    for name in ("bitsandbytes", "transformers", "diffusers", "peft"):
+    names = ("bitsandbytes", "transformers", "diffusers", "peft")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
         logging.getLogger(name).setLevel(logging.ERROR)
+    yield
+    for name, level in levels.items():  # other tests in this process read these loggers' records
+        logging.getLogger(name).setLevel(level)
 
 
 def _estimate(model, example, **kw) -> MemoryEstimate:
