@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
+from ._forwards import forwards_wrapped
 from .cases import CASES, apply_case
 from .convert import convert, revert
 from .measure import _storage_key, peak_bytes
@@ -461,20 +462,12 @@ class _Run:
         return forward
 
     def run(self, step: Callable[[], torch.Tensor]) -> None:
-        wrapped = []
-        for m in self.model.modules():
-            wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
-            m.forward = self._wrap(m)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                loss = step()
-            self._resolve()
+            with forwards_wrapped(self.model, self._wrap):
+                with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                    loss = step()
+                self._resolve()
         finally:
-            for m, had_own, own in wrapped:
-                if had_own:
-                    m.forward = own
-                else:
-                    del m.forward
             self.alive.clear()
         loss.backward()
 

@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._forwards import forwards_wrapped
+
 __all__ = ["BlockEstimate", "MemoryEstimate", "MemoryScaling", "blocks_of", "estimate", "largest_fitting",
            "parse_bytes", "scaling", "split_example"]
 
@@ -506,7 +508,6 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
     """Wrap every module's forward (as the audit does: hooks would make slimgrad's layers take stock's path)
     to know which module runs each op and which autograd nodes each module created."""
     seen: set = set()
-    wrapped = []
 
     def wrap(module):
         inner = module.forward
@@ -523,17 +524,8 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
 
         return forward
 
-    for m in model.modules():
-        wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
-        m.forward = wrap(m)
-    try:
+    with forwards_wrapped(model, wrap):
         yield
-    finally:
-        for m, had_own, own in wrapped:
-            if had_own:
-                m.forward = own
-            else:
-                del m.forward
 
 
 @contextlib.contextmanager
