@@ -7,6 +7,7 @@ exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -161,30 +162,46 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+@contextlib.contextmanager
+def _user_errors(*prefixes: str):
+    """slimgrad's own argument errors (already one line, without the function's prefix) and the user's model
+    failing on the user's input, in any way, as one-line UserErrors."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, TypeError, ImportError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        for prefix in prefixes:
+            message = message.removeprefix(prefix)
+        raise UserError(message) from None
+    except Exception as e:
+        if os.environ.get("SLIMGRAD_TRACEBACK"):
+            raise
+        raise UserError(f"the model could not run on the example input: {_first_line(e)} "
+                        f"(SLIMGRAD_TRACEBACK=1 shows the traceback)") from None
+
+
+def _needs_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'slimgrad[plot]'") from None
+
+
 def audit_command(args) -> int:
     from .audit import audit
 
     _writable("--json", args.json)
     _writable("--plot", args.plot)
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError("--plot needs matplotlib: pip install 'slimgrad[plot]'") from None
+        _needs_matplotlib()
     progress = _Progress(3, args.quiet)
     progress.step("building the model")
     model, inputs, kwargs = _build_audit_target(args)
     progress.step(f"running stock and slimgrad forward+backward (case: {args.case})")
-    try:
+    with _user_errors("audit: "):
         report = audit(model, *inputs, case=args.case, **kwargs)
-    except (ValueError, TypeError, ImportError) as e:  # slimgrad's own argument errors: already one line
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(message.removeprefix("audit: ")) from None
-    except Exception as e:  # the user's model failing on the user's input, in any way
-        if os.environ.get("SLIMGRAD_TRACEBACK"):
-            raise
-        raise UserError(f"the model could not run on the example input: {_first_line(e)} "
-                        f"(SLIMGRAD_TRACEBACK=1 shows the traceback)") from None
     progress.step("done")
     print(report.table())
     if args.json:
@@ -233,10 +250,7 @@ def estimate_command(args) -> int:
     if args.plot:
         if budget is None:
             raise UserError("--plot draws the memory plan: give --budget too (e.g. --budget 12GiB)")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError("--plot needs matplotlib: pip install 'slimgrad[plot]'") from None
+        _needs_matplotlib()
     which = ["stock", "slimgrad"] if args.which is None else [args.which]
     progress = _Progress(2 + len(which) + (budget is not None), args.quiet)
     progress.step("building the model")
@@ -248,7 +262,7 @@ def estimate_command(args) -> int:
     optimizer = None if args.optimizer == "none" else args.optimizer
     models = {"stock": model} if "stock" in which else {}
     estimates = {}
-    try:
+    with _user_errors("estimate: ", "plan: "):
         if "slimgrad" in which:
             # a converted deep copy: the stock model stays as built
             models["slimgrad"] = convert(model, chunked_loss=args.chunked_loss)
@@ -260,14 +274,6 @@ def estimate_command(args) -> int:
             name = which[-1]
             progress.step(f"planning the {name} model for a budget of {args.budget}")
             chosen = plan(models[name], budget, kwargs if kwargs else inputs, optimizer=optimizer)
-    except (ValueError, TypeError, ImportError) as e:  # slimgrad's own argument errors: already one line
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(message.removeprefix("estimate: ").removeprefix("plan: ")) from None
-    except Exception as e:  # the user's model failing on the user's input, in any way
-        if os.environ.get("SLIMGRAD_TRACEBACK"):
-            raise
-        raise UserError(f"the model could not run on the example input: {_first_line(e)} "
-                        f"(SLIMGRAD_TRACEBACK=1 shows the traceback)") from None
     progress.step("done")
     opt = f", optimizer {optimizer}" if optimizer else ", no optimizer"
     print(f"one training step (forward, loss, backward{', optimizer step' if optimizer else ''}){opt}, "
