@@ -1,6 +1,6 @@
 """Functional forms of slimgrad's layers: the same signatures as ``torch.nn.functional``."""
 
-from ._func_twins import func_policy, get_func_policy, set_func_policy
+from ._transforms import func_policy, get_func_policy, set_func_policy
 from .activation import leaky_relu, relu
 from .batch_norm import batch_norm
 from .clamp import hardsigmoid, hardtanh, hardtanh_, relu6, threshold, threshold_

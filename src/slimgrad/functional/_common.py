@@ -115,15 +115,18 @@ _AUTOGRAD_APPLY = torch.autograd.Function.apply.__func__
 
 
 class Function(torch.autograd.Function):
-    """Base of slimgrad's autograd Functions.
+    """Base of slimgrad's autograd Functions: one per op family, in functorch's ``forward``/``setup_context``
+    form (``slimgrad.functional._transforms`` says why and what runs under torch.func).
 
-    Under a ``torch.func`` transform it runs the Function's twin in functorch's ``forward``/``setup_context``
-    form instead (:mod:`slimgrad.functional._func_twins`: the same saving decisions and backward), or, where no
-    twin serves, its stock computation (:mod:`slimgrad.functional._func_stock`: same numbers, stock's memory).
-    The eager Functions keep deciding inside ``forward``, the cheaper protocol per call. Functions with
-    neither are refused under transforms with a message that says what to do.
+    ``stock``: a staticmethod taking exactly ``apply``'s arguments and computing what stock PyTorch computes
+    (stock's memory), run under transform stacks the Function does not serve or under
+    ``set_func_policy("stock")``. ``under_transform``: what runs under the transforms it serves (torch's
+    ``apply``; a family overrides it where, say, an in-place call must run out of place there).
     Double-backward refusals (``once_differentiable``) get an error naming the layer.
     """
+
+    stock = None
+    generate_vmap_rule = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -135,15 +138,27 @@ class Function(torch.autograd.Function):
             cls.backward = staticmethod(once_differentiable(fn.__wrapped__, cls))
 
     @classmethod
+    def under_transform(cls, *args, **kwargs):
+        return _AUTOGRAD_APPLY(cls, *args, **kwargs)
+
+    @classmethod
     def apply(cls, *args, **kwargs):
-        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-            # Under torch.func (grad, vmap, jacrev, ...): the Function's setup_context-style twin, which keeps
-            # what this Function keeps, or where none serves stock's computation (``_func_twins``). One C call
-            # decides it, so eager calls outside transforms pay nothing more.
-            from slimgrad.functional._func_twins import run_under_transform
+        if torch.compiler.is_compiling():
+            return _AUTOGRAD_APPLY(cls, *args, **kwargs)
+        if torch._C._are_functorch_transforms_active():
+            # Under torch.func (grad, vmap, jacrev, ...). One C call decides it, so eager calls pay nothing more.
+            from slimgrad.functional._transforms import run_under_transform
 
             return run_under_transform(cls, args, kwargs)
-        return _AUTOGRAD_APPLY(cls, *args, **kwargs)
+        if kwargs:
+            return _AUTOGRAD_APPLY(cls, *args, **kwargs)
+        # torch's C apply, skipping the Python one's default-argument binding for the setup_context form
+        # (~10 µs a call): every family passes all of its arguments positionally.
+        return _C_APPLY(cls, *_unwrap_dead_wrappers(args))
+
+
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 
 
 def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:

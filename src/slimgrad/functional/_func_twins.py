@@ -36,8 +36,6 @@ no ``jvp``, which torch.compile's dynamo refuses) and nested ``grad`` levels (th
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -45,34 +43,7 @@ from slimgrad.functional import _common
 
 __all__ = ["TWINS", "func_policy", "get_func_policy", "run_under_transform", "set_func_policy"]
 
-_POLICIES = ("save", "stock")
-_POLICY = ["save"]
-
-
-def set_func_policy(value: str) -> None:
-    """What slimgrad's layers run under torch.func transforms, process-wide: ``"save"`` (default) the twins
-    here, which keep what the eager layers keep, at functorch's cost of a custom autograd Function (measured
-    ~0.35 ms of host time per layer call under ``grad``, ~0.7 ms under ``vmap(grad)``); ``"stock"`` stock's
-    computation, stock's memory and speed."""
-    if value not in _POLICIES:
-        raise ValueError(f"slimgrad: set_func_policy's argument 'value' must be one of {_POLICIES}, got {value!r}")
-    _POLICY[0] = value
-
-
-def get_func_policy() -> str:
-    return _POLICY[0]
-
-
-@contextlib.contextmanager
-def func_policy(value: str):
-    """Temporarily set :func:`set_func_policy`'s process-wide policy."""
-    old = _POLICY[0]
-    set_func_policy(value)
-    try:
-        yield
-    finally:
-        _POLICY[0] = old
-
+from slimgrad.functional._transforms import _POLICY, func_policy, get_func_policy, set_func_policy  # noqa: F401
 
 # The layout the eager backwards give gradients (they follow the input's memory format in eager, as stock does):
 # contiguous under torch.func, whatever the input's layout. Stock's gradients come out contiguous there
