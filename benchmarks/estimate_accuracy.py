@@ -22,7 +22,7 @@ import time
 
 import torch
 from _docs import write_section
-from speed import ROWS, _inputs
+from speed import ROWS, _inputs, _to
 
 import slimgrad
 
@@ -39,9 +39,10 @@ def _call(model, batch, key):
     return (batch,), {}
 
 
-def measure(build, case, key, optimizer: bool, convert: bool):
+def measure(build, case, key, optimizer: bool, convert: bool, device: torch.device):
     torch.manual_seed(0)
     model, batch, loss, input_grad = build(case)
+    model, batch = model.to(device), _to(batch, device)
     if convert:
         model = slimgrad.convert(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -72,8 +73,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     keys = ",".join(sorted({r[3] for r in ROWS if r[3] not in ("noise", "vae")}))
     parser.add_argument("--only", default="", help=f"comma-separated row keys: {keys}")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU is lent")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--out", default=str(DOC), help="the markdown file --write updates")
     args = parser.parse_args()
+    device = torch.device(args.device)
     only = {k for k in args.only.split(",") if k}
     rows = [r for r in ROWS if r[3] not in ("noise", "vae") and (not only or r[3] in only)]
     jobs = [(r, opt, conv) for r in rows for opt in (False, True) for conv in (False, True)]
@@ -84,21 +88,24 @@ def main() -> None:
         print(f"\r[{'#' * done}{'.' * (30 - done)}] {n}/{len(jobs)} {name} / {case} "
               f"({time.perf_counter() - started:.0f} s)" + " " * 20, end="", file=sys.stderr, flush=True)
         try:
-            results.append((name, case, opt, conv, measure(build, case, key, opt, conv)))
+            results.append((name, case, opt, conv, measure(build, case, key, opt, conv, device)))
         except Exception as exc:  # noqa: BLE001 - report the row and go on
             results.append((name, case, opt, conv, f"{type(exc).__name__}: {exc}"))
     print(f"\r[{'#' * 30}] done in {time.perf_counter() - started:.0f} s" + " " * 60, file=sys.stderr)
 
     cmd = "python benchmarks/estimate_accuracy.py " + " ".join(sys.argv[1:])
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if device.type == "cuda":
+        machine = f"{torch.cuda.get_device_name(device)}, {machine}"
+    records = ("the profiler's memory records" if device.type == "cpu"
+               else "`torch.cuda.max_memory_allocated`")
     errors = [abs(r[4][0].step_peak_bytes - r[4][1]) / r[4][1] for r in results if not isinstance(r[4], str)]
     lines = [
-        "## Estimate against the allocator's records",
+        "## Estimate against the allocator's records" + ("" if device.type == "cpu" else f" ({device.type})"),
         "",
         f"`OMP_NUM_THREADS=1 {cmd.strip()}` — torch {torch.__version__}, {machine}, "
         f"{time.strftime('%Y-%m-%d')}. Peak over one training step above its start: `slimgrad.estimate` "
-        f"(simulated on fake tensors) against `slimgrad.peak_bytes` around the real step (the profiler's memory "
-        f"records). Largest error over {len(errors)} rows: "
+        f"(simulated on fake tensors) against `slimgrad.peak_bytes` around the real step ({records}). Largest error over {len(errors)} rows: "
         f"**{100 * max(errors, default=0):.2f} %**.",
         "",
         "| model | case | optimizer | model as | estimated MiB | measured MiB | error | peak at | estimate s |",
@@ -117,7 +124,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_section("estimate-accuracy", text, DOC)
+        write_section("estimate-accuracy" + ("" if device.type == "cpu" else f"-{device.type}"), text,
+                      pathlib.Path(args.out))
 
 
 if __name__ == "__main__":
