@@ -141,77 +141,124 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
         ctx.save_for_backward(kept, rstd, weight if (need_x or fused) else None, None)
 
 
+def _rms_impl(input, weight, style, n):
+    """The fast kernel (Triton) RMSNorm's Function runs on ``input``, or None for its torch code: none is
+    preferred or fits, torch.compile traces (fast_kernel), a torch.func transform is active (the Function then
+    runs plain torch ops, which vmap batches), or autocast is on in the torch style (it may run stock's rms_norm
+    in fp32, CUDA's fp32 list: the torch code mirrors it)."""
+    if _is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    impl = _common.fast_kernel("rms_norm" if style == "torch" else "rms_norm_hf", input)
+    if impl is None or (style == "torch" and _common.autocast_enabled(input.device.type)):
+        return None
+    return impl if impl.supports(input, weight, n) else None
+
+
+def _fused_rms(input, weight, style) -> bool:
+    """Whether the torch style runs stock's fused kernel (CUDA/XPU/MPS), which keeps x and rstd itself."""
+    return (style == "torch" and input.device.type in _FUSED_RMS_DEVICES
+            and (weight is None or weight.dtype == input.dtype))
+
+
+def _first(out):
+    """The user-visible output of a Function returning extra outputs: ``out[0]``, or ``out`` itself where its
+    stock computation ran (under a transform it does not serve), which returns only that."""
+    return out[0] if type(out) is tuple else out
+
+
 class RMSNormFunction(_common.Function):
-    """RMSNorm in one of :data:`RMS_STYLES`; keeps x and the per-row rstd, nothing else."""
+    """RMSNorm in one of :data:`RMS_STYLES`; keeps x and the per-row rstd, nothing else (or, where only the
+    weight trains, only the normalised input when that is no bigger).
+
+    ``impl``: the fast kernel chosen by the caller (:func:`_rms_impl`), None for the torch code. Returns
+    ``(out, rstd[, normed])``: the statistics and normalised input are what backward may read."""
 
     @staticmethod
-    def forward(ctx, input, weight, eps, ndim, style):
+    def forward(input, weight, eps, ndim, style, impl):
+        if impl is not None:
+            n = _numel(input.shape[input.dim() - ndim:])
+            if weight is not None and weight.requires_grad and not input.requires_grad:
+                # Only dW (requires_grad is what needs_input_grad says): stock keeps the normalised input as the
+                # weight multiplies it; x plus one fp32 rstd per row is more at small hidden sizes. Write the
+                # normalised input in the forward's pass where it is no bigger than x (compact) plus rstd, as the
+                # torch code decides, and keep only it.
+                h_dtype = impl.normed_dtype(input.dtype, weight, style)
+                if h_dtype.itemsize * n <= input.element_size() * n + 4:
+                    return impl.forward(input, weight, eps, style, n, normed=h_dtype)
+            return impl.forward(input, weight, eps, style, n)
+        if _fused_rms(input, weight, style):
+            return _aten._fused_rms_norm(input, list(input.shape[-ndim:]), weight, eps)
+        dims = tuple(range(input.dim() - ndim, input.dim()))
+        out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
+        # The normalised input is what dW reads when dX is not requested; without a weight there is no dW.
+        return (out, rstd, normed) if weight is not None else (out, rstd)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, eps, ndim, style, impl = inputs
+        _, rstd, *rest = output
+        ctx.mark_non_differentiable(rstd, *rest)
         need_x, need_w = ctx.needs_input_grad[:2]
         need_w = need_w and weight is not None
-        n = _numel(input.shape[input.dim() - ndim:])
-        impl = _common.fast_kernel("rms_norm" if style == "torch" else "rms_norm_hf", input)
-        if style == "torch" and _common.autocast_enabled(input.device.type):
-            impl = None  # autocast may run stock's rms_norm in fp32 (CUDA's fp32 list): the torch code mirrors it
-        ctx.impl = impl if impl is not None and impl.supports(input, weight, n) else None
-        if ctx.impl is not None:
-            ctx.mask, ctx.style, ctx.n = (need_x, need_w), style, n
-            if need_w and not need_x:
-                # Only dW: stock keeps the normalised input as the weight multiplies it; x plus one fp32 rstd per
-                # row is more at small hidden sizes. Keep the normalised input (written in the forward's pass)
-                # where it is no bigger than x (compact) plus rstd, as the torch code decides.
-                h_dtype = ctx.impl.normed_dtype(input.dtype, weight, style)
-                if h_dtype.itemsize * n <= input.element_size() * n + 4:
-                    out, _, h = ctx.impl.forward(input, weight, eps, style, n, normed=h_dtype)
-                    ctx.w_meta = (weight.shape, weight.dtype)
-                    ctx.save_for_backward(None, None, None, h)
-                    return out
-            out, rstd = ctx.impl.forward(input, weight, eps, style, n)
-            if need_x or need_w:
+        ctx.mask = (need_x, need_w)
+        ctx.impl = impl
+        if impl is not None:
+            ctx.style, ctx.n = style, _numel(input.shape[input.dim() - ndim:])
+            if rest:  # only dW, the normalised input written by the forward pass
+                ctx.w_meta = (weight.shape, weight.dtype)
+                ctx.save_for_backward(None, None, None, rest[0])
+            elif need_x or need_w:
                 # only dW: stock keeps the normalised input, compact; a view's base would be more
                 kept = input if need_x else _common.compact(input)
                 if kept is input:
                     _common.note_input_kept(input)
                 ctx.save_for_backward(kept, rstd, weight, None)
-            return out
-        dims = tuple(range(input.dim() - ndim, input.dim()))
-        fused = (style == "torch" and input.device.type in _FUSED_RMS_DEVICES
-                 and (weight is None or weight.dtype == input.dtype))
-        normed = None
-        if fused:
-            out, rstd = _aten._fused_rms_norm(input, list(input.shape[-ndim:]), weight, eps)
-        else:
-            out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
-        ctx.mask = (need_x, need_w)
-        ctx.dims, ctx.style, ctx.fused, ctx.x_dtype = dims, style, fused, input.dtype
-        if not (need_x or need_w):
-            return out
-        save_rms(ctx, input, weight, rstd, normed, need_x, style, fused)
-        return out
+            return
+        fused = _fused_rms(input, weight, style)
+        ctx.dims = tuple(range(input.dim() - ndim, input.dim()))
+        ctx.style, ctx.fused, ctx.x_dtype = style, fused, input.dtype
+        if need_x or need_w:
+            save_rms(ctx, input, weight, rstd, rest[0] if rest else None, need_x, style, fused)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_extras):
         need_x, need_w = ctx.mask
         if not (need_x or need_w):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         x, rstd, weight, normed = ctx.saved_tensors
         if ctx.impl is not None:
             if normed is not None:
-                return None, ctx.impl.weight_grad_from_normed(grad_out, normed, ctx.n, *ctx.w_meta), None, None, None
+                return (None, ctx.impl.weight_grad_from_normed(grad_out, normed, ctx.n, *ctx.w_meta), None, None,
+                        None, None)
             dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w)
-            return dx, dw, None, None, None
+            return dx, dw, None, None, None, None
         if weight is None and ctx.w_meta is not None:  # only dW: the weight's shape and dtype are all it reads
             w_shape, w_dtype = ctx.w_meta
             weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
         if normed is not None:
             return None, _weight_grad(_upstream_of_product(grad_out, ctx.style, weight, normed), normed, weight), \
-                None, None, None
+                None, None, None, None
         if ctx.fused:
             dx, dw = _aten._fused_rms_norm_backward(grad_out, x, list(x.shape[x.dim() - len(ctx.dims):]), rstd,
                                                     weight, [need_x, need_w])
         else:
             dx, dw = _rms_backward(grad_out, x, rstd, weight, ctx.dims, ctx.style, need_x, need_w, ctx.x_dtype)
-        return (dx if need_x else None), (dw if need_w else None), None, None, None
+        return (dx if need_x else None), (dw if need_w else None), None, None, None, None
+
+    @staticmethod
+    def stock(input, weight, eps, ndim, style, impl=None):
+        """Stock's computation: ``F.rms_norm`` for the torch style, the reference formula otherwise."""
+        if style == "torch":
+            return torch.nn.functional.rms_norm(input, tuple(input.shape[input.dim() - ndim:]), weight, eps)
+        return _rms_forward(input, weight, eps, tuple(range(input.dim() - ndim, input.dim())), style)[0]
+
+    @classmethod
+    def under_transform(cls, input, weight, eps, ndim, style, impl):
+        if _fused_rms(input, weight, style):
+            # Stock's fused kernel keeps x and rstd, as the Function does there: nothing to save.
+            return cls.stock(input, weight, eps, ndim, style, None)
+        return _common._AUTOGRAD_APPLY(cls, input, weight, eps, ndim, style, None)
 
 
 def _rms_forward(x, weight, eps, dims, style, keep_normed=False):
@@ -354,7 +401,8 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
     _check_trailing_shape("rms_norm", input, normalized_shape, (("weight", weight),))
     if eps is None:
         eps = torch.finfo(_opmath(input.dtype)).eps
-    return RMSNormFunction.apply(input, weight, eps, len(normalized_shape), "torch")
+    impl = _rms_impl(input, weight, "torch", _numel(normalized_shape))
+    return _first(RMSNormFunction.apply(input, weight, eps, len(normalized_shape), "torch", impl))
 
 
 def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, style: str = "llama") -> torch.Tensor:
@@ -378,62 +426,82 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
         raise RuntimeError(f"slimgrad: rms_norm_hf: argument 'input' must have the weight's size "
                            f"{weight.shape[0]} (the module's hidden size) as its last dim, got shape "
                            f"{tuple(input.shape)}")
-    return RMSNormFunction.apply(input, weight, float(eps), 1, style)
+    impl = _rms_impl(input, weight, style, input.shape[-1])
+    return _first(RMSNormFunction.apply(input, weight, float(eps), 1, style, impl))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # LayerNorm / GroupNorm: stock kernels, stock output_mask, nothing input-sized when only the bias trains.
 
 
+def _layer_norm_impl(input, weight, bias, n):
+    """The fast kernel (Triton) LayerNorm's Function runs on ``input``, or None for stock's kernels (see
+    :func:`_rms_impl`; autocast runs stock's layer norm in fp32 on CUDA, which the aten call mirrors)."""
+    if _is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    impl = _common.fast_kernel("layer_norm", input)
+    if impl is None or _common.autocast_enabled(input.device.type):
+        return None
+    return impl if impl.supports(input, weight, bias, n) else None
+
+
+def _stock_keeps_the_same(input, weight) -> bool:
+    """Layer and group norm keep x, mean and rstd whenever x or the weight needs a gradient, as stock does: under
+    torch.func the Function would pay functorch's per-call cost of a custom Function (~0.35 ms under grad, ~0.7 ms
+    under vmap(grad), measured) for nothing there. ``requires_grad`` at the call is what ``needs_input_grad`` will
+    say at the innermost grad level."""
+    return input.requires_grad or (weight is not None and weight.requires_grad)
+
+
 class LayerNormFunction(_common.Function):
-    """``native_layer_norm``; keeps x, mean and rstd only when dX or dW is requested.
+    """``native_layer_norm``; keeps x, mean and rstd only when dX or dW is requested. Returns ``(out, mean,
+    rstd)``.
 
     For a bias-only backward the kernel is handed dY itself in x's place: with only dB requested it never
     reads x's values, and dY is contiguous (the kernel makes it so anyway), so nothing is copied."""
 
     @staticmethod
-    def forward(ctx, input, normalized_shape, weight, bias, eps):
+    def forward(input, normalized_shape, weight, bias, eps, impl):
+        if impl is not None:
+            return impl.forward(input, weight, bias, eps, _numel(normalized_shape))
+        return _aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, normalized_shape, weight, bias, eps, impl = inputs
+        _, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
-        ctx.mask = (need_x, need_w, need_b)
-        n = _numel(normalized_shape)
-        impl = _common.fast_kernel("layer_norm", input)
-        if _common.autocast_enabled(input.device.type):
-            impl = None  # autocast runs stock's layer norm in fp32 on CUDA: the aten call below mirrors it
-        ctx.impl = impl if impl is not None and impl.supports(input, weight, bias, n) else None
-        if ctx.impl is not None:
-            out, mean, rstd = ctx.impl.forward(input, weight, bias, eps, n)
-            ctx.n = n
-            ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
-            keep = need_x or need_w
-            if keep:
-                _common.note_input_kept(input)
-                ctx.save_for_backward(input, mean, rstd, weight)
-            return out
-        out, mean, rstd = _aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
-        ctx.normalized_shape = normalized_shape
-        ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
+        ctx.mask, ctx.impl = (need_x, need_w, need_b), impl
         keep = need_x or need_w
         if keep:
             _common.note_input_kept(input)
+        if impl is not None:
+            ctx.n = _numel(normalized_shape)
+            ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+            if keep:
+                ctx.save_for_backward(input, mean, rstd, weight)
+            return
+        ctx.normalized_shape = normalized_shape
+        ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
         if keep or need_b:
             ctx.save_for_backward(input if keep else None, mean if keep else None, rstd if keep else None,
                                   weight, bias)
-        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_stats):
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
-            return (None,) * 5
+            return (None,) * 6
         if ctx.impl is not None:
             x, mean, rstd, weight = ctx.saved_tensors if (need_x or need_w) else (None,) * 4
             dx, dw, db = ctx.impl.backward(grad_out, x, mean, rstd, weight, ctx.n, need_x, need_w, need_b,
                                            bias_dtype=ctx.bias_meta[1] if need_b else None)
             db = db.view(ctx.bias_meta[0]) if need_b else None
-            return dx, None, dw, db, None
+            return dx, None, dw, db, None, None
         x, mean, rstd, weight, bias = ctx.saved_tensors
         if x is None:
             grad_out = grad_out.contiguous()
@@ -441,7 +509,17 @@ class LayerNormFunction(_common.Function):
             mean = rstd = grad_out.new_zeros(ctx.stat_shape, dtype=ctx.stat_dtype)
         dx, dw, db = _aten.native_layer_norm_backward(grad_out, x, ctx.normalized_shape, mean, rstd, weight, bias,
                                                       [need_x, need_w, need_b])
-        return (dx if need_x else None), None, (dw if need_w else None), (db if need_b else None), None
+        return (dx if need_x else None), None, (dw if need_w else None), (db if need_b else None), None, None
+
+    @staticmethod
+    def stock(input, normalized_shape, weight, bias, eps, impl=None):
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+    @classmethod
+    def under_transform(cls, input, normalized_shape, weight, bias, eps, impl):
+        if _stock_keeps_the_same(input, weight):
+            return cls.stock(input, normalized_shape, weight, bias, eps)
+        return _common._AUTOGRAD_APPLY(cls, input, normalized_shape, weight, bias, eps, None)
 
 
 def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
@@ -460,7 +538,8 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
         normalized_shape = (normalized_shape,)
     normalized_shape = list(normalized_shape)
     _check_trailing_shape("layer_norm", input, normalized_shape, (("weight", weight), ("bias", bias)))
-    return LayerNormFunction.apply(input, normalized_shape, weight, bias, eps)
+    impl = _layer_norm_impl(input, weight, bias, _numel(normalized_shape))
+    return _first(LayerNormFunction.apply(input, normalized_shape, weight, bias, eps, impl))
 
 
 def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
@@ -476,32 +555,41 @@ def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
 
 class GroupNormFunction(_common.Function):
     """``native_group_norm``; keeps x, mean and rstd only when dX or dW is requested (dY stands in for x
-    when only dB is: the kernel folds x only into the per-channel ``Σ dy·x``, which dB does not read)."""
+    when only dB is: the kernel folds x only into the per-channel ``Σ dy·x``, which dB does not read).
+    Returns ``(out, mean, rstd[, x])``, x being the copy of the input in the layout the kernels ran in, where
+    that is not the input itself."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, num_groups, eps):
+    def forward(input, weight, bias, num_groups, eps):
         n, c = input.shape[0], input.shape[1]
         hxw = input.numel() // (n * c) if n * c else 1
-        fmt = _suggest_memory_format(input)
-        input_c = input.contiguous(memory_format=fmt)
-        out, mean, rstd = _aten.native_group_norm(input_c, weight, bias, n, c, hxw, num_groups, eps)
+        input_c = input.contiguous(memory_format=_suggest_memory_format(input))
+        out = _aten.native_group_norm(input_c, weight, bias, n, c, hxw, num_groups, eps)
+        return out if input_c is input else (*out, input_c)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, num_groups, eps = inputs
+        _, mean, rstd, *copy = output
+        ctx.mark_non_differentiable(mean, rstd, *copy)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
+        n, c = input.shape[0], input.shape[1]
         ctx.mask = (need_x, need_w, need_b)
-        ctx.dims = (n, c, hxw, num_groups)
-        ctx.fmt = fmt
+        ctx.dims = (n, c, input.numel() // (n * c) if n * c else 1, num_groups)
+        ctx.fmt = _suggest_memory_format(input)
         ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
         keep = need_x or need_w
         if keep:
             _common.note_input_kept(input)
         if keep or need_b:
-            ctx.save_for_backward(input_c if keep else None, mean if keep else None, rstd if keep else None, weight)
-        return out
+            ctx.save_for_backward((copy[0] if copy else input) if keep else None, mean if keep else None,
+                                  rstd if keep else None, weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_extras):
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
             return (None,) * 5
@@ -519,6 +607,17 @@ class GroupNormFunction(_common.Function):
         dx, dw, db = _aten.native_group_norm_backward(grad_out, x, mean, rstd, weight, *ctx.dims,
                                                       [need_x, need_w, need_b])
         return (dx if need_x else None), (dw if need_w else None), (db if need_b else None), None, None
+
+    @staticmethod
+    def stock(input, weight, bias, num_groups, eps):
+        return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
+
+    @classmethod
+    def under_transform(cls, input, weight, bias, num_groups, eps):
+        if not input.is_contiguous() or _stock_keeps_the_same(input, weight):
+            # (Non-contiguous: the Function would run stock's kernels on a contiguous or channels-last copy.)
+            return cls.stock(input, weight, bias, num_groups, eps)
+        return _common._AUTOGRAD_APPLY(cls, input, weight, bias, num_groups, eps)
 
 
 def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
@@ -554,42 +653,54 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             raise RuntimeError(f"slimgrad: group_norm: argument 'input' has {c} channels (dim 1 of shape "
                                f"{tuple(input.shape)}) but argument '{name}' has {p.shape[0]} (a GroupNorm's "
                                f"num_channels): they must match")
-    return GroupNormFunction.apply(input, weight, bias, num_groups, eps)
+    return _first(GroupNormFunction.apply(input, weight, bias, num_groups, eps))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # FusedAddRMSNorm and PolyNorm: no stock counterpart; references are the formulas in plain PyTorch.
 
 
+def _fused_add_impl(input, residual, weight, n):
+    """The fast kernel (Triton) FusedAddRMSNorm's Function runs on ``input``, or None for the torch code (see
+    :func:`_rms_impl`)."""
+    if _is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    impl = _common.fast_kernel("fused_add_rms_norm", input)
+    return impl if (impl is not None and residual.dtype == input.dtype and impl.supports(input, weight, n)) else None
+
+
 class FusedAddRMSNormFunction(_common.Function):
-    """``s = x + r``; returns ``(rms_norm(s), s)``. Keeps s and rstd; ``dx = dr = dRMSNorm + ds_out``."""
+    """``s = x + r``; returns ``(rms_norm(s), s, rstd)``. Keeps s and rstd; ``dx = dr = dRMSNorm + ds_out``."""
 
     @staticmethod
-    def forward(ctx, input, residual, weight, eps, style):
-        ctx.set_materialize_grads(False)  # an unused output's gradient must stay None (no dW from zeros)
-        n = input.shape[-1]
-        impl = _common.fast_kernel("fused_add_rms_norm", input)
-        ctx.impl = impl if (impl is not None and residual.dtype == input.dtype
-                            and impl.supports(input, weight, n)) else None
-        if ctx.impl is not None:
-            out, rstd, s = ctx.impl.forward(input, weight, eps, style, n, residual=residual)
+    def forward(input, residual, weight, eps, style, impl):
+        if impl is not None:
+            out, rstd, s = impl.forward(input, weight, eps, style, input.shape[-1], residual=residual)
         else:
             s = input + residual
             out, rstd = _rms_forward(s, weight, eps, (s.dim() - 1,), style)
+        return out, s, rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, residual, weight, eps, style, impl = inputs
+        _, s, rstd = output
+        ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)  # an unused output's gradient must stay None (no dW from zeros)
         need_x, need_r, need_w = ctx.needs_input_grad[:3]
+        ctx.impl = impl
         ctx.mask = (need_x, need_r, need_w)
         ctx.style = style
         ctx.in_dtypes = (input.dtype, residual.dtype)
         if need_x or need_r or need_w:
             ctx.save_for_backward(s, rstd, weight)
-        return out, s
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, grad_s):
+    def backward(ctx, grad_out, grad_s, _grad_rstd):
         need_x, need_r, need_w = ctx.mask
         if not (need_x or need_r or need_w):
-            return (None,) * 5
+            return (None,) * 6
         s, rstd, weight = ctx.saved_tensors
         need_s = need_x or need_r
         ds = dw = None
@@ -608,7 +719,17 @@ class FusedAddRMSNormFunction(_common.Function):
             ds = torch.zeros_like(s)
         dx = ds.to(ctx.in_dtypes[0]) if need_x else None
         dr = ds.to(ctx.in_dtypes[1]) if need_r else None
-        return dx, dr, (dw if need_w else None), None, None
+        return dx, dr, (dw if need_w else None), None, None, None
+
+    @staticmethod
+    def stock(input, residual, weight, eps, style, impl=None):
+        """The reference formula, differentiated by autograd: ``(rms_norm(s), s)`` for ``s = input + residual``."""
+        s = input + residual
+        return _rms_forward(s, weight, eps, (s.dim() - 1,), style)[0], s
+
+    @classmethod
+    def under_transform(cls, input, residual, weight, eps, style, impl):
+        return _common._AUTOGRAD_APPLY(cls, input, residual, weight, eps, style, None)
 
 
 def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -624,7 +745,9 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
                          f"got {tuple(residual.shape)}")
     if weight is None or weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
         raise ValueError(f"fused_add_rms_norm: argument 'weight' must have shape [{input.shape[-1]}]")
-    return FusedAddRMSNormFunction.apply(input, residual, weight, float(eps), style)
+    out = FusedAddRMSNormFunction.apply(input, residual, weight, float(eps), style,
+                                        _fused_add_impl(input, residual, weight, input.shape[-1]))
+    return out[0], out[1]
 
 
 def poly_norm_forward(input, weight, bias, eps):
@@ -641,22 +764,29 @@ def poly_norm_forward(input, weight, bias, eps):
 
 class PolyNormFunction(_common.Function):
     """``y = w0·norm(x³) + w1·norm(x²) + w2·norm(x) + b`` with ``norm(u) = u·rsqrt(mean(u²)+eps)`` over the
-    last dim, computed in fp32 (fp64 for fp64) and cast to x's dtype. Keeps x and the three per-row rstds (fp32)."""
+    last dim, computed in fp32 (fp64 for fp64) and cast to x's dtype. Keeps x and the three per-row rstds (fp32).
+    Returns ``(y, rstds)``."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, eps):
+    def forward(input, weight, bias, eps):
         out, rstds = poly_norm_forward(input, weight, bias, eps)
+        return out.to(input.dtype), torch.cat(rstds, -1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, eps = inputs
+        _, rstds = output
+        ctx.mark_non_differentiable(rstds)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.mask = (need_x, need_w, need_b and bias is not None)
         ctx.bias_dtype = None if bias is None else bias.dtype
         if need_x or need_w:
             _common.note_input_kept(input)
-            ctx.save_for_backward(input, torch.cat(rstds, -1), weight)
-        return out.to(input.dtype)
+            ctx.save_for_backward(input, rstds, weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_rstds):
         need_x, need_w, need_b = ctx.mask
         g = grad_out.to(_opmath(grad_out.dtype))
         db = g.sum_to_size((1,)).to(ctx.bias_dtype) if need_b else None
@@ -666,13 +796,13 @@ class PolyNormFunction(_common.Function):
         xf = x.to(g.dtype)
         n = x.shape[-1]
         powers = (xf.pow(3), xf.pow(2), xf)
-        dw = torch.empty(3, dtype=g.dtype, device=x.device) if need_w else None
+        dw = [] if need_w else None
         dx = torch.zeros_like(xf) if need_x else None
         for i, u in enumerate(powers):
             r = rstds[..., i:i + 1]
             u_hat = u * r
             if need_w:
-                dw[i] = (g * u_hat).sum()
+                dw.append((g * u_hat).sum())
             if need_x:
                 m = g * weight[i].to(g.dtype)
                 # d norm(u)/du applied to m: r·m − r³/n·Σ(m·u)·u, then chain rule through u = x^(3-i).
@@ -682,7 +812,13 @@ class PolyNormFunction(_common.Function):
                 elif i == 1:
                     du = du * (2 * xf)
                 dx.add_(du)
-        return (dx.to(x.dtype) if need_x else None), (dw.to(weight.dtype) if need_w else None), db, None
+        # dW stacked rather than written element by element: the same values, and vmap batches a stack
+        return (dx.to(x.dtype) if need_x else None), (torch.stack(dw).to(weight.dtype) if need_w else None), db, None
+
+    @staticmethod
+    def stock(input, weight, bias, eps):
+        """The formula, differentiated by autograd."""
+        return poly_norm_forward(input, weight, bias, eps)[0].to(input.dtype)
 
 
 def poly_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -696,4 +832,4 @@ def poly_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _common.check_tensor(bias, "bias", fn="poly_norm")
         if bias.shape != (1,):
             raise ValueError(f"poly_norm: argument 'bias' must have shape [1], got {list(bias.shape)}")
-    return PolyNormFunction.apply(input, weight, bias, float(eps))
+    return _first(PolyNormFunction.apply(input, weight, bias, float(eps)))
