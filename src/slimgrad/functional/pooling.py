@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_off, check_tensor, standin
+from slimgrad.functional._transforms import TRANSFORM_LAYOUT
 from slimgrad.kernels import max_pool
 from slimgrad.kernels.max_pool import (  # the family's torch reference pieces, shared with its kernels
     _MAX_BACKWARD,
@@ -140,52 +141,58 @@ def _depthless_winners(out) -> bool:
 class MaxPoolFunction(_common.Function):
     """N-d max pooling (nd = 1, 2, 3) keeping only the argmax's position inside its window.
 
-    Returns ``(output, indices)`` exactly as stock's ``max_poolNd_with_indices`` when ``return_indices``,
-    else only the output; the int64 indices are never kept (unreturned, they are reused as scratch).
+    ``apply(x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed)`` takes the
+    geometry as tuples of ``nd`` ints (``_geometry``) and returns ``(output, indices, kept)``: stock's int64
+    indices where they are returned (or kept), else None, and the window positions backward reads, else None.
+    The int64 indices are never kept in eager (unreturned, they are reused as scratch). ``transformed`` is True
+    only under torch.func (``under_transform``): forward cannot tell by itself, since under ``grad`` it runs on
+    plain tensors with no transform active, and there it must use ops vmap batches and give contiguous gradients.
+    ``x`` requires grad in every call (the callers run stock otherwise).
     """
 
     @staticmethod
-    def forward(ctx, x, nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
-        fn = f"max_pool{nd}d"
-        kernel = _tuple(kernel_size, nd, "kernel_size", fn)
-        stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
-        padding_t = _tuple(padding, nd, "padding", fn)
-        dilation_t = _tuple(dilation, nd, "dilation", fn)
+    def forward(x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed):
+        if not transformed and _family(x, nd, return_indices):
+            # One pass for output and positions where a fast backend exists (the compiled core, numba).
+            out, pos = max_pool.choose(x).forward(x, kernel, stride, padding, dilation, ceil_mode)
+            return out, None, pos
+        out, indices = _MAX_FORWARD[nd](x, kernel, stride, padding, dilation, ceil_mode)
+        dtype = position_dtype(math.prod(kernel))
         in_sizes = tuple(x.shape[-nd:])
-        ctx.geometry = (nd, tuple(x.shape), kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
-        ctx.grad_format = _grad_format(x, nd)
-        ctx.return_indices = bool(return_indices)
-        # The common case goes through the max_pool_positions kernel family (one pass for output and
-        # positions where a fast backend exists): contiguous input, indices not returned, eager.
-        ctx.family = (not return_indices and ctx.needs_input_grad[0] and x.is_contiguous()
-                      and not torch.compiler.is_compiling() and x.dim() > nd)
-        if ctx.family:
-            out, pos = max_pool.choose(x).forward(x, kernel, stride_t, padding_t, dilation_t, bool(ceil_mode))
-            ctx.kept_indices = False
-            ctx.save_for_backward(pos)
-            return out
-        out, indices = _MAX_FORWARD[nd](x, kernel_size, stride, padding, dilation, ceil_mode)
+        if transformed:  # torch.func: ops vmap batches (no torch.take), the indices left intact
+            pos = _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype,
+                                          in_place=False, vmappable=True)
+            return out, indices, pos
         # Under torch.compile, inductor fuses the index rebuild into its own scatter backward and then
         # trips its bounds check on the unused lanes of a vector tail ("index out of bounds"); there the
-        # int64 indices are saved as stock saves them (never the input), and Inductor's low-memory max-pool
+        # int64 indices are kept as stock keeps them (never the input), and Inductor's low-memory max-pool
         # lowering keeps 1-byte window offsets in their place (measured, tests/test_compile_bytes.py).
-        ctx.kept_indices = torch.compiler.is_compiling() or (
-            nd == 3 and ctx.needs_input_grad[0] and not x.is_contiguous() and _depthless_winners(out))
-        if ctx.needs_input_grad[0] and ctx.kept_indices:
-            ctx.save_for_backward(indices)
-        elif ctx.needs_input_grad[0]:
-            dtype = position_dtype(math.prod(kernel))
-            pos = _positions_from_indices(indices, in_sizes, kernel, stride_t, padding_t, dilation_t, dtype,
-                                          in_place=not return_indices)
-            ctx.save_for_backward(pos)
-        if not return_indices:
-            return out
-        ctx.mark_non_differentiable(indices)
-        return out, indices
+        if torch.compiler.is_compiling() or (nd == 3 and not x.is_contiguous() and _depthless_winners(out)):
+            return out, indices, None
+        pos = _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype,
+                                      in_place=not return_indices)
+        return out, indices if return_indices else None, pos
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed = inputs
+        _, indices, pos = output
+        if indices is not None:
+            ctx.mark_non_differentiable(indices)
+        if pos is not None:
+            ctx.mark_non_differentiable(pos)
+        # No zero gradients for the extras (output-sized tensors made before each backward otherwise).
+        ctx.set_materialize_grads(False)
+        ctx.geometry = (nd, tuple(x.shape), kernel, stride, padding, dilation, ceil_mode)
+        ctx.grad_format = TRANSFORM_LAYOUT if transformed else _grad_format(x, nd)
+        ctx.family = not transformed and _family(x, nd, return_indices)
+        ctx.kept_indices = pos is None
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(indices if ctx.kept_indices else pos)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, *_grad_indices):
+    def backward(ctx, grad_out, *_grad_extras):
         (pos,) = ctx.saved_tensors
         nd, shape, kernel, stride, padding, dilation, ceil_mode = ctx.geometry
         if ctx.family:
@@ -217,6 +224,35 @@ class MaxPoolFunction(_common.Function):
             grad = grad.squeeze(-2)
         return (grad,) + (None,) * 8
 
+    @classmethod
+    def under_transform(cls, *args):
+        return super().under_transform(*args[:-1], True)
+
+    @staticmethod
+    def stock(x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed):
+        """Stock's max pooling, shaped like ``apply``'s result."""
+        result = _MAX_STOCK[nd](x, kernel, stride, padding, dilation, ceil_mode=ceil_mode,
+                                return_indices=return_indices)
+        return (*result, None) if return_indices else (result, None, None)
+
+
+_MAX_STOCK = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def _family(x: torch.Tensor, nd: int, return_indices: bool) -> bool:
+    """Whether an eager call goes through the ``max_pool_positions`` kernel family (one pass for output and
+    positions where a fast backend exists): contiguous input with a channel dim, indices not returned, not traced.
+    """
+    return not return_indices and x.is_contiguous() and x.dim() > nd and not torch.compiler.is_compiling()
+
+
+def _geometry(nd, kernel_size, stride, padding, dilation):
+    """kernel, stride, padding and dilation as tuples of ``nd`` ints (stride defaulted to the kernel)."""
+    fn = f"max_pool{nd}d"
+    kernel = _tuple(kernel_size, nd, "kernel_size", fn)
+    stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
+    return kernel, stride_t, _tuple(padding, nd, "padding", fn), _tuple(dilation, nd, "dilation", fn)
+
 
 _CORE_OPTIONS: dict = {}
 _REFUSED = object()
@@ -247,13 +283,10 @@ def _make_core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, re
     core = csrc.core()
     if core is None:
         return None
-    fn = f"max_pool{nd}d"
     try:
-        kernel = _tuple(kernel_size, nd, "kernel_size", fn)
-        stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
-        options = core.max_pool_options(nd, list(kernel), list(stride_t), list(_tuple(padding, nd, "padding", fn)),
-                                        list(_tuple(dilation, nd, "dilation", fn)), bool(ceil_mode),
-                                        bool(return_indices))
+        kernel, stride, padding, dilation = _geometry(nd, kernel_size, stride, padding, dilation)
+        options = core.max_pool_options(nd, list(kernel), list(stride), list(padding), list(dilation),
+                                        bool(ceil_mode), bool(return_indices))
     except Exception:  # noqa: BLE001 - whatever stock says of these arguments, the Python Function says it
         return _REFUSED
     return options if options.valid else _REFUSED
@@ -279,8 +312,6 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
     if not _wants_grad(input):
         return stock(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                      return_indices=return_indices)
-    if stride is None:
-        stride = []
     if nd == 1 and not torch.compiler.is_compiling():
         # Stock's max_pool1d validates its arguments with 1-d messages before running the 2-d kernel we
         # call; replay that validation on a data-less meta tensor so errors read the same.
@@ -288,9 +319,11 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
                      dilation, ceil_mode)
     if nd == 3:
         input = _fp32_under_autocast(input)
+    kernel, stride, padding, dilation = _geometry(nd, kernel_size, stride, padding, dilation)
     with autocast_off(input.device.type):
-        return MaxPoolFunction.apply(input, nd, kernel_size, stride, padding, dilation, ceil_mode,
-                                     bool(return_indices))
+        out, indices, _ = MaxPoolFunction.apply(input, nd, kernel, stride, padding, dilation, bool(ceil_mode),
+                                                bool(return_indices), False)
+    return (out, indices) if return_indices else out
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
@@ -317,23 +350,28 @@ def max_pool3d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
 class AvgPoolFunction(_common.Function):
     """N-d average or adaptive average pooling keeping nothing: backward needs only the input's shape.
 
-    ``options`` is ``(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)`` for
-    average pooling and ``(output_size,)`` for adaptive average pooling.
+    ``apply(x, nd, adaptive, options, transformed)``: ``options`` is ``(kernel_size, stride, padding, ceil_mode,
+    count_include_pad, divisor_override)`` for average pooling and ``(output_size,)`` for adaptive average
+    pooling; ``transformed`` is True only under torch.func (``under_transform``), where the gradient is
+    contiguous whatever the input's layout (stock's there).
     """
 
     @staticmethod
-    def forward(ctx, x, nd, adaptive, *options):
+    def forward(x, nd, adaptive, options, transformed):
         if adaptive:
-            out = _ADAPTIVE_FORWARD[nd](x, *options)
-        elif nd == 1:
-            out = _AVG_FORWARD[1](x, *options[:5])
-        else:
-            out = _AVG_FORWARD[nd](x, *options)
+            return _ADAPTIVE_FORWARD[nd](x, *options)
+        if nd == 1:
+            return _AVG_FORWARD[1](x, *options[:5])
+        return _AVG_FORWARD[nd](x, *options)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, nd, adaptive, options, transformed = inputs
         ctx.adaptive = adaptive
         ctx.nd = nd
         ctx.shape = tuple(x.shape)
         # Stock's 3-d average kernels ignore channels_last_3d and return contiguous gradients.
-        ctx.grad_format = torch.contiguous_format if nd == 3 else _grad_format(x, nd)
+        ctx.grad_format = TRANSFORM_LAYOUT if transformed or nd == 3 else _grad_format(x, nd)
         if not adaptive:
             fn = f"avg_pool{nd}d"
             kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override = options
@@ -341,7 +379,6 @@ class AvgPoolFunction(_common.Function):
             stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
             ctx.options = (kernel, stride_t, _tuple(padding, nd, "padding", fn), bool(ceil_mode),
                            bool(count_include_pad), divisor_override)
-        return out
 
     @staticmethod
     @once_differentiable
@@ -368,7 +405,20 @@ class AvgPoolFunction(_common.Function):
             grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
         if nd == 1:
             grad = grad.squeeze(-2)
-        return (grad, None, None) + (None,) * (6 if not ctx.adaptive else 1)
+        return grad, None, None, None, None
+
+    @classmethod
+    def under_transform(cls, *args):
+        return super().under_transform(*args[:-1], True)
+
+    @staticmethod
+    def stock(x, nd, adaptive, options, transformed):
+        """Stock's average pooling."""
+        if adaptive:
+            return (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)[nd - 1](x, *options)
+        if nd == 1:
+            return F.avg_pool1d(x, *options[:5])
+        return (F.avg_pool2d, F.avg_pool3d)[nd - 2](x, *options)
 
 
 _CORE_AVG_OPTIONS: dict = {}
@@ -440,7 +490,7 @@ def _apply_avg(nd, input, adaptive, options):
     if nd == 3:
         input = _fp32_under_autocast(input)
     with autocast_off(input.device.type):
-        return AvgPoolFunction.apply(input, nd, adaptive, *options)
+        return AvgPoolFunction.apply(input, nd, adaptive, options, False)
 
 
 def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
