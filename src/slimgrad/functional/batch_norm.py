@@ -90,13 +90,25 @@ class BatchNormFunction(_common.Function):
     Running statistics are updated in place by the forward kernel, exactly as in stock. Double backward
     is refused (``once_differentiable``): stock's double backward needs x and the saved statistics in
     every case, which is what this Function exists to avoid keeping.
+
+    ``apply(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed)`` returns
+    ``native_batch_norm``'s ``(output, save_mean, save_invstd)``: the statistics are outputs so that
+    ``setup_context`` can keep them. ``transformed`` is True only under torch.func (``under_transform``), where
+    dX is contiguous whatever x's layout (stock's there); forward cannot tell, as under ``grad`` it runs on plain
+    tensors with no transform active.
     """
 
     @staticmethod
-    def forward(ctx, input, weight, bias, running_mean, running_var, training, momentum, eps):
-        out, save_mean, save_invstd = _aten.native_batch_norm(
-            input, weight, bias, running_mean, running_var, training, momentum, eps
-        )
+    def forward(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
+        return _aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, running_mean, running_var, training, momentum, eps, transformed = inputs
+        _, save_mean, save_invstd = output
+        ctx.mark_non_differentiable(save_mean, save_invstd)
+        # No zero gradients for the statistics (C-sized tensors made before each backward otherwise).
+        ctx.set_materialize_grads(False)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
@@ -106,10 +118,11 @@ class BatchNormFunction(_common.Function):
         ctx.x_shape = input.shape
         ctx.x_stride = input.stride()
         ctx.x_dense = _dense(input)
-        ctx.x_format = _channels_last_format(input)
+        # Under torch.func the gradient is contiguous whatever x's layout (stock's there: TRANSFORM_LAYOUT).
+        ctx.x_format = None if transformed else _channels_last_format(input)
         ctx.stat_dtype = save_mean.dtype
         if not (need_x or need_w or need_b):
-            return out
+            return
         # dW always reads x; in training dX reads it as well (through x̂ and the batch statistics).
         keep_x = need_w or (training and need_x)
         if keep_x:
@@ -126,15 +139,14 @@ class BatchNormFunction(_common.Function):
             save_mean if training and keep_x else None,
             save_invstd if training and keep_x else None,
         )
-        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_mean, _grad_invstd):
         x, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
-            return (None,) * 8
+            return (None,) * 9
         standin = x is None
         # Evaluation, channels-last x, non-dense dY (e.g. ``sum().backward()``): stock's strided kernel
         # lays dX out like x, but fed a zero-stride stand-in it would lay it out contiguously. Compute dX
@@ -178,7 +190,17 @@ class BatchNormFunction(_common.Function):
                     # Mixed precision in the case above: restride (AccumulateGrad would copy anyway).
                     dx = dx.contiguous(memory_format=ctx.x_format)
         return (dx if need_x else None, dw if need_w else None, db if need_b else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
+
+    @classmethod
+    def under_transform(cls, *args):
+        return super().under_transform(*args[:-1], True)
+
+    @staticmethod
+    def stock(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
+        """Stock's batch norm, shaped like ``apply``'s result (no statistics)."""
+        return (torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                                               eps), None, None)
 
 
 def _check_features(name: str, t: torch.Tensor | None, num_features: int) -> None:
@@ -227,7 +249,8 @@ def batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
     _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
-    return BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                   False)[0]
 
 
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
