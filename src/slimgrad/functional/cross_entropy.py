@@ -57,13 +57,15 @@ def _chunk_logits(h, weight, bias, softcap):
 class FusedLinearCrossEntropyFunction(_common.Function):
     """``cross_entropy(linear(hidden, weight, bias).float(), target)`` over row chunks.
 
-    hidden is (N, H), target (N,). Keeps the hidden states, the targets and the loss normaliser (a 0-d
-    tensor) and only when some gradient is requested. Double backward is refused: it would need the full
-    softmax, which this Function exists not to keep.
+    hidden is (N, H), target (N,). Returns ``(loss, total_weight)``, the loss normaliser (a 0-d tensor) that
+    backward reads. Keeps the hidden states, the targets and the normaliser, and only when some gradient is
+    requested. Double backward is refused: it would need the full softmax, which this Function exists not to
+    keep. Under torch.func stock's computation runs (:meth:`stock`): the chunk loop writes into preallocated
+    buffers, which vmap cannot batch.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
+    def forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
         n, vocab = hidden.shape[0], weight.shape[0]
         valid = target != ignore_index
         safe_target = torch.where(valid, target, torch.zeros_like(target))
@@ -90,7 +92,13 @@ class FusedLinearCrossEntropyFunction(_common.Function):
             elif reduction == "sum":
                 smooth_loss = smooth_loss.sum()
             loss = (1 - label_smoothing) * loss + smooth_loss * (label_smoothing / vocab)
+        return loss, total_weight
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap = inputs
+        _, total_weight = output
+        ctx.mark_non_differentiable(total_weight)
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         need_b = need_b and bias is not None
         ctx.mask = (need_h, need_w, need_b)
@@ -98,11 +106,10 @@ class FusedLinearCrossEntropyFunction(_common.Function):
         if need_h or need_w or need_b:
             _common.note_input_kept(hidden)
             ctx.save_for_backward(hidden, weight, bias, target, total_weight)
-        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_total_weight):
         need_h, need_w, need_b = ctx.mask
         if not (need_h or need_w or need_b):
             return (None,) * 9
@@ -162,6 +169,19 @@ class FusedLinearCrossEntropyFunction(_common.Function):
         if db is not None and db.dtype != bias.dtype:
             db = db.to(bias.dtype)
         return dh, dw, None, db, None, None, None, None, None
+
+    @staticmethod
+    def stock(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
+        """Stock's computation: the whole logits, Hugging Face's head and loss."""
+        logits = F.linear(hidden, weight, bias)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+
+    @classmethod
+    def under_transform(cls, *args):
+        return cls.stock(*args)
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
@@ -248,4 +268,6 @@ def fused_linear_cross_entropy(
             h2, weight, t1, bias, ignore_index, float(label_smoothing), reduction, chunk_size,
             None if softcap is None else float(softcap),
         )
+        if type(loss) is tuple:  # (loss, total_weight); stock's computation (under torch.func) returns the loss
+            loss = loss[0]
     return loss.view(target.shape) if reduction == "none" else loss
