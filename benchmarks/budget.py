@@ -1,30 +1,35 @@
 """Fitting a memory budget: slimgrad's plan against the tools users pick instead (issue 23, item 3).
 
-    OMP_NUM_THREADS=1 python benchmarks/budget.py [--only llama,cnn] [--repeats 7] [--no-compile] [--quick]
-                                                  [--device cpu|cuda] [--write]
+    OMP_NUM_THREADS=1 python benchmarks/budget.py [--only llama,qlora,cnn] [--repeats 7] [--no-compile]
+                                                  [--quick [--compile]] [--device cpu|cuda] [--write [--out PATH]]
 
-For a Llama-like bf16 model with peft LoRA (q/k/v/o, LoRA dropout 0.05, 4 layers) and the in-repo ResNet-18
-(every parameter trains, batch norm in training mode): stock's step peak at a reference batch (the peak above
-the step's start, ``slimgrad.peak_bytes`` around one forward + backward: the profiler's allocator records on
-CPU) sets three budgets, 25 %, 50 % and 75 % of it. For each budget and each alternative:
+One GPU run (the GPU table): ``python benchmarks/budget.py --device cuda --quick --write --out docs/budget_gpu.md``.
 
-* the largest batch whose MEASURED step peak fits the budget (the sequence length stays fixed for the Llama):
+For a Llama-like bf16 model with peft LoRA (q/k/v/o, LoRA dropout 0.05, 4 layers), the same model as QLoRA
+trains it (bitsandbytes 4-bit nf4 linear layers, bf16 compute, the rest prepared for k-bit training) with the
+same LoRA, and the in-repo ResNet-18 (every parameter trains, batch norm in training mode): stock's step peak at
+a reference batch (the peak above the step's start, ``slimgrad.peak_bytes`` around one forward + backward: the
+profiler's allocator records on CPU, ``max_memory_allocated`` on CUDA) sets three budgets, 25 %, 50 % and 75 %
+of it. For each budget and each alternative:
+
+* the largest batch whose MEASURED step peak fits the budget (the sequence length stays fixed for the Llamas):
   a search over real steps (a linear guess from two measured sizes, then doubling / halving and bisection);
 * the step time at the reference batch (median of interleaved rounds, one thread), or "does not fit" where
   the alternative's measured peak at the reference batch is over the budget.
 
 The alternatives: stock + full checkpointing (transformers' ``activation_checkpointing_enable`` with
-``use_reentrant=False`` on the Llama; ``slimgrad.plan.apply_plan`` with every block "checkpoint" on the stock
-ResNet), stock + transformers' offloaded checkpointing (``offload=True``; on CPU there is no device memory to
-offload from: reported n/a), ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` = the
-budget's fraction (``dynamic=True``, one compile per budget, compile time reported), slimgrad alone
-(``slimgrad.convert(model)``), slimgrad + every block checkpointed, and slimgrad's plan
-(``slimgrad.convert(model, budget=..., example=batch)``, re-planned for every candidate batch with that batch).
+``use_reentrant=False`` on the Llamas; ``slimgrad.plan.apply_plan`` with every block "checkpoint" on the stock
+ResNet), stock + transformers' offloaded checkpointing (``offload=True``, and the same construct on the ResNet's
+stages; on CPU there is no device memory to offload from: reported n/a), ``torch.compile`` with
+``torch._functorch.config.activation_memory_budget`` = the budget's fraction (``dynamic=True``, one compile per
+budget, compile time reported), slimgrad alone (``slimgrad.convert(model)``), slimgrad + every block
+checkpointed, and slimgrad's plan (``slimgrad.convert(model, budget=..., example=batch)``, re-planned for every
+candidate batch with that batch; on CUDA it may offload blocks too).
 
 ``slimgrad.convert(budget=)`` budgets the whole step (weights, buffers and inputs included, what a device
 holds); the benchmark's budgets are step peaks, so the plan is given the step budget plus the bytes of the
-parameters, buffers and batch that exist before the step. ``--write`` puts the tables into docs/budget.md
-with the command, torch version and machine.
+parameters (a 4-bit weight's quantization state included), buffers and batch that exist before the step.
+``--write`` puts the tables into ``--out`` (default docs/budget.md) with the command, versions and machine.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import time
 import torch
 
 import slimgrad
-from slimgrad.estimate import blocks_of
+from slimgrad.estimate import _packed_tensors, blocks_of
 from slimgrad.measure import peak_bytes
 from slimgrad.plan import apply_plan, planned_actions
 
@@ -64,6 +69,9 @@ class Workload:
     ref = 8
     cap = 256
 
+    def build(self, device):
+        raise NotImplementedError
+
     def batch(self, n: int, device):
         raise NotImplementedError
 
@@ -76,16 +84,24 @@ class Llama(Workload):
         self.name = f"Llama-like bf16 + peft LoRA (q/k/v/o, dropout 0.05), {self.layers} layers, seq {self.seq}"
         self.key = "llama"
 
-    def build(self):
-        import peft
-        from transformers import LlamaConfig, LlamaForCausalLM
+    def config(self):
+        from transformers import LlamaConfig
 
-        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=self.layers,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)
+        return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=self.layers,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)
+
+    @staticmethod
+    def lora(model):
+        import peft
+
         lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                lora_dropout=0.05, init_lora_weights=False)
-        model = peft.get_peft_model(LlamaForCausalLM(cfg).to(torch.bfloat16), lora)
-        return model.train()
+        return peft.get_peft_model(model, lora).train()
+
+    def build(self, device):
+        from transformers import LlamaForCausalLM
+
+        return self.lora(LlamaForCausalLM(self.config()).to(torch.bfloat16)).to(device)
 
     def batch(self, n, device):
         ids = torch.randint(0, 512, (n, self.seq), generator=torch.Generator().manual_seed(n)).to(device)
@@ -97,13 +113,61 @@ class Llama(Workload):
 
     @staticmethod
     def stock_checkpointed(model):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        return model
+        return _hf_checkpointing(model)
 
     @staticmethod
     def stock_offloaded(model):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
-        return model
+        return _hf_checkpointing(model, offload=True)
+
+
+def _hf_checkpointing(model, **offload):
+    """transformers' switch, under its name since 5.x or the older one (a GPU machine may have another release)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False}, **offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **offload)
+    return model
+
+
+class QLoRA(Llama):
+    """The same Llama-like model as QLoRA trains it: every decoder linear layer packed to 4 bits by bitsandbytes
+    (nf4, bf16 compute), the rest prepared for k-bit training (peft upcasts it to fp32), LoRA as above."""
+
+    def __init__(self, quick: bool):
+        super().__init__(quick)
+        self.name = (f"Llama-like QLoRA: decoder linear layers bitsandbytes 4-bit nf4 (bf16 compute), the rest fp32 "
+                     f"(`peft.prepare_model_for_kbit_training`) + peft LoRA (q/k/v/o, dropout 0.05), "
+                     f"{self.layers} layers, seq {self.seq}")
+        self.key = "qlora"
+
+    def build(self, device):
+        # bitsandbytes packs the weights as they are loaded onto the device (also on CPU): the model is saved and
+        # loaded back with a quantization config, the route users take
+        import tempfile
+
+        import bitsandbytes  # noqa: F401 - without it the section says so (run_workload), not transformers' error
+        import peft
+        import transformers
+
+        quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_compute_dtype=torch.bfloat16)
+        bars, verbosity = transformers.utils.logging.is_progress_bar_enabled(), transformers.logging.get_verbosity()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.logging.set_verbosity_error()
+        try:
+            with tempfile.TemporaryDirectory() as path:
+                transformers.LlamaForCausalLM(self.config()).to(torch.bfloat16).save_pretrained(path)
+                where = "cpu" if device.type == "cpu" else (
+                    device.index if device.index is not None else torch.cuda.current_device())
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, quantization_config=quant, device_map={"": where}, dtype=torch.bfloat16)
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return self.lora(model)
 
 
 class ResNet(Workload):
@@ -115,13 +179,13 @@ class ResNet(Workload):
                      f"mode, {self.size}×{self.size} images")
         self.key = "cnn"
 
-    def build(self):
+    def build(self, device):
         from slimgrad.cases import apply_case
         from slimgrad.models import build_model
 
         model = build_model("resnet18", num_classes=10, width_scale=self.width)
         apply_case(model, "all")
-        return model
+        return model.to(device)
 
     def batch(self, n, device):
         return torch.randn(n, 3, self.size, self.size, generator=torch.Generator().manual_seed(n)).to(device)
@@ -136,7 +200,21 @@ class ResNet(Workload):
 
     @staticmethod
     def stock_offloaded(model):
-        return apply_plan(model, {b: "offload" for b in blocks_of(model)})
+        """transformers' construct (``save_on_cpu`` around a non-reentrant checkpoint) on every stage: only the
+        blocks' inputs go to host memory, the rest is recomputed."""
+        apply_plan(model, {b: "checkpoint" for b in blocks_of(model)})
+        modules = dict(model.named_modules())
+        for b in blocks_of(model):
+            modules[b].forward = _on_host(modules[b].forward)
+        return model
+
+
+def _on_host(forward):
+    def run(*args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------- alternatives
@@ -153,15 +231,17 @@ ALTERNATIVES = [
 
 
 def _before_step_bytes(model, batch) -> int:
-    """Bytes that exist before a step starts: parameters, buffers, the batch (unique storages)."""
+    """Bytes that exist before a step starts: parameters (a 4-bit weight with its quantization state, which
+    ``slimgrad.estimate`` counts as weights too), buffers, the batch (unique storages)."""
     seen, total = set(), 0
-    tensors = list(model.parameters()) + list(model.buffers())
+    tensors = [t for p in model.parameters() for t in (_packed_tensors(p) or [p])] + list(model.buffers())
     tensors += list(batch.values()) if isinstance(batch, dict) else [batch]
     for t in tensors:
         s = t.untyped_storage()
         if s.data_ptr() not in seen:
             seen.add(s.data_ptr())
-            total += s.nbytes()
+            # CUDA's caching allocator hands out 512-byte multiples, and the plan's estimate counts them so
+            total += -(-s.nbytes() // 512) * 512 if s.device.type == "cuda" else s.nbytes()
     return total
 
 
@@ -169,7 +249,7 @@ class Bench:
     def __init__(self, work: Workload, device, compile_ok: bool, log):
         self.work, self.device, self.log = work, device, log
         torch.manual_seed(0)
-        self.stock = work.build().to(device)
+        self.stock = work.build(device)
         self.compile_ok = compile_ok
         self.compiled: dict[float, object] = {}  # fraction -> compiled module
         self.compile_seconds: dict[float, float] = {}
@@ -245,7 +325,12 @@ class Bench:
         # garbage from earlier steps (models, graphs in reference cycles) freed by a collection inside the
         # measured step would count against it: seen as a 0.3-1 MiB lower first peak of a fresh model
         gc.collect()
-        p = peak_bytes(lambda: self.work.step(m, batch))
+        if self.device.type == "cuda":
+            # a CUDA tensor among the arguments: peak_bytes reads max_memory_allocated alone (a bare closure
+            # would also run the CPU profiler's allocation records around every step)
+            p = peak_bytes(lambda _on: self.work.step(m, batch), torch.empty(0, device=self.device))
+        else:
+            p = peak_bytes(lambda: self.work.step(m, batch))
         m.zero_grad(set_to_none=True)
         return p
 
@@ -328,8 +413,12 @@ def time_configs(work: Workload, configs: dict, device, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------- one workload
 
 
-def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progress, fractions=FRACTIONS) -> dict:
-    bench = Bench(work, device, compile_ok, progress)
+def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progress, fractions=FRACTIONS,
+                 no_compile_why: str = "not run (--no-compile)") -> dict:
+    try:
+        bench = Bench(work, device, compile_ok, progress)
+    except ImportError as exc:  # bitsandbytes (the QLoRA section) is an optional dependency
+        return {"work": work, "skipped": f"Not run: {type(exc).__name__}: {exc}."}
     stock_peak = bench.peak("stock", 0, 1.0, work.ref)
     budgets = [(f, int(f * stock_peak)) for f in fractions]
     alts = [a for a, _ in ALTERNATIVES]
@@ -344,7 +433,7 @@ def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progres
                 why[(alt, fraction)] = "n/a on CPU"
                 continue
             if alt == "compile" and not compile_ok:
-                why[(alt, fraction)] = "not run (--no-compile)"
+                why[(alt, fraction)] = no_compile_why
                 continue
             try:
                 start = len(runs)
@@ -384,7 +473,10 @@ def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progres
     seconds = time_configs(work, configs, device, repeats)
     plan_actions = {}
     for fraction, budget in budgets:
-        m = bench.model("plan", budget, fraction, work.ref)
+        try:
+            m = bench.model("plan", budget, fraction, work.ref)
+        except Exception:  # noqa: BLE001 - the plan's cells already say why
+            m = None
         plan_actions[fraction] = planned_actions(m) if m is not None else None
     return {"work": work, "stock_peak": stock_peak, "budgets": budgets, "sizes": sizes, "ref_peak": ref_peak,
             "why": why, "seconds": seconds, "key_of": key_of, "stock_ms": seconds["stock"] * 1e3,
@@ -431,7 +523,10 @@ def _size_cause(r: dict, budget: int, n: int) -> str:
     work, bench = r["work"], r["bench"]
     batch = work.batch(n, bench.device)
     m = slimgrad.convert(copy.deepcopy(bench.stock))
-    p = slimgrad.plan(m, budget + _before_step_bytes(m, batch), batch)
+    try:
+        p = slimgrad.plan(m, budget + _before_step_bytes(m, batch), batch)
+    except Exception as exc:  # noqa: BLE001 - the verdict still names the miss
+        return f"the cause was not measured (slimgrad.plan: {type(exc).__name__}: {str(exc).splitlines()[0][:100]})"
     return (f"at batch {n} the smallest step peak any plan reaches is "
             f"{(p.smallest_feasible - _before_step_bytes(m, batch)) / MiB:.1f} MiB > the budget "
             f"{budget / MiB:.1f} MiB, peak at {p.estimate_after.peak_where}")
@@ -448,6 +543,8 @@ def _time_cause(r: dict, fastest: str, fraction: float) -> str:
 
 def table(r: dict) -> list[str]:
     work = r["work"]
+    if "skipped" in r:
+        return [f"### {work.name}", "", r["skipped"], ""]
     lines = [f"### {work.name}", "",
              f"Stock's step peak at batch {work.ref}: {r['stock_peak'] / MiB:.1f} MiB, step {r['stock_ms']:.0f} ms. "
              f"Budgets: " + ", ".join(f"{f:.0%} = {b / MiB:.1f} MiB" for f, b in r["budgets"]) + ".", ""]
@@ -490,9 +587,12 @@ def table(r: dict) -> list[str]:
     for fraction, budget in r["budgets"]:
         acts = r["plan_actions"].get(fraction)
         chunked = "chunked loss is on" in r["plan_notes"].get((budget, work.ref), "")
+        n_blocks = len(blocks_of(r["bench"].stock))
         desc = ("refused at the reference batch" if acts is None else
                 "nothing checkpointed" + (", chunked loss" if chunked else " (slimgrad alone fits)") if not acts
-                else f"checkpoints {len(acts)} of {len(blocks_of(r['bench'].stock))} blocks"
+                else ", ".join(f"{verb} {n} of {n_blocks} blocks" for verb, n in (
+                    ("checkpoints", sum(a == "checkpoint" for a in acts.values())),
+                    ("offloads", sum(a == "offload" for a in acts.values()))) if n)
                 + (", chunked loss" if chunked else ""))
         lines.append(f"- {fraction:.0%} ({budget / MiB:.1f} MiB): plan at batch {work.ref}: {desc}. "
                      f"Target: {verdict(r, fraction, budget)}.")
@@ -501,65 +601,108 @@ def table(r: dict) -> list[str]:
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: peaks from max_memory_allocated)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds")
-    parser.add_argument("--only", default="", help="comma-separated: llama, cnn")
+    parser.add_argument("--only", default="", help="comma-separated: llama, qlora, cnn")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (minutes of compile time)")
+    parser.add_argument("--compile", action="store_true", help="with --quick: run torch.compile all the same")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes, the 50 %% budget only, no compile: a smoke run (seconds)")
-    parser.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(DOC.parents[1])}")
+                        help="the 50 %% budget only, no compile, and on CPU tiny sizes: a smoke run (a minute or two)")
+    parser.add_argument("--write", action="store_true", help="write the tables to --out")
+    parser.add_argument("--out", default=str(DOC), help="where --write puts them (default: docs/budget.md; a GPU "
+                        "run: docs/budget_gpu.md)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     torch.set_num_threads(1)
     logging.getLogger("slimgrad").setLevel(logging.ERROR)  # each plan is logged; the tables say what they chose
-    device = torch.device(args.device)
     only = {k for k in args.only.split(",") if k}
-    works = [w for w in (Llama(args.quick), ResNet(args.quick)) if not only or w.key in only]
+    unknown = only - {"llama", "qlora", "cnn"}
+    if unknown:
+        parser.error(f"--only takes llama, qlora, cnn; got {', '.join(sorted(unknown))}")
+    # a GPU steps the published sizes in milliseconds: --quick there keeps them (the tables then compare with the
+    # CPU ones) and drops only the 25 % / 75 % budgets and compile; on CPU it also shrinks the models
+    tiny = args.quick and device.type == "cpu"
+    works = [w for w in (Llama(tiny), QLoRA(tiny), ResNet(tiny)) if not only or w.key in only]
     repeats = 3 if args.quick else args.repeats
+    compile_ok = not args.no_compile and (args.compile or not args.quick)
+    no_compile_why = "not run (--no-compile)" if args.no_compile else "not run (--quick)"
     started = time.perf_counter()
 
     def progress(what):
         print(f"\r[{time.perf_counter() - started:5.0f} s] {what}" + " " * 30, end="", file=sys.stderr, flush=True)
 
     fractions = (0.5,) if args.quick else FRACTIONS
-    results = [run_workload(w, device, repeats, not (args.no_compile or args.quick), progress, fractions)
-               for w in works]
+    results = []
+    for w in works:
+        t = time.perf_counter()
+        try:
+            results.append(run_workload(w, device, repeats, compile_ok, progress, fractions, no_compile_why))
+        except Exception as exc:  # noqa: BLE001 - one section's failure must not cost the others (a GPU run is rare)
+            import traceback
+
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            results.append({"work": w, "skipped": f"Failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]} "
+                            f"(at {pathlib.Path(where.filename).name}:{where.lineno})."})
+        results[-1]["wall_seconds"] = time.perf_counter() - t
     total = time.perf_counter() - started
     print(f"\r[{total:5.0f} s] done" + " " * 60, file=sys.stderr)
 
     cmd = "python benchmarks/budget.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    cuda = device.type == "cuda"
+    machine = (f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), 1 CPU thread" if cuda
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread")
+    versions = ", ".join(f"{name} {_version(name)}" for name in ("transformers", "peft", "bitsandbytes"))
     lines = ["# Fitting a memory budget: slimgrad's plan against the alternatives", "",
-             f"`OMP_NUM_THREADS=1 {cmd.strip()}` — torch {torch.__version__}, {machine}, 1 thread, "
-             f"{time.strftime('%Y-%m-%d')}, {total:.0f} s in all.", "",
+             f"`OMP_NUM_THREADS=1 {cmd.strip()}` — torch {torch.__version__}, {versions}; {machine}; "
+             f"{time.strftime('%Y-%m-%d')}, {total:.0f} s in all ("
+             + ", ".join(f"{r['work'].key}: {r['wall_seconds']:.0f} s" for r in results) + ").", "",
              f"Budgets are {' / '.join(f'{f:.0%}' for f in fractions)} of stock's step peak at the reference "
-             "batch (the peak above the step's start: `slimgrad.peak_bytes(lambda: step())`, the profiler's "
-             "allocator records on CPU). *Largest batch*: the largest batch whose measured step peak fits the "
+             "batch (the peak above the step's start: `slimgrad.peak_bytes` around one forward + backward, "
+             + ("`torch.cuda.max_memory_allocated` on the GPU" if cuda else "the profiler's allocator records on CPU")
+             + "). *Largest batch*: the largest batch whose measured step peak fits the "
              "budget, found by measured steps (from a linear guess through the reference batch and half of it, "
              "or for the plan from what slimgrad with or without full checkpointing fits: steps of +1, +2, +4 ... "
-             "away from it, then bisection); the Llama's sequence length is fixed. *ms*: median step time "
+             "away from it, then bisection); the Llamas' sequence length is fixed. *ms*: median step time "
              "(forward + backward) at the reference batch over interleaved "
              f"rounds ({repeats}), or *does not fit* with the measured peak there. Each plan is made for the "
              "batch it runs: `slimgrad.convert(model, budget=step budget + weights + batch, example=batch)` (convert "
              "budgets everything on the device; these budgets are above the step's start), which may also turn on "
-             "the chunked loss where that fits with less recomputation (the plan line says so). Garbage is "
-             "collected before each measured step.",
+             "the chunked loss where that fits with less recomputation (the plan line says so)"
+             + ("; on the GPU its blocks may also offload their kept tensors to pinned host memory (the plan's "
+                "default actions, checkpoint and offload, costed by a measured forward and a measured copy "
+                "bandwidth)" if cuda else "")
+             + ". Garbage is collected before each measured step.",
              "",
              "Full checkpointing: transformers' `activation_checkpointing_enable(activation_checkpointing_kwargs="
-             "{\"use_reentrant\": False})` (what `gradient_checkpointing_enable` calls) on the Llama; "
+             "{\"use_reentrant\": False})` (what `gradient_checkpointing_enable` calls) on the Llamas; "
              "`slimgrad.plan.apply_plan` with every block \"checkpoint\" (non-reentrant) on the stock ResNet, "
-             "which has no checkpointing switch of its own. Offloaded checkpointing (transformers 5.24 "
-             "`offload=True`: `save_on_cpu` around each checkpoint) is n/a on CPU: the device memory *is* host "
-             "memory, nothing leaves it. torch.compile: `torch._functorch.config.activation_memory_budget` = the "
+             "which has no checkpointing switch of its own. Offloaded checkpointing: transformers' "
+             "`offload=True` (`save_on_cpu(pin_memory=True)` around each layer's checkpoint: the layers' inputs go "
+             "to host memory) on the Llamas, the same construct around each stage of the ResNet"
+             + ("." if cuda else "; n/a on CPU: the device memory *is* host memory, nothing leaves it.")
+             + " torch.compile: `torch._functorch.config.activation_memory_budget` = the "
              "budget's fraction (of the compiled graph's activation memory, not of the peak), `dynamic=True` "
-             "so each budget compiles once.", ""]
+             "so each budget compiles once; over the QLoRA model it compiles bitsandbytes' 4-bit ops too.", ""]
     for r in results:
         lines += table(r) + [""]
     text = "\n".join(lines).rstrip() + "\n"
     print(text)
     if args.write:
-        DOC.write_text(text)
+        pathlib.Path(args.out).write_text(text)
     return text
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 if __name__ == "__main__":
