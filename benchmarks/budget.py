@@ -306,6 +306,8 @@ class Bench:
                 m, report = slimgrad.convert(m, budget=whole, example=batch, report=True)
                 self.plan_notes[(budget, n)] = " ".join(report.plan.notes)
             except ValueError as exc:
+                if not str(exc).startswith("convert: slimgrad.plan"):  # not a refusal: the plan could not be made
+                    raise
                 self.plan_notes[(budget, n)] = str(exc)
                 m = None
             if n == w.ref:
@@ -425,6 +427,7 @@ def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progres
     sizes: dict = {}
     ref_peak: dict = {}
     why: dict = {}
+    errors: dict = {}  # (alt, fraction) -> the whole first line of an error and where it was raised
     runs: list = []
     for alt in alts:
         for fraction, budget in budgets:
@@ -444,6 +447,7 @@ def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progres
                 ref_peak[(alt, fraction)] = next(p for a, f, n, p in runs[start:] if n == work.ref)
             except Exception as exc:  # noqa: BLE001 - report the cell and go on
                 why[(alt, fraction)] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+                errors[(alt, fraction)] = _error_line(exc)
     # step time at the reference batch: one timing per distinct configuration
     progress(f"{work.key}: timing at batch {work.ref}")
     configs, key_of = {}, {}
@@ -479,12 +483,21 @@ def run_workload(work: Workload, device, repeats: int, compile_ok: bool, progres
             m = None
         plan_actions[fraction] = planned_actions(m) if m is not None else None
     return {"work": work, "stock_peak": stock_peak, "budgets": budgets, "sizes": sizes, "ref_peak": ref_peak,
-            "why": why, "seconds": seconds, "key_of": key_of, "stock_ms": seconds["stock"] * 1e3,
+            "why": why, "errors": errors, "seconds": seconds, "key_of": key_of, "stock_ms": seconds["stock"] * 1e3,
             "compile_seconds": dict(bench.compile_seconds), "compile_error": dict(bench.compile_error),
             "plan_actions": plan_actions, "plan_notes": bench.plan_notes, "runs": runs, "bench": bench}
 
 
 # ---------------------------------------------------------------------------------------------- the verdict
+
+
+def _error_line(exc: BaseException) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f for f in reversed(frames) if "slimgrad" in f.filename), frames[-1]) if frames else None
+    at = f" (raised in {pathlib.Path(where.filename).name}:{where.lineno}, {where.name})" if where else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:600]}{at}"
 
 
 def verdict(r: dict, fraction: float, budget: int) -> str:
@@ -495,7 +508,8 @@ def verdict(r: dict, fraction: float, budget: int) -> str:
     label = dict(ALTERNATIVES)
     problems = []
     if plan_n is None:
-        return f"not measured ({r['why'].get(('plan', fraction), '?')})"
+        error = r["errors"].get(("plan", fraction))
+        return f"not measured ({error or r['why'].get(('plan', fraction), '?')})"
     best_alt = max(others, key=others.get) if others else None
     if best_alt is not None and others[best_alt] > plan_n:
         cause = _size_cause(r, budget, plan_n + 1)
@@ -526,7 +540,7 @@ def _size_cause(r: dict, budget: int, n: int) -> str:
     try:
         p = slimgrad.plan(m, budget + _before_step_bytes(m, batch), batch)
     except Exception as exc:  # noqa: BLE001 - the verdict still names the miss
-        return f"the cause was not measured (slimgrad.plan: {type(exc).__name__}: {str(exc).splitlines()[0][:100]})"
+        return f"the cause was not measured (slimgrad.plan: {_error_line(exc)})"
     return (f"at batch {n} the smallest step peak any plan reaches is "
             f"{(p.smallest_feasible - _before_step_bytes(m, batch)) / MiB:.1f} MiB > the budget "
             f"{budget / MiB:.1f} MiB, peak at {p.estimate_after.peak_where}")
@@ -588,7 +602,8 @@ def table(r: dict) -> list[str]:
         acts = r["plan_actions"].get(fraction)
         chunked = "chunked loss is on" in r["plan_notes"].get((budget, work.ref), "")
         n_blocks = len(blocks_of(r["bench"].stock))
-        desc = ("refused at the reference batch" if acts is None else
+        desc = ("not made (an error, in the plan's cell)" if ("plan", fraction) in r["errors"] else
+                "refused at the reference batch" if acts is None else
                 "nothing checkpointed" + (", chunked loss" if chunked else " (slimgrad alone fits)") if not acts
                 else ", ".join(f"{verb} {n} of {n_blocks} blocks" for verb, n in (
                     ("checkpoints", sum(a == "checkpoint" for a in acts.values())),
@@ -656,6 +671,11 @@ def main(argv=None) -> str:
     machine = (f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), 1 CPU thread" if cuda
                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread")
     versions = ", ".join(f"{name} {_version(name)}" for name in ("transformers", "peft", "bitsandbytes"))
+    from slimgrad import csrc
+
+    core = csrc.status()
+    versions += "; slimgrad's compiled core " + (
+        "loaded" if core["loaded"] else f"not loaded ({core['reason'] or 'not used'})")
     lines = ["# Fitting a memory budget: slimgrad's plan against the alternatives", "",
              f"`OMP_NUM_THREADS=1 {cmd.strip()}` — torch {torch.__version__}, {versions}; {machine}; "
              f"{time.strftime('%Y-%m-%d')}, {total:.0f} s in all ("
