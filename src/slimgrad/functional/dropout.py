@@ -166,6 +166,16 @@ def bits_forward(input: torch.Tensor, p: float, inplace: bool):
     return _finish(input, out, perm, inplace), packed, perm, scale
 
 
+def bits_layout(input: torch.Tensor, p: float, dtype: torch.dtype):
+    """The ``(perm, scale)`` :func:`bits_forward` used on ``input`` (or on a cast ``input.to(dtype)``, which
+    has ``input``'s layout), without its tensors: the mask's memory order and the noise value."""
+    if input.is_contiguous():
+        perm = None
+    else:  # the layout empty_like(input) gives the mask: input's own where dense, else the suggested one
+        perm = _memory_order(torch.empty_like(input, dtype=torch.uint8, device="meta"))
+    return perm, kernels.noise_scale(p, dtype)
+
+
 def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, *, inplace: bool = False):
     """``grad * noise`` from the packed mask; ``inplace``: written into ``grad`` (a fresh tensor of the
     caller's) when its layout allows, which saves a gradient-sized temporary."""
@@ -177,49 +187,63 @@ def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, 
 
 
 class _DropoutFunction(_common.Function):
-    """Element-wise dropout for 0 < p <= 1 in training mode."""
+    """Element-wise dropout for 0 < p <= 1 in training mode: ``apply`` returns ``(out, kept)``, ``kept`` the
+    packed mask, the seed or None (p == 1), an output so that the same Function serves eager and torch.compile
+    (functorch's form, :mod:`slimgrad.functional._transforms`). Under a transform stock's dropout runs
+    (``stock``): vmap's randomness rules are stock's draw."""
 
     @staticmethod
-    def forward(ctx, input, p, inplace, policy):
-        ctx.p = p
+    def forward(input, p, inplace, policy):
         if p == 1:
             # stock multiplies by a zero scalar, drawing nothing
-            ctx.mode = _ZERO
             out = _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
+            kept = None
         elif torch.compiler.is_compiling():
             # Compiled stock's own draw and arithmetic (the decomposition of native_dropout: rand_like(x) > p,
             # mask * x * scale), so the step draws compiled stock's mask. The eager formula,
             # empty_like(x).bernoulli_(1 - p), gave NaN outputs once Inductor compiled it inside a diffusers
             # UNet with peft LoRA dropout (aot_eager was finite).
-            ctx.mode = _MASK
             keep = torch.rand_like(input) > p
-            ctx.shape, ctx.order = tuple(input.shape), _bitmask.planar_layout(input)
-            ctx.save_for_backward(_bitmask.pack_planar(keep, ctx.order))
-            scale = 1.0 / (1.0 - p)
-            out = keep * input * scale
+            kept = _bitmask.pack_planar(keep, _bitmask.planar_layout(input))
+            out = keep * input * (1.0 / (1.0 - p))
             if inplace:
                 out = input.copy_(out)
         elif policy == "bits":
-            ctx.noise_strides = _layout.like_strides(input)  # stock's noise is empty_like(input)
-            ctx.mode = _BITS
-            out, packed, ctx.perm, ctx.scale = bits_forward(input, p, inplace)
-            ctx.save_for_backward(packed)
+            out, kept, _, _ = bits_forward(input, p, inplace)
         else:
-            ctx.noise_strides = _layout.like_strides(input)
-            ctx.mode = _SEED
-            seed = _draw_seed(input.device)
-            ctx.perm = perm = _memory_order(input) if _dense(input) else None
+            kept = _draw_seed(input.device)
+            perm = _memory_order(input) if _dense(input) else None
             xc = _canonical(input, perm)
-            out = _finish(input, kernels.choose_seed(xc).forward(xc, p, seed, inplace), perm, inplace)
-            ctx.save_for_backward(seed)
-        if inplace:
-            # Return ``input`` itself: torch.compile checks that a dirty tensor is returned as the same object.
-            ctx.mark_dirty(input)
-            out = input
-        return out
+            out = _finish(input, kernels.choose_seed(xc).forward(xc, p, kept, inplace), perm, inplace)
+        # In place: ``input`` itself (torch.compile checks that a dirty tensor is returned as the same object).
+        return input if inplace else out, kept
 
     @staticmethod
-    def backward(ctx, grad):
+    def setup_context(ctx, inputs, output):
+        input, p, inplace, policy = inputs
+        kept = output[1]
+        if inplace:
+            ctx.mark_dirty(input)
+        ctx.p = p
+        if kept is None:
+            ctx.mode = _ZERO
+            return
+        ctx.mark_non_differentiable(kept)
+        if torch.compiler.is_compiling():
+            ctx.mode = _MASK
+            ctx.shape, ctx.order = tuple(input.shape), _bitmask.planar_layout(input)
+        elif policy == "bits":
+            ctx.mode = _BITS
+            ctx.perm, ctx.scale = bits_layout(input, p, input.dtype)
+        else:
+            ctx.mode = _SEED
+            ctx.perm = _memory_order(input) if _dense(input) else None
+        if ctx.mode != _MASK:
+            ctx.noise_strides = _layout.like_strides(input)  # stock's noise is empty_like(input)
+        ctx.save_for_backward(kept)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_kept):
         if ctx.mode == _ZERO:
             return grad * torch.zeros((), dtype=grad.dtype, device=grad.device), None, None, None
         (saved,) = ctx.saved_tensors
@@ -241,6 +265,16 @@ class _DropoutFunction(_common.Function):
         # Stock's gradient is ``grad * noise``: TensorIterator lays it out after grad first, then noise.
         gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), grad.stride(), ctx.noise_strides))
         return gi, None, None, None
+
+    @staticmethod
+    def stock(input, p, inplace, policy):
+        # apply's structure: the output first (nothing kept of slimgrad's)
+        return F.dropout(input, p, True, inplace), None
+
+    @classmethod
+    def under_transform(cls, *args):
+        # vmap's randomness rules ("different", "same", "error") are implemented by stock's dropout.
+        return cls.stock(*args)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -266,7 +300,7 @@ def _dropout_impl(input, p, training, inplace, policy=None):
     if torch.is_grad_enabled() and input.requires_grad:
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)
-        return _DropoutFunction.apply(input, float(p), bool(inplace), policy)
+        return _DropoutFunction.apply(input, float(p), bool(inplace), policy)[0]
     # No gradient: the same mask all the same (checkpoint recomputes this call with grad).
     if p == 1:
         return _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
