@@ -36,7 +36,14 @@ import torch.nn.functional as F
 
 from slimgrad import csrc
 from slimgrad.functional import _common
-from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, check_policy, resolve_policy
+from slimgrad.functional.dropout import (
+    _fill_noise,
+    bits_backward,
+    bits_forward,
+    bits_layout,
+    check_policy,
+    resolve_policy,
+)
 from slimgrad.kernels import dropout as dropout_kernels
 
 __all__ = ["LoraAdapter", "LoraLinearFunction", "lora_linear"]
@@ -76,32 +83,33 @@ class LoraLinearFunction(_common.Function):
     adapter's scaling and (effective) dropout probability; ``policy`` is the dropout policy ("auto", "bits",
     "seed"; None: the process-wide one), the converted module's ``convert(dropout=)``. Double backward is
     refused: stock's would need the very tensors this Function exists not to keep.
+
+    ``apply`` returns ``(result, seeds, *t, *masks)``: what backward may read besides the inputs is an output
+    (functorch's form, one Function for eager, torch.compile and torch.func: :mod:`slimgrad.functional.
+    _transforms`), each adapter's ``t = A(dropout(x'))`` and dropout mask (packed bits; a bool mask under
+    torch.compile; None without dropout or with the "seed" policy) and the "seed" policy's seeds (else None);
+    ``setup_context`` keeps of them only what the requested gradients read. Under torch.func with dropout,
+    stock's computation runs (vmap's randomness rules are stock's dropout's).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
+    def forward(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
         n = len(scalings)
         # weight=None: adapters only (the caller adds its own base, e.g. a quantized one), cast to x's dtype.
         result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
         base_dtype = result.dtype if result is not None else x.dtype
-        need = ctx.needs_input_grad
-        need_x, need_w = need[0], need[1]
-        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
-        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
         # The module's dropout policy, else the process-wide one (set_dropout_policy), as dropout's.
         policy = resolve_policy(policy, x.device)
         compiling = torch.compiler.is_compiling()
         xa = x
         if n and cast and x.dtype != adapters[0].dtype:
             xa = x.to(adapters[0].dtype)
-        dropout_p = [p for p in ps if 0 < p < 1]
         seeds = None
-        bits = {}  # adapter -> (perm, scale) of its packed mask (dropout policy "bits")
-        if dropout_p and not compiling and policy == "seed":
+        if not compiling and policy == "seed" and any(0 < p < 1 for p in ps):
             # One seed per dropping adapter from the default generator: reproducible under manual_seed, and
             # checkpointing (which restores the generator) regenerates the same masks.
-            seeds = torch.empty(len(dropout_p), dtype=torch.int64, device=x.device).random_()
-        kept_t, masks, u_dtypes = [], [], []
+            seeds = torch.empty(sum(1 for p in ps if 0 < p < 1), dtype=torch.int64, device=x.device).random_()
+        kept_t, masks = [], []
         j = 0
         for i in range(n):
             A, B, b_bias = adapters[3 * i: 3 * i + 3]
@@ -117,8 +125,7 @@ class LoraLinearFunction(_common.Function):
                     noise = mask.to(xa.dtype).div_(1 - p)
                 elif policy == "bits":
                     # stock's draw (PEFT's nn.Dropout), kept as bits: the adapter sees PEFT's very mask
-                    dropped, mask, perm, scale = bits_forward(xa, p, False)
-                    bits[i] = (perm, scale)
+                    dropped, mask, _, _ = bits_forward(xa, p, False)
                     noise = None
                 else:
                     seed_impl = dropout_kernels.choose_seed(xa)
@@ -133,16 +140,39 @@ class LoraLinearFunction(_common.Function):
             t = F.linear(dropped, A)
             del dropped  # not kept: freed now, as stock frees what it does not save
             u = F.linear(t, B, b_bias)
-            u_dtypes.append(u.dtype)
             u = u * scalings[i]  # the unscaled u is freed here, as in stock's expression
             result = u if result is None else result + u
             del u
-            kept_t.append(t if need_b[i] else None)
-            masks.append(mask if (need_x or need_a[i]) else None)
-        sum_dtype = result.dtype
+            kept_t.append(t)
+            masks.append(mask)
         if n:
             result = result.to(base_dtype)
+        return (result, seeds, *kept_t, *masks)
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters = inputs
+        n = len(scalings)
+        result, seeds = output[:2]
+        kept_t, masks = output[2: 2 + n], output[2 + n:]
+        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+        need = ctx.needs_input_grad
+        need_x, need_w = need[0], need[1]
+        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
+        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
+        base_dtype = result.dtype
+        # Each adapter's u = B(t) has t's dtype; the forward summed in the base result's dtype promoted with
+        # those (the adapters' alone without a base).
+        u_dtypes = tuple(t.dtype for t in kept_t)
+        sum_dtype = base_dtype if weight is not None or not n else u_dtypes[0]
+        for dt in u_dtypes:
+            sum_dtype = torch.promote_types(sum_dtype, dt)
+        bits = {}  # adapter -> (perm, scale) of its packed mask (dropout policy "bits")
+        if not torch.compiler.is_compiling() and resolve_policy(policy, x.device) == "bits":
+            adapter_dtype = adapters[0].dtype if n and cast else x.dtype
+            for i in range(n):
+                if 0 < ps[i] < 1:
+                    bits[i] = bits_layout(x, ps[i], adapter_dtype)  # x.to(dtype) keeps x's layout
         keep_x = need_w or any(need_a)
         kept_x = x
         if keep_x and not need_w:
@@ -151,16 +181,37 @@ class LoraLinearFunction(_common.Function):
         if kept_x is x and keep_x:
             _common.note_input_kept(x)
         keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
-        ctx.meta = (fan_in_fan_out, cast, tuple(scalings), tuple(ps), base_dtype, sum_dtype, tuple(u_dtypes),
+        ctx.meta = (fan_in_fan_out, cast, tuple(scalings), tuple(ps), base_dtype, sum_dtype, u_dtypes,
                     tuple(x.shape), x.dtype, n, bits)
         # weight is a parameter (not counted); it is only read when dX is requested.
         ctx.save_for_backward(kept_x if keep_x else None, weight if need_x else None,
-                              seeds if keep_seeds else None, *kept_t, *masks, *adapters)
-        return result
+                              seeds if keep_seeds else None,
+                              *[t if nb else None for t, nb in zip(kept_t, need_b)],
+                              *[m if (need_x or na) else None for m, na in zip(masks, need_a)], *adapters)
+
+    @staticmethod
+    def stock(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
+        """PEFT's ops, as autograd records them (stock's memory); apply's structure, the result first."""
+        result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
+        base_dtype = result.dtype if result is not None else x.dtype
+        xa = x.to(adapters[0].dtype) if scalings and cast and x.dtype != adapters[0].dtype else x
+        for i, (scaling, p) in enumerate(zip(scalings, ps)):
+            A, B, b_bias = adapters[3 * i: 3 * i + 3]
+            dropped = F.dropout(xa, p, True) if p > 0 else xa
+            u = F.linear(F.linear(dropped, A), B, b_bias)
+            result = u * scaling if result is None else result + u * scaling
+        return (result.to(base_dtype) if scalings else result,)
+
+    @classmethod
+    def under_transform(cls, *args):
+        if any(p > 0 for p in args[6]):
+            # Dropout under vmap follows vmap's randomness rules, which stock's dropout implements.
+            return cls.stock(*args)
+        return _common._AUTOGRAD_APPLY(cls, *args)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_grad_kept):
         fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n, bits = ctx.meta
         saved = ctx.saved_tensors
         x, weight, seeds = saved[:3]
@@ -380,7 +431,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             xa, A, B, b_bias = _common.autocast_lower_precision(x, a.A, a.B, a.bias)
             with _common.autocast_off(x.device.type):
                 u = LoraLinearFunction.apply(xa, None, None, bool(fan_in_fan_out), bool(cast_input), (scaling,),
-                                             (p,), dropout_policy, A, B, b_bias)
+                                             (p,), dropout_policy, A, B, b_bias)[0]
             result = result + u
         return result
     tensors = list(_common.autocast_lower_precision(*tensors))
@@ -389,4 +440,4 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         flat += tensors[3 + 3 * k: 6 + 3 * k]
     with _common.autocast_off(x.device.type):
         return LoraLinearFunction.apply(tensors[0], tensors[1], tensors[2], bool(fan_in_fan_out), bool(cast_input),
-                                        scalings, ps, dropout_policy, *flat)
+                                        scalings, ps, dropout_policy, *flat)[0]
