@@ -172,7 +172,7 @@ def _adapters_only_supported() -> bool:
     z = torch.zeros(1, 1)
     try:
         with torch.no_grad():
-            out = LoraLinearFunction.apply(z, None, None, False, True, (1.0,), (0.0,), None, z, z, None)
+            out = LoraLinearFunction.apply(z, None, None, False, True, (1.0,), (0.0,), None, z, z, None)[0]
     except (TypeError, AttributeError, RuntimeError):
         return False
     return isinstance(out, torch.Tensor) and out.shape == (1, 1)
@@ -195,7 +195,7 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     cast = bool(getattr(self, "cast_input_dtype_enabled", True))
     for a in adapters:
         out = LoraLinearFunction.apply(x, None, None, False, cast, (float(a.scaling),), (float(a.dropout),),
-                                       module_policy(self), a.A, a.B, a.bias)
+                                       module_policy(self), a.A, a.B, a.bias)[0]
         result = result + out.to(result.dtype)
     return result
 
