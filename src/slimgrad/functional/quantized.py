@@ -96,17 +96,19 @@ def _dequant_int8(cb, scb, dtype):
     return cb.to(dtype, copy=True).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
 
 
-class QuantizedLinearFunction(torch.autograd.Function):
+class QuantizedLinearFunction(_common.Function):
     """``y = x · dequant(W)ᵀ + b`` for a frozen quantized W.
 
     ``tensors`` are the packed weight followed by its state tensors (4-bit: absmax, code and, nested,
     offset, nested absmax and code; int8: the int8 rows and their fp32 scales; NF4: the NF4Tensor). They are
     saved (as references: they are the module's own) only when dX is requested; the input never is.
     ``spec`` carries the non-tensor parameters: ``(kind, static, int8_threshold, int8_training, lt_state)``.
+    In functorch's form (nothing but the output to hand to ``setup_context``), so the one Function serves
+    eager calls, torch.compile and torch.func (:mod:`slimgrad.functional._transforms`).
     """
 
     @staticmethod
-    def forward(ctx, x, bias, spec, *tensors):
+    def forward(x, bias, spec, *tensors):
         kind, static, threshold, training, lt_state = spec
         if kind in ("4bit", "4bit_kn"):
             packed, qs = tensors[0], _rebuild_quant_state(static, tensors[1:])
@@ -135,11 +137,28 @@ class QuantizedLinearFunction(torch.autograd.Function):
             out = F.linear(x, tensors[0].to(x.dtype))
         else:
             raise ValueError(f"QuantizedLinearFunction: unknown kind {kind!r}")
-        need_x = ctx.needs_input_grad[0]
-        ctx.meta = _Meta(kind, static, tuple(x.shape), x.dtype, None if bias is None else bias.dtype)
-        # References only: the packed weight and its state are the module's own tensors.
-        ctx.save_for_backward(*(tensors if need_x else ()))
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, bias, spec, *tensors = inputs
+        ctx.meta = _Meta(spec[0], spec[1], tuple(x.shape), x.dtype, None if bias is None else bias.dtype)
+        # References only: the packed weight and its state are the module's own tensors.
+        ctx.save_for_backward(*(tensors if ctx.needs_input_grad[0] else ()))
+
+    @staticmethod
+    def stock(x, bias, spec, *tensors):
+        """bitsandbytes' computation with differentiable torch ops, what runs under transforms the Function
+        does not serve: bitsandbytes' own autograd Functions have no functorch form (they are refused under
+        any transform), so the weight is dequantized as its backward does and ``F.linear`` applies it (the
+        int8 inference kernel, ``int8_training=False``, rounds otherwise: this is its training path's math)."""
+        kind, static = spec[0], spec[1]
+        if kind in ("4bit", "4bit_kn"):
+            w = _bnb().functional.dequantize_4bit(tensors[0], _rebuild_quant_state(static, tensors[1:])).to(x.dtype)
+            return F.linear(x, w.t() if kind == "4bit_kn" else w, bias)
+        if kind == "int8":
+            return F.linear(x, _dequant_int8(tensors[0], tensors[1], x.dtype), bias)
+        return F.linear(x, tensors[0].to(x.dtype), bias)  # nf4: torchao's LinearNF4
 
     @staticmethod
     @torch.autograd.function.once_differentiable
