@@ -582,20 +582,28 @@ def _masks_decided_on_real_values(facts, kwargs, f_kwargs):
     B×1×S×S mask, which the real step never makes, and SDPA then takes its masked path, which keeps more
     (measured: a 2-layer Llama's estimate 5.6 % high with an attention mask or ``use_cache=False``, 8.3 %
     converted; 20 % at 4×512). Those two decisions are taken here from the user's real inputs instead, before
-    anything is faked: an all-ones ``attention_mask`` is answered as no padding mask, and ``position_ids`` the
-    model derived itself (no cache: ``arange``; or from an all-ones mask) as no packed sequences. Where the
-    real values are unknown (a meta-device batch, a padded mask, a cache's tensor offset), transformers' own
-    answer stands: the estimate is then high, never low."""
-    masking, ignore, packed, mask, mask_all_ones, no_padding, positions_packed = facts
+    anything is faked: an all-ones ``attention_mask`` is answered as no padding mask, a padded one (queries
+    spanning the keys, as in training) as "keep the mask", and ``position_ids`` the model derived itself (no
+    cache: ``arange``; or from an all-ones mask) as no packed sequences, where this version of transformers
+    answers None for those at all (4.x always returns the tensor). transformers 4.x read the padding mask's
+    values in the first decision, which failed on fake tensors: it now gets the real answer too. Where the real
+    values are unknown (a meta-device batch, a cache's tensor offset), transformers' own answer stands: the
+    estimate is then high, never low."""
+    masking, ignore, packed, mask, real_mask, mask_all_ones, no_padding, positions_packed = facts
     if masking is None:
         yield
         return
     fake_positions = f_kwargs.get("position_ids")
 
     def ignore_causal_mask(padding_mask, *rest, **kw):
-        if (_is_fake(padding_mask) and mask_all_ones and padding_mask.dim() == 2
-                and padding_mask.shape[-1] == mask.shape[-1]):
-            padding_mask = None  # the same answer as the real step's fast_all(padding_mask)
+        if _is_fake(padding_mask) and real_mask and padding_mask.dim() == 2 and padding_mask.shape[-1] == \
+                mask.shape[-1]:
+            if mask_all_ones:
+                padding_mask = None  # the same answer as the real step's fast_all(padding_mask)
+            elif len(rest) >= 2 and rest[0] == rest[1] == mask.shape[-1]:
+                # padded, and queries span the keys (a training step): every version's answer is no
+                # (transformers 4.x would read the fake mask's values to say so)
+                return False
         return ignore(padding_mask, *rest, **kw)
 
     def find_packed(position_ids, *rest, **kw):
@@ -629,17 +637,19 @@ def _mask_facts(kwargs):
     ignore = getattr(masking, "_ignore_causal_mask_sdpa", None)
     packed = getattr(masking, "find_packed_sequence_indices", None)
     if ignore is None and packed is None:
-        return (None,) * 7
+        return (None,) * 8
     mask = kwargs.get("attention_mask")
-    real_mask = isinstance(mask, torch.Tensor) and not _is_fake(mask) and mask.device.type != "meta"
+    real_mask = bool(isinstance(mask, torch.Tensor) and not _is_fake(mask) and mask.device.type != "meta")
     mask_all_ones = bool(real_mask and mask.dim() == 2 and mask.all())
     no_padding = mask is None or mask_all_ones
     user_positions = kwargs.get("position_ids")
     positions_packed = None  # the real answer for the user's own position_ids, where known
+    if packed is not None and packed(torch.arange(2).unsqueeze(0)) is not None:
+        packed = None  # this version answers with a tensor even for one sequence a row (4.x): nothing to decide
     if (packed is not None and isinstance(user_positions, torch.Tensor) and not _is_fake(user_positions)
             and user_positions.device.type != "meta" and user_positions.dim() == 2):
         positions_packed = packed(user_positions) is not None
-    return masking, ignore, packed, mask, mask_all_ones, no_padding, positions_packed
+    return masking, ignore, packed, mask, real_mask, mask_all_ones, no_padding, positions_packed
 
 
 def _first_parameter(fn) -> str | None:
