@@ -229,6 +229,56 @@ def test_torchao_nf4_weight_through_the_same_function():
         quantized.linear_nf4(x, torch.randn(IN, IN))
 
 
+@pytest.mark.parametrize("kind", ["4bit", "int8"])
+def test_quantized_linear_under_torch_func(kind):
+    """The Function serves torch.func (bitsandbytes' own Functions are refused under any transform): under grad
+    the input and bias gradients are the eager Function's bitwise, under vmap(grad) the per-sample input
+    gradients are those of stock's computation (dequantized weight, ``F.linear``) run under the same vmap, which
+    ``set_func_policy("stock")`` runs instead of the Function."""
+    from torch.func import grad, vmap
+
+    from slimgrad.functional._transforms import func_policy
+
+    if kind == "4bit":
+        layer = linear_4bit("nf4", True, torch.bfloat16)
+        qs = layer.weight.quant_state
+
+        def f(x, b):
+            return quantized.linear_4bit(x, layer.weight, qs, b)
+
+        w = bnb.functional.dequantize_4bit(layer.weight, qs).to(torch.bfloat16)
+        dtype = torch.bfloat16
+    else:
+        layer = linear_8bit()
+        layer.init_8bit_state()
+        cb, scb = layer.state.CB, layer.state.SCB
+
+        def f(x, b):
+            return quantized.linear_8bit(x, cb, scb, b, training=True)
+
+        w = quantized._dequant_int8(cb, scb, torch.float32)
+        dtype = torch.float32
+    torch.manual_seed(1)
+    x, b = torch.randn(*ROWS, IN, dtype=dtype), torch.randn(OUT, dtype=dtype)
+    g = torch.randn(ROWS[1], OUT)  # a loss linear in the output: the 4-bit forward kernel rounds unlike F.linear
+
+    def loss(x, b):
+        return (f(x, b).float() * g).sum()
+
+    def stock_loss(x, b):
+        return (nn.functional.linear(x, w, b).float() * g).sum()
+
+    xe, be = x.clone().requires_grad_(), b.clone().requires_grad_()
+    loss(xe, be).backward()
+    gx, gb = grad(loss, argnums=(0, 1))(x, b)
+    assert_same(gx, xe.grad, what="x.grad under grad")
+    assert_same(gb, be.grad, what="bias.grad under grad")
+    per_sample = vmap(grad(loss), in_dims=(0, None))(x, b)
+    assert_same(per_sample, vmap(grad(stock_loss), in_dims=(0, None))(x, b), what="per-sample x.grad")
+    with func_policy("stock"):
+        assert_same(vmap(grad(loss), in_dims=(0, None))(x, b), per_sample, what="stock policy")
+
+
 # ---- peft's LoRA wrappers and whole QLoRA models -------------------------------------------------------
 
 peft_lora_wrappers = pytest.mark.skipif(
