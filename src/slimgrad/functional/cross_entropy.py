@@ -99,6 +99,8 @@ class FusedLinearCrossEntropyFunction(_common.Function):
         hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap = inputs
         _, total_weight = output
         ctx.mark_non_differentiable(total_weight)
+        if not torch.compiler.is_compiling():  # None for its gradient, not a zero allocated each backward
+            ctx._materialize_non_diff_grads = False
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         need_b = need_b and bias is not None
         ctx.mask = (need_h, need_w, need_b)

@@ -144,10 +144,8 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
 def _rms_impl(input, weight, style, n):
     """The fast kernel (Triton) RMSNorm's Function runs on ``input``, or None for its torch code: none is
     preferred or fits, torch.compile traces (fast_kernel), a torch.func transform is active (the Function then
-    runs plain torch ops, which vmap batches), or autocast is on in the torch style (it may run stock's rms_norm
-    in fp32, CUDA's fp32 list: the torch code mirrors it)."""
-    if _is_compiling() or torch._C._are_functorch_transforms_active():
-        return None
+    runs plain torch ops, which vmap batches: :meth:`RMSNormFunction.under_transform` drops it), or autocast is on
+    in the torch style (it may run stock's rms_norm in fp32, CUDA's fp32 list: the torch code mirrors it)."""
     impl = _common.fast_kernel("rms_norm" if style == "torch" else "rms_norm_hf", input)
     if impl is None or (style == "torch" and _common.autocast_enabled(input.device.type)):
         return None
@@ -186,7 +184,8 @@ class RMSNormFunction(_common.Function):
                 if h_dtype.itemsize * n <= input.element_size() * n + 4:
                     return impl.forward(input, weight, eps, style, n, normed=h_dtype)
             return impl.forward(input, weight, eps, style, n)
-        if _fused_rms(input, weight, style):
+        if style == "torch" and input.device.type in _FUSED_RMS_DEVICES and (weight is None
+                                                                      or weight.dtype == input.dtype):
             return _aten._fused_rms_norm(input, list(input.shape[-ndim:]), weight, eps)
         dims = tuple(range(input.dim() - ndim, input.dim()))
         out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
@@ -198,6 +197,8 @@ class RMSNormFunction(_common.Function):
         input, weight, eps, ndim, style, impl = inputs
         _, rstd, *rest = output
         ctx.mark_non_differentiable(rstd, *rest)
+        if not _is_compiling():  # None for the extras' gradients, not zeros allocated each backward
+            ctx._materialize_non_diff_grads = False
         need_x, need_w = ctx.needs_input_grad[:2]
         need_w = need_w and weight is not None
         ctx.mask = (need_x, need_w)
@@ -214,7 +215,8 @@ class RMSNormFunction(_common.Function):
                     _common.note_input_kept(input)
                 ctx.save_for_backward(kept, rstd, weight, None)
             return
-        fused = _fused_rms(input, weight, style)
+        # the fused kernel's output has no normalised input (with a weight, the torch code's has)
+        fused = style == "torch" and (len(output) == 2 if weight is not None else _fused_rms(input, weight, style))
         ctx.dims = tuple(range(input.dim() - ndim, input.dim()))
         ctx.style, ctx.fused, ctx.x_dtype = style, fused, input.dtype
         if need_x or need_w:
@@ -437,8 +439,6 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
 def _layer_norm_impl(input, weight, bias, n):
     """The fast kernel (Triton) LayerNorm's Function runs on ``input``, or None for stock's kernels (see
     :func:`_rms_impl`; autocast runs stock's layer norm in fp32 on CUDA, which the aten call mirrors)."""
-    if _is_compiling() or torch._C._are_functorch_transforms_active():
-        return None
     impl = _common.fast_kernel("layer_norm", input)
     if impl is None or _common.autocast_enabled(input.device.type):
         return None
@@ -471,6 +471,8 @@ class LayerNormFunction(_common.Function):
         input, normalized_shape, weight, bias, eps, impl = inputs
         _, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
+        if not _is_compiling():  # None for the extras' gradients, not zeros allocated each backward
+            ctx._materialize_non_diff_grads = False
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
@@ -561,8 +563,10 @@ class GroupNormFunction(_common.Function):
 
     @staticmethod
     def forward(input, weight, bias, num_groups, eps):
-        n, c = input.shape[0], input.shape[1]
+        n, c = input.shape[:2]
         hxw = input.numel() // (n * c) if n * c else 1
+        if input.is_contiguous():
+            return _aten.native_group_norm(input, weight, bias, n, c, hxw, num_groups, eps)
         input_c = input.contiguous(memory_format=_suggest_memory_format(input))
         out = _aten.native_group_norm(input_c, weight, bias, n, c, hxw, num_groups, eps)
         return out if input_c is input else (*out, input_c)
@@ -572,13 +576,15 @@ class GroupNormFunction(_common.Function):
         input, weight, bias, num_groups, eps = inputs
         _, mean, rstd, *copy = output
         ctx.mark_non_differentiable(mean, rstd, *copy)
+        if not _is_compiling():  # None for the extras' gradients, not zeros allocated each backward
+            ctx._materialize_non_diff_grads = False
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
-        n, c = input.shape[0], input.shape[1]
+        n, c = input.shape[:2]
         ctx.mask = (need_x, need_w, need_b)
         ctx.dims = (n, c, input.numel() // (n * c) if n * c else 1, num_groups)
-        ctx.fmt = _suggest_memory_format(input)
+        ctx.fmt = torch.contiguous_format if input.is_contiguous() else _suggest_memory_format(input)
         ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
         keep = need_x or need_w
         if keep:
@@ -663,8 +669,6 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
 def _fused_add_impl(input, residual, weight, n):
     """The fast kernel (Triton) FusedAddRMSNorm's Function runs on ``input``, or None for the torch code (see
     :func:`_rms_impl`)."""
-    if _is_compiling() or torch._C._are_functorch_transforms_active():
-        return None
     impl = _common.fast_kernel("fused_add_rms_norm", input)
     return impl if (impl is not None and residual.dtype == input.dtype and impl.supports(input, weight, n)) else None
 
@@ -777,6 +781,8 @@ class PolyNormFunction(_common.Function):
         input, weight, bias, eps = inputs
         _, rstds = output
         ctx.mark_non_differentiable(rstds)
+        if not _is_compiling():  # None for the extras' gradients, not zeros allocated each backward
+            ctx._materialize_non_diff_grads = False
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.mask = (need_x, need_w, need_b and bias is not None)
         ctx.bias_dtype = None if bias is None else bias.dtype
