@@ -84,6 +84,14 @@ def _eval_grad_input(grad_out, weight, running_var, eps, shape, stride):
     return dx
 
 
+def _stat_dtype(input: torch.Tensor, running_mean: torch.Tensor | None) -> torch.dtype:
+    """The dtype of ``native_batch_norm``'s (empty, unread) statistics in evaluation: on CUDA the input's
+    accumulation type, elsewhere the running statistics' dtype."""
+    if input.is_cuda:
+        return torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    return input.dtype if running_mean is None else running_mean.dtype
+
+
 class BatchNormFunction(_common.Function):
     """``native_batch_norm`` with a backward that keeps x only where a requested gradient reads it.
 
@@ -92,23 +100,29 @@ class BatchNormFunction(_common.Function):
     every case, which is what this Function exists to avoid keeping.
 
     ``apply(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed)`` returns
-    ``native_batch_norm``'s ``(output, save_mean, save_invstd)``: the statistics are outputs so that
-    ``setup_context`` can keep them. ``transformed`` is True only under torch.func (``under_transform``), where
-    dX is contiguous whatever x's layout (stock's there); forward cannot tell, as under ``grad`` it runs on plain
-    tensors with no transform active.
+    the output in evaluation, and ``native_batch_norm``'s ``(output, save_mean, save_invstd)`` in training: the
+    batch statistics are outputs so that ``setup_context`` can keep them (evaluation reads the running ones, and
+    two more outputs would cost about 1 µs a call). ``transformed`` is True only under torch.func
+    (``under_transform``), where dX is contiguous whatever x's layout (stock's there); forward cannot tell, as
+    under ``grad`` it runs on plain tensors with no transform active.
     """
 
     @staticmethod
     def forward(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
-        return _aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+        result = _aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+        return result if training else result[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         input, weight, bias, running_mean, running_var, training, momentum, eps, transformed = inputs
-        _, save_mean, save_invstd = output
-        ctx.mark_non_differentiable(save_mean, save_invstd)
-        # No zero gradients for the statistics (C-sized tensors made before each backward otherwise).
-        ctx.set_materialize_grads(False)
+        if training:
+            _, save_mean, save_invstd = output
+            ctx.mark_non_differentiable(save_mean, save_invstd)
+            # No zero gradients for the statistics (C-sized tensors made before each backward otherwise).
+            ctx.set_materialize_grads(False)
+            ctx.stat_dtype = save_mean.dtype
+        else:
+            save_mean = save_invstd = None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
@@ -120,7 +134,6 @@ class BatchNormFunction(_common.Function):
         ctx.x_dense = _dense(input)
         # Under torch.func the gradient is contiguous whatever x's layout (stock's there: TRANSFORM_LAYOUT).
         ctx.x_format = None if transformed else _channels_last_format(input)
-        ctx.stat_dtype = save_mean.dtype
         if not (need_x or need_w or need_b):
             return
         # dW always reads x; in training dX reads it as well (through x̂ and the batch statistics).
@@ -142,7 +155,7 @@ class BatchNormFunction(_common.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_mean, _grad_invstd):
+    def backward(ctx, grad_out, *_grad_stats):
         x, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
@@ -171,7 +184,7 @@ class BatchNormFunction(_common.Function):
                     save_mean = save_invstd = grad_out.new_zeros(ctx.x_shape[1], dtype=ctx.stat_dtype)
             if not ctx.training and save_mean is None:
                 # CUDA's kernel asserts that the (unused in evaluation) batch statistics are defined.
-                save_mean = save_invstd = grad_out.new_empty(0, dtype=ctx.stat_dtype)
+                save_mean = save_invstd = grad_out.new_empty(0, dtype=_stat_dtype(grad_out, running_mean))
             kdx, dw, db = _aten.native_batch_norm_backward(
                 grad_out,
                 x,
@@ -199,8 +212,8 @@ class BatchNormFunction(_common.Function):
     @staticmethod
     def stock(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
         """Stock's batch norm, shaped like ``apply``'s result (no statistics)."""
-        return (torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
-                                               eps), None, None)
+        out = torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        return (out, None, None) if training else out
 
 
 def _check_features(name: str, t: torch.Tensor | None, num_features: int) -> None:
@@ -249,8 +262,8 @@ def batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
     _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
-    return BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                   False)[0]
+    out = BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps, False)
+    return out[0] if training else out
 
 
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))

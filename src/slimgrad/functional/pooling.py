@@ -177,11 +177,8 @@ class MaxPoolFunction(_common.Function):
     def setup_context(ctx, inputs, output):
         x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed = inputs
         _, indices, pos = output
-        if indices is not None:
-            ctx.mark_non_differentiable(indices)
-        if pos is not None:
-            ctx.mark_non_differentiable(pos)
-        # No zero gradients for the extras (output-sized tensors made before each backward otherwise).
+        # The extras are integer tensors, never differentiable (no mark_non_differentiable needed); no zero
+        # gradients are made for them before each backward (output-sized tensors otherwise).
         ctx.set_materialize_grads(False)
         ctx.geometry = (nd, tuple(x.shape), kernel, stride, padding, dilation, ceil_mode)
         ctx.grad_format = TRANSFORM_LAYOUT if transformed else _grad_format(x, nd)
