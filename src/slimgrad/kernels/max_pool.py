@@ -100,7 +100,7 @@ def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation
     """Window-local position (row-major over the kernel) of each flat argmax index.
 
     ``vmappable``: look the table up by indexing instead of ``torch.take`` (which vmap has no batching rule
-    for), as the torch.func twin (``_func_twins``) does.
+    for), as ``MaxPoolFunction`` does under torch.func.
 
     Large temporaries cost more than arithmetic here (each fresh big allocation is paid in page faults),
     so the common path allocates only the small result: the offset from the window origin is formed in

@@ -2,7 +2,7 @@
 
 Max pooling keeps the argmax's position inside its window (one byte per output for windows up to 256
 elements) instead of the input plus int64 indices; average pooling keeps nothing. Each class only swaps
-``forward`` for the slimgrad functional twin, so converting a module is a class swap.
+``forward`` for its slimgrad functional counterpart, so converting a module is a class swap.
 
 A pooling module's eager CPU call that wants a gradient goes straight to the compiled core (one C++ autograd
 Function call, :mod:`slimgrad.functional.pooling`): its options are checked once and the result cached in the
