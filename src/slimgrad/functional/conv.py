@@ -40,7 +40,7 @@ from torch._prims_common import suggest_memory_format
 
 from slimgrad import csrc
 
-from . import _common
+from . import _common, _transforms
 
 __all__ = [
     "conv1d",
@@ -147,20 +147,21 @@ class _ConvFunction(_common.Function):
     X's; ``pad_dtype``: the dtype stock's pad runs in where it is not X's (autocast runs the reflection and
     replication pads in fp32 on CPU), which only backward needs: the pad's gradient sums in that dtype.
 
-    ``xc`` (optional): X as the convolution reads it, made outside the Function by a differentiable op, where
-    what backward keeps for dW is not X itself: autocast's cast copy (stock keeps a cast copy too), or a compact
-    copy of an X that views a larger storage (stock keeps its padded copy). It has X's values (padding copies
-    elements, so cast-then-pad equals stock's pad-then-cast); being an input, a double backward reaches X
-    through it. Its gradient is None: X gets the whole gradient.
+    Written in functorch's split form, so this one Function serves the Python path in eager (where the compiled
+    core does not run), torch.compile and torch.func (``_transforms``); ``stock`` is stock's convolution with the
+    same arguments, for the transform stacks it does not serve.
+
+    ``xc`` (None where X itself is kept): X as the convolution reads it, made outside the Function by a
+    differentiable op, where what backward keeps for dW is not X itself: autocast's cast copy (stock keeps a cast
+    copy too), or a compact copy of an X that views a larger storage (stock keeps its padded copy). It has X's
+    values (padding copies elements, so cast-then-pad equals stock's pad-then-cast); being an input, a double
+    backward reaches X through it. Its gradient is None: X gets the whole gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg, xc=None):
+    def forward(x, weight, bias, cfg, xc):
         nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype = cfg
-        ctx.has_xc = xc is not None
-        if xc is None:
-            xc = x
-        xp = xc
+        xp = x if xc is None else xc
         if pad is not None:
             xp = F.pad(xp, pad, mode=pad_mode)
         if cast_dtype is not None and xp.dtype != cast_dtype:
@@ -171,37 +172,63 @@ class _ConvFunction(_common.Function):
         else:
             out = _CONV[nd](xp, w, bias, stride, padding, dilation, groups)
         del w
+        # With an explicit pad, the padded X goes out as well (dropped by the caller right after): its shape and
+        # layout, which setup_context reads, are aten's pad's own (its layout rules differ by mode, and its meta
+        # kernels give other strides than the CPU ones).
+        return out if pad is None else (out, xp)
 
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if need_w and xc is x:
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, cfg, xc = inputs
+        transposed, pad = cfg[1], cfg[8]
+        if pad is None:
+            xp = x if xc is None else xc  # (a cast copy xc keeps x's layout)
+        else:
+            xp = output[1]
+            ctx.mark_non_differentiable(xp)
+            ctx.set_materialize_grads(False)  # (else backward gets a padded-X-sized zero gradient for it)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if need_w and xc is None:
             _common.note_input_kept(x)
-        ctx.save_for_backward(xc if need_w else None, weight if need_x else None)
+        ctx.save_for_backward((x if xc is None else xc) if need_w else None, weight if need_x else None)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
         ctx.xp_shape = tuple(xp.shape)
-        ctx.xp_format = _format(xp)
-        ctx.x_format = _format(x) if pad is not None and need_x else ctx.xp_format
         ctx.w_shape = tuple(weight.shape)
         ctx.has_bias = bias is not None
+        ctx.x_ref = None
+        ctx.pointwise = False
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            # Under torch.func: gradients in the contiguous layout, from plain torch ops (see _transforms)
+            ctx.xp_format = ctx.x_format = _transforms.TRANSFORM_LAYOUT
+            return
+        ctx.xp_format = _format(xp)
+        ctx.x_format = _format(x) if pad is not None and need_x else ctx.xp_format
         # Channels-last dX without dW runs stock's kernels (the convolution's and the pad's backward) on tensors
         # of X's shape and layout whose values they never read: a weak reference lets backward use X itself
         # while the caller still holds it (no copy, nothing kept alive).
-        ctx.x_ref = None
         # A pointwise (1x1) convolution's dX through aten's convolution_backward (a carrier of X's shape, as for
         # channels-last) rather than the transposed convolution: stock's own kernel, 1.3-1.8x faster at one
         # thread on MobileNet/ResNet 1x1 shapes (issue 22); for larger kernels the transposed convolution is the
         # faster of the two (a 3x3 64-channel conv: 11.5 against 14.9 ms), with the same bits.
-        ctx.pointwise = (need_x and not need_w and not transposed and not torch.compiler.is_compiling()
-                         and all(k == 1 for k in ctx.w_shape[2:]))
-        if (need_x and not need_w and not torch.compiler.is_compiling()
-                and (ctx.pointwise or ctx.xp_format != torch.contiguous_format
-                     or ctx.x_format != torch.contiguous_format)):
-            ctx.x_ref = weakref.ref(x)
-            ctx.x_stride = x.stride()
-        return out
+        if need_x and not need_w and not torch.compiler.is_compiling():
+            ctx.pointwise = not transposed and all(k == 1 for k in ctx.w_shape[2:])
+            if (ctx.pointwise or ctx.xp_format != torch.contiguous_format
+                    or ctx.x_format != torch.contiguous_format):
+                ctx.x_ref = weakref.ref(x)
+                ctx.x_stride = x.stride()
 
     @staticmethod
-    def backward(ctx, grad):
+    def stock(x, weight, bias, cfg, xc):
+        return conv_forward(x, weight, bias, cfg)
+
+    @classmethod
+    def under_transform(cls, x, weight, bias, cfg, xc):
+        out = _common.Function.under_transform.__func__(cls, x, weight, bias, cfg, xc)
+        return out if cfg[8] is None else out[0]
+
+    @staticmethod
+    def backward(ctx, grad, _grad_xp=None):
         nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype = (
             ctx.cfg
         )
@@ -209,7 +236,7 @@ class _ConvFunction(_common.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         dx = dw = db = None
-        tail = (None, None) if getattr(ctx, "has_xc", False) else (None,)
+        tail = (None, None)  # cfg, xc (X gets the whole gradient)
 
         if need_x and need_w:
             # Both: stock's own single call (one backend pass that shares the work; measured under compile on
@@ -217,7 +244,7 @@ class _ConvFunction(_common.Function):
             dx, dw, db = _convolution_backward(ctx, grad, x, weight, (True, True, need_b))
             return (_unpad_uncast(ctx, dx), dw, db if need_b else None) + tail
 
-        if need_x and (ctx.xp_format != torch.contiguous_format or getattr(ctx, "pointwise", False)):
+        if need_x and (ctx.xp_format != torch.contiguous_format or ctx.pointwise):
             # Channels-last X: stock's own kernel (oneDNN's channels-last backward-data kernel and its transposed
             # convolution sum in different orders: depthwise, 1x1 and grouped convs came out up to 1 ulp apart),
             # fed a tensor of X's shape and layout whose values it never reads (a zero-stride stand-in would be
@@ -556,8 +583,9 @@ def conv_nd(
         pad_dtype,
     )
     with _common.autocast_off(device_type):
-        xc = _input_copy(x, weight, cfg)
-        out = _ConvFunction.apply(x, weight, bias, cfg) if xc is None else _ConvFunction.apply(x, weight, bias, cfg, xc)
+        out = _ConvFunction.apply(x, weight, bias, cfg, _input_copy(x, weight, cfg))
+        if cfg[8] is not None and type(out) is tuple:  # (the eager Function's padded X: dropped here)
+            out = out[0]
     return out.squeeze(0) if unbatched else out
 
 
