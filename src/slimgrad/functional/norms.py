@@ -29,6 +29,13 @@ in tests/test_core_norms.py); RMSNorm's element-wise steps on contiguous fp32/bf
 each around aten's own reductions, where the Python sequence (and stock's) takes a pass and an fp32 temporary per
 op. The core declines (returns None, and the Functions below run) under autocast, torch.compile, torch.func, for
 tensor subclasses, non-CPU tensors, a preferred Triton kernel, and anything the checks below would reject.
+
+One Python Function per family, in functorch's ``forward``/``setup_context`` form, serves eager calls, torch.compile
+and torch.func alike (:mod:`slimgrad.functional._transforms`): ``forward`` returns, besides the output, what backward
+may read that is neither an input nor the output (per-row statistics, RMSNorm's normalised input, group norm's
+layout copy), and ``setup_context`` keeps of it what ``needs_input_grad`` asks for. The caller chooses the fast
+kernel and passes it in (``impl``), since ``forward`` sees no ctx to record it on; under torch.func the torch code
+runs (vmap batches it). Each Function's ``stock`` is stock's computation, run under transforms it does not serve.
 """
 
 from __future__ import annotations
