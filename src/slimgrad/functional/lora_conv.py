@@ -31,10 +31,18 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch._prims_common import suggest_memory_format
 
 from slimgrad.functional import _common
-from slimgrad.functional.dropout import _fill_noise, bits_backward, bits_forward, check_policy, resolve_policy
+from slimgrad.functional.conv import _format  # (torch's suggest_memory_format, without its ~25 µs of guards)
+from slimgrad.functional.dropout import (
+    _fill_noise,
+    _memory_order,
+    bits_backward,
+    bits_forward,
+    check_policy,
+    resolve_policy,
+)
+from slimgrad.kernels.dropout import noise_scale
 
 __all__ = ["ConvOptions", "LoraConvAdapter", "LoraConvFunction", "lora_conv"]
 
@@ -90,6 +98,17 @@ def _backward(grad, x, w, o: ConvOptions, need_x, need_w, need_b, in_shape, in_f
     return dx, None, db
 
 
+def _bits(x, xa_dtype, meta, policy) -> dict:
+    """Adapter -> (layout permutation, scale) of the packed dropout mask ``bits_forward`` drew for it (policy
+    "bits"), as it found them: the layout of a uint8 ``empty_like`` of x' (read off a meta tensor: x' is x or
+    its ``.to``, which keeps x's layout) and stock's noise value in x''s dtype."""
+    if (torch.compiler.is_compiling() or not any(0 < m[3] < 1 for m in meta)
+            or resolve_policy(policy, x.device) != "bits"):
+        return {}
+    perm = _memory_order(torch.empty_like(x, dtype=torch.uint8, device="meta"))
+    return {i: (perm, noise_scale(m[3], xa_dtype)) for i, m in enumerate(meta) if 0 < m[3] < 1}
+
+
 #: LoraConvFunction's argument index of A_0 (x, base_out, cast, meta, policy first)
 _ADAPTERS_AT = 5
 
@@ -102,22 +121,16 @@ class LoraConvFunction(_common.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, base_out, cast, meta, policy, *adapters):
+    def forward(x, base_out, cast, meta, policy, *adapters):
         n = len(meta)
-        need = ctx.needs_input_grad
-        need_x = need[0]
-        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
-        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
         xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
-        x_meta = (tuple(xa.shape), suggest_memory_format(xa))
         n_drop = sum(1 for m in meta if 0 < m[3] < 1)
         compiling = torch.compiler.is_compiling()
         policy = resolve_policy(policy, x.device)  # the module's dropout policy, else the process-wide one
         seeds = None
-        bits = {}  # adapter -> (perm, scale) of its packed mask (policy "bits")
         if n_drop and not compiling and policy == "seed":
             seeds = torch.empty(n_drop, dtype=torch.int64, device=x.device).random_()
-        result, kept_t, masks, shapes, j = base_out, [], [], [], 0
+        result, ts, masks, j = base_out, [], [], 0
         for i in range(n):
             A, B, bias = adapters[3 * i: 3 * i + 3]
             a, b, s, p = meta[i]
@@ -129,9 +142,9 @@ class LoraConvFunction(_common.Function):
                 mask = torch.rand_like(xa) > p  # compiled stock's draw (see functional/dropout.py)
                 dropped = xa * mask.to(xa.dtype).div_(1 - p)
             elif p > 0 and policy == "bits":
-                # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask
-                dropped, mask, perm, scale = bits_forward(xa, p, False)
-                bits[i] = (perm, scale)
+                # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask (setup_context
+                # finds its layout and scale again: _bits)
+                dropped, mask, _, _ = bits_forward(xa, p, False)
             elif p > 0:
                 dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
                 j += 1
@@ -140,24 +153,63 @@ class LoraConvFunction(_common.Function):
             if i == n - 1:
                 del xa
             u = _conv(t, B, bias, b)
-            shapes.append((u.dtype, tuple(t.shape), suggest_memory_format(t)))
             result = result + u.mul_(s)  # u * s, in place on a tensor of our own (same bits)
             del u
-            kept_t.append(t if need_b[i] else None)
-            masks.append(mask if (need_x or need_a[i]) else None)
-        sum_dtype = result.dtype
-        result = result.to(base_out.dtype)
+            ts.append(t)
+            masks.append(mask)
+        # What backward may read besides the inputs, as extra outputs (setup_context keeps what the requested
+        # gradients read): the seeds, each A(dropout(x')) and each dropout mask. The caller drops them.
+        return (result.to(base_out.dtype), seeds, *ts, *masks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, base_out, cast, meta, policy, *adapters = inputs
+        _, seeds, *rest = output
+        n = len(meta)
+        ts, masks = rest[:n], rest[n:]
+        ctx.mark_non_differentiable(*[t for t in (seeds, *rest) if t is not None])
+        ctx.set_materialize_grads(False)  # (else backward gets a zero gradient of each extra's size)
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
+        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
+        a_dtype = adapters[0].dtype
+        xa_dtype = a_dtype if cast and x.dtype != a_dtype else x.dtype
+        x_format = _format(x)  # (x' = x.to(...) keeps it)
+        sum_dtype = base_out.dtype  # the sum's dtype: base_out's promoted with each adapter's
+        shapes = []
+        for t in ts:
+            sum_dtype = torch.promote_types(sum_dtype, t.dtype)
+            shapes.append((t.dtype, tuple(t.shape), _format(t)))
+        bits = _bits(x, xa_dtype, meta, policy)
         keep_x = any(need_a)
         if keep_x:
             _common.note_input_kept(x)
-        keep_seeds = seeds is not None and (need_x or any(need_a))
-        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), *x_meta, x.dtype, bits)
-        ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None, *kept_t, *masks, *adapters)
-        return result
+        keep_seeds = seeds is not None and (need_x or keep_x)
+        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(x.shape), x_format, x.dtype, bits)
+        ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None,
+                              *[t if nb else None for t, nb in zip(ts, need_b)],
+                              *[m if (need_x or na) else None for m, na in zip(masks, need_a)], *adapters)
+
+    @staticmethod
+    def stock(x, base_out, cast, meta, policy, *adapters):
+        xa = x.to(adapters[0].dtype) if cast and x.dtype != adapters[0].dtype else x
+        result = base_out
+        for i, (a, b, scaling, p) in enumerate(meta):
+            A, B, bias = adapters[3 * i: 3 * i + 3]
+            dropped = F.dropout(xa, p, True) if p > 0 else xa
+            result = result + _conv(_conv(dropped, A, None, a), B, bias, b) * scaling
+        return result.to(base_out.dtype)
+
+    @classmethod
+    def under_transform(cls, *args):
+        # Stock's computation under torch.func as well: the adapters' dropout follows vmap's randomness rules
+        # there, and backward reads its masks through the dropout_bits kernels, which cannot read a batched tensor.
+        return cls.stock(*args)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_grad_extras):
         cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype, bits = ctx.meta
         n = len(meta)
         saved = ctx.saved_tensors
@@ -274,4 +326,5 @@ def lora_conv(x: torch.Tensor, base_out: torch.Tensor, adapters: Sequence[LoraCo
     flat = []
     for ad in adapters:
         flat += [ad.A, ad.B, ad.bias]
-    return LoraConvFunction.apply(x, base_out, bool(cast_input), meta, dropout_policy, *flat)
+    out = LoraConvFunction.apply(x, base_out, bool(cast_input), meta, dropout_policy, *flat)
+    return out[0] if type(out) is tuple else out  # (eager: the extra outputs dropped here)
