@@ -209,7 +209,8 @@ def test_lora_conv_and_layer_norm_2d_run_stock_under_transforms(monkeypatch):
     peft = pytest.importorskip("peft")
     from transformers.models.vitdet.modeling_vitdet import VitDetLayerNorm
 
-    from slimgrad.functional import _func_stock
+    from slimgrad.functional.layer_norm_2d import LayerNorm2dFormulaFunction
+    from slimgrad.functional.lora_conv import LoraConvFunction
 
     class Net(nn.Module):
         def __init__(self):
@@ -226,9 +227,9 @@ def test_lora_conv_and_layer_norm_2d_run_stock_under_transforms(monkeypatch):
         p.requires_grad_("lora_" in n or "norm" in n)
     slim = slimgrad.convert(copy.deepcopy(stock))
     ran = []
-    for name in ("LoraConvFunction", "LayerNorm2dFormulaFunction"):
-        fn = _func_stock.STOCK[name]
-        monkeypatch.setitem(_func_stock.STOCK, name, lambda *a, fn=fn, name=name: (ran.append(name), fn(*a))[1])
+    for cls in (LoraConvFunction, LayerNorm2dFormulaFunction):
+        fn, name = cls.stock, cls.__name__
+        monkeypatch.setattr(cls, "stock", staticmethod(lambda *a, fn=fn, name=name: (ran.append(name), fn(*a))[1]))
     x = torch.randn(3, 3, 6, 6, dtype=torch.bfloat16)
     out = []
     for model in (stock, slim):
