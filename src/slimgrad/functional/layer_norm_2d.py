@@ -45,7 +45,8 @@ class LayerNorm2dFormulaFunction(_common.Function):
     the weight trains, the normalised x: 2-3x the input). Backward re-runs the formula from x under
     autograd and differentiates it: the same ops and the same graph as stock's, so bitwise stock's
     gradients; the recomputed intermediates live only during this backward. Only the bias training:
-    nothing kept at all. Double backward is refused."""
+    nothing kept at all. Double backward is refused. In functorch's split form; under torch.func its ``stock``
+    (the formula's own ops) runs instead."""
 
     @staticmethod
     def forward(x, weight, bias, eps):

@@ -118,6 +118,10 @@ class LoraConvFunction(_common.Function):
 
     ``adapters`` is the flat tuple ``(A_0, B_0, bias_0, A_1, ...)``; ``meta`` holds per adapter
     ``(a options, b options, scaling, effective dropout p)``. Double backward is refused.
+
+    In functorch's split form (one Function for eager and torch.compile); ``apply`` returns the sum followed
+    by the extras forward made for backward, which :func:`lora_conv` drops. Under torch.func its ``stock``
+    (peft's ops) runs instead.
     """
 
     @staticmethod
