@@ -33,6 +33,7 @@ consumer keeps the output.
 from __future__ import annotations
 
 import numbers
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -73,12 +74,11 @@ def _inverse(perm):
     return inverse
 
 
-def _masked_forward(ctx, input, slope, inplace):
-    """Run the ``relu_mask`` kernel on ``input`` in its memory order; returns (out, packed mask)."""
+def _masked_forward(input, slope, inplace):
+    """Run the ``relu_mask`` kernel on ``input`` in its memory order (:func:`_memory_order`, which
+    ``setup_context`` reads again for backward); returns (out, packed mask)."""
     perm = _memory_order(input)
-    dense = perm is not None or input.is_contiguous()
-    ctx.perm, ctx.dense = perm, dense
-    if dense:
+    if perm is not None or input.is_contiguous():
         xc = input if perm is None else input.permute(perm)
         out, packed = relu_mask.choose(xc).forward(xc, slope, inplace)
         if inplace:
@@ -91,6 +91,18 @@ def _masked_forward(ctx, input, slope, inplace):
         input.copy_(out)
         return input, packed
     return out, packed
+
+
+def _vmappable_masked_forward(input, slope):
+    """Under torch.func (out of place, see ``_ReLUFunction.under_transform``): the output and the packed mask
+    in logical order, with torch ops that vmap batches (no numba/Triton kernel can read a batched tensor)."""
+    if slope is None:
+        out = torch.relu(input)
+        mask = out.le(0).logical_not_()  # stock: result <= 0 ? 0 : grad, so NaN passes
+    else:
+        out = torch._C._nn.leaky_relu(input, slope)
+        mask = input > 0  # stock: input > 0 ? grad : grad * slope (NaN: slope)
+    return out, _bitmask.pack_vmappable(mask)
 
 
 def _relu_sign(value):
@@ -133,52 +145,120 @@ def _traced_masked_forward(input, slope, inplace):
     return value, _shared_masks.pack(_relu_sign if slope is None else _positive, value, order), order
 
 
+# The mask an in-place eager forward hands to setup_context (per thread: setup_context runs right after forward,
+# on the same thread). Autograd refuses a Function that modifies a view in place and returns more than one tensor,
+# so there the mask cannot be an output.
+_PENDING = threading.local()
+
+
+def _outputs(input, out, packed, inplace: bool):
+    """What an activation Function's forward returns: ``(out, packed)`` (an empty mask where none is kept), or in
+    place in eager ``out`` alone, the mask parked in ``_PENDING`` for setup_context (:func:`_received`).
+    (Traced, a Function returning one tensor and saving another refused views the same way, so traced in-place
+    calls on views run out of place instead: :func:`_traced_inplace_on_view`.)"""
+    if inplace and not torch.compiler.is_compiling():
+        _PENDING.mask = packed
+        return out
+    return out, (input.new_empty(0, dtype=torch.uint8) if packed is None else packed)
+
+
+def _received(ctx, output):
+    """setup_context's ``(out, packed)`` from what :func:`_outputs` returned (``packed`` None where none is kept
+    in an in-place eager call)."""
+    if type(output) is tuple:
+        ctx.mark_non_differentiable(output[1])
+        return output
+    packed = _PENDING.mask
+    _PENDING.mask = None
+    return output, packed
+
+
+def _result(res):
+    """The user's tensor from a Function's ``apply``: ``(out, packed)`` or, in place in eager, ``out``."""
+    return res[0] if type(res) is tuple else res
+
+
+def _traced_inplace_on_view(input) -> bool:
+    """Traced in-place calls on a view run the Function out of place and copy into the input (see _outputs)."""
+    return torch.compiler.is_compiling() and input._base is not None  # (dynamo cannot trace _is_view())
+
+
+def _keeps_mask(negative_slope, inplace: bool, keep_output: bool) -> bool:
+    """Whether backward reads a packed mask (else the output, or nothing where stock refuses backward: in place
+    with a negative slope)."""
+    if negative_slope is None:
+        return not keep_output
+    if negative_slope < 0:
+        return not inplace
+    return not keep_output
+
+
 class _ReLUFunction(_common.Function):
-    """relu (``negative_slope is None``) and leaky_relu, keeping a packed mask or the output."""
+    """relu (``negative_slope is None``) and leaky_relu, keeping a packed mask or the output.
+
+    ``apply(input, negative_slope, inplace, keep_output, use, vmappable)`` returns ``(output, packed mask)``
+    (an empty mask where the output or nothing is kept), in place in eager the output alone (``_outputs``).
+    ``use`` is (module, UseCell) when a module calls it (``_common.learn_from_use``); ``vmappable`` (set by
+    :meth:`under_transform` only) makes forward and backward plain torch ops in the logical order, which vmap
+    batches. In eager, forward and backward run the
+    ``relu_mask`` kernels in the input's memory order; under torch.compile, the planar format.
+    """
 
     @staticmethod
-    def forward(ctx, input, negative_slope, inplace, keep_output, use):
+    def forward(input, negative_slope, inplace, keep_output, use, vmappable):
+        packed = None
+        if _keeps_mask(negative_slope, inplace, keep_output):
+            if vmappable:
+                return _vmappable_masked_forward(input, negative_slope)
+            if torch.compiler.is_compiling():
+                return _traced_masked_forward(input, negative_slope, inplace)[:2]
+            out, packed = _masked_forward(input, negative_slope, inplace)
+        elif inplace:
+            if negative_slope is None:
+                torch.relu_(input)
+            else:
+                torch._C._nn.leaky_relu_(input, negative_slope)
+            out = input  # torch.compile checks that a dirty tensor is returned as the same object
+        elif negative_slope is None:
+            out = torch.relu(input)
+        else:
+            out = torch._C._nn.leaky_relu(input, negative_slope)
+        return _outputs(input, out, packed, inplace)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, negative_slope, inplace, keep_output, use, vmappable = inputs
+        out, packed = _received(ctx, output)
+        if inplace:
+            ctx.mark_dirty(input)
         ctx.use = use  # (module, UseCell) when called by a module: see _common.learn_from_use
-        relu = negative_slope is None
         ctx.negative_slope = negative_slope
-        ctx.mode = _MASK
-        if not ctx.needs_input_grad[0]:
+        relu = negative_slope is None
+        if not ctx.needs_input_grad[0] or not (relu or negative_slope >= 0 or not inplace):
+            # Nothing asked, or stock refuses backward (in place with a negative slope: the input's sign is lost).
             ctx.mode = _REFUSE
-        elif not relu and inplace and negative_slope < 0:
-            # Stock refuses this in backward (the sign of the input is lost); so do we, keeping nothing.
-            ctx.mode = _REFUSE
-        elif keep_output and (relu or negative_slope >= 0):
-            ctx.mode = _OUTPUT
+            return
         ctx.x_strides = None
-        if ctx.mode != _REFUSE and not torch.compiler.is_compiling():
+        if not vmappable and not torch.compiler.is_compiling():
             ctx.x_strides = _stock_operand_strides(input, relu, inplace)
-        if ctx.mode == _MASK:
+        if not _keeps_mask(negative_slope, inplace, keep_output):
+            ctx.mode = _OUTPUT
+            ctx.save_for_backward(out)
+            return
+        ctx.mode = _MASK
+        ctx.vmappable = vmappable
+        if vmappable:
+            ctx.shape = tuple(input.shape)
+        else:
             ctx.planar = torch.compiler.is_compiling()
             if ctx.planar:
-                out, packed, ctx.order = _traced_masked_forward(input, negative_slope, inplace)
+                ctx.order = _bitmask.planar_layout(input)
             else:
-                out, packed = _masked_forward(ctx, input, negative_slope, inplace)
-            ctx.save_for_backward(packed)
-        else:
-            if inplace:
-                if relu:
-                    torch.relu_(input)
-                else:
-                    torch._C._nn.leaky_relu_(input, negative_slope)
-                out = input
-            elif relu:
-                out = torch.relu(input)
-            else:
-                out = torch._C._nn.leaky_relu(input, negative_slope)
-            if ctx.mode == _OUTPUT:
-                ctx.save_for_backward(out)
-        if inplace:
-            # ``input`` itself is returned: torch.compile checks that a dirty tensor is the same object.
-            ctx.mark_dirty(input)
-        return out
+                ctx.perm = _memory_order(input)  # the order _masked_forward packed in
+        ctx.save_for_backward(packed)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_grad_packed):
         if ctx.mode == _REFUSE:
             raise RuntimeError(_NEGATIVE_INPLACE)
         gi = _input_grad(ctx, grad)
@@ -186,7 +266,36 @@ class _ReLUFunction(_common.Function):
             # Stock's threshold_backward(grad, result) / leaky_relu_backward(grad, x): TensorIterator takes
             # the result or x first, so its layout leads and the gradient's breaks ties (size-1 dimensions).
             gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), ctx.x_strides, grad.stride()))
-        return gi, None, None, None, None
+        return gi, None, None, None, None, None
+
+    @staticmethod
+    def stock(input, negative_slope, inplace, keep_output, use, vmappable):
+        """Stock's op, as ``(output, None)`` (apply's pair)."""
+        if negative_slope is None:
+            return F.relu(input, inplace=inplace), None
+        return F.leaky_relu(input, negative_slope, inplace=inplace), None
+
+    @classmethod
+    def under_transform(cls, input, negative_slope, inplace, keep_output, use, vmappable):
+        """Out of place (vmap's generated rule cannot return a dirtied input), copied into ``input`` outside the
+        Function so that only the mask stays; the module's learning runs from a node pre-hook (``_LearnHook``).
+        In place with the output kept (stock keeps its result, the input's own memory, which is what
+        keep_output keeps) or a negative slope (refused by stock's backward), stock runs."""
+        keep_output = keep_output and (negative_slope is None or negative_slope >= 0)
+        if inplace and (keep_output or (negative_slope is not None and negative_slope < 0)):
+            return cls.stock(input, negative_slope, inplace, keep_output, use, vmappable)
+        out, packed = super().under_transform(input, negative_slope, False, keep_output, None, True)
+        return _finish_activation(input, out, inplace, use), packed
+
+
+def _finish_activation(input, out, inplace, use):
+    """After an activation Function ran out of place under torch.func: the producer/consumer hook on the output
+    (``use``: (module, UseCell)), and the in-place form written back into ``input``."""
+    if use is not None and out.grad_fn is not None:
+        out.grad_fn.register_prehook(_LearnHook(*use))
+    if inplace:
+        return input.copy_(out)
+    return out
 
 
 def _stock_operand_strides(input, relu, inplace):
@@ -207,6 +316,9 @@ def _input_grad(ctx, grad):
         if slope is None:
             return torch.ops.aten.threshold_backward(grad, saved, 0)
         return torch.ops.aten.leaky_relu_backward(grad, saved, slope, True)
+    if ctx.vmappable:
+        mask = _bitmask.unpack_vmappable(saved, ctx.shape)
+        return torch.where(mask, grad, 0) if slope is None else torch.where(mask, grad, grad * slope)
     if ctx.planar:
         mask = _shared_masks.unpack(saved, grad.shape, ctx.order)
         return torch.where(mask, grad, 0 if slope is None else grad * slope)
@@ -252,7 +364,11 @@ def _apply(input, negative_slope, inplace, keep_output, fn, use=None):
                 # into the module when its gradient arrives, as _ReLUFunction's backward does.
                 out.grad_fn.register_prehook(_LearnHook(*use))
             return out
-    return _ReLUFunction.apply(input, negative_slope, bool(inplace), bool(keep_output), use)
+    if inplace and _traced_inplace_on_view(input):
+        if negative_slope is not None and negative_slope < 0:
+            return F.leaky_relu(input, negative_slope, inplace=True)  # stock refuses its backward, as we do
+        return input.copy_(_ReLUFunction.apply(input, negative_slope, False, bool(keep_output), use, False)[0])
+    return _result(_ReLUFunction.apply(input, negative_slope, bool(inplace), bool(keep_output), use, False))
 
 
 def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:

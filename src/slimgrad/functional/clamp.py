@@ -50,7 +50,15 @@ import torch
 from slimgrad import csrc
 from slimgrad.functional import _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
-from slimgrad.functional.activation import LazyUseCell, _LearnHook
+from slimgrad.functional.activation import (
+    LazyUseCell,
+    _finish_activation,
+    _LearnHook,
+    _outputs,
+    _received,
+    _result,
+    _traced_inplace_on_view,
+)
 from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import range_mask
 
@@ -94,21 +102,28 @@ def _bounds(kind: str, lo: float, hi: float | None, dtype: torch.dtype) -> tuple
     return _round(lo, target), _round(hi, target)
 
 
-def _pack(x: torch.Tensor, kind: str, lo: float, hi: float, ctx) -> torch.Tensor:
+def _pack(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
     """The packed pass mask of x, in x's memory order (a dense layout goes to the kernel as its contiguous
-    permuted view; a non-dense one, a slice, as a contiguous copy)."""
+    permuted view; a non-dense one, a slice, as a contiguous copy); traced, in the planar format. ``_mask_layout``
+    records the same choices on ctx for backward."""
     lo, hi = _bounds(kind, lo, hi, x.dtype)
+    if torch.compiler.is_compiling():
+        # Traced: the planar format (_bitmask.planar_layout), which Inductor fuses into the producing kernel.
+        rule = _rule(kind)
+        return _shared_masks.pack(lambda t: range_mask.mask_torch(t, rule, lo, hi), x, _bitmask.planar_layout(x))
+    perm = _memory_order(x)
+    xc = x.permute(perm) if perm is not None else x.contiguous()
+    return range_mask.choose(xc).pack(xc, _rule(kind), lo, hi)
+
+
+def _mask_layout(ctx, x: torch.Tensor) -> None:
+    """Record on ctx how :func:`_pack` laid out the mask of ``x``: planar (traced), or in the memory order."""
     ctx.planar = torch.compiler.is_compiling()
     if ctx.planar:
-        # Traced: the planar format (_bitmask.planar_layout), which Inductor fuses into the producing kernel.
         ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.planar_layout(x)
-        rule = _rule(kind)
-        return _shared_masks.pack(lambda t: range_mask.mask_torch(t, rule, lo, hi), x, ctx.order)
-    perm = _memory_order(x)
-    ctx.perm = perm
-    xc = x.permute(perm) if perm is not None else x.contiguous()
-    ctx.packed_shape = tuple(xc.shape)
-    return range_mask.choose(xc).pack(xc, _rule(kind), lo, hi)
+        return
+    perm = ctx.perm = _memory_order(x)
+    ctx.packed_shape = tuple(x.shape) if perm is None else tuple(x.shape[d] for d in perm)
 
 
 def _select(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
@@ -141,52 +156,90 @@ def _stock(input, kind, lo, hi, value, inplace):
     return torch._C._nn.hardsigmoid_(input) if inplace else torch._C._nn.hardsigmoid(input)
 
 
+def _packs_the_output(kind, lo, hi, value, dtype) -> bool:
+    """Traced, the pack is read from stock's output where its pass region is the input's (see the forward)."""
+    return torch.compiler.is_compiling() and output_can_stand_in(kind, lo, hi, value, dtype)
+
+
 class RangeMaskFunction(_common.Function):
     """hardtanh / threshold / hardsigmoid, keeping a packed pass mask (or the output, see the module doc).
 
+    ``apply(input, kind, lo, hi, value, inplace, keep_output, use, vmappable)`` returns ``(output, packed
+    mask)`` (empty where the output is kept), in place in eager the output alone (``activation._outputs``).
     ``lo``/``hi``: the bounds of the pass region (``hi`` unused for threshold); ``value``: threshold's
-    replacement value. Double backward is supported (backward is linear in the gradient).
+    replacement value; ``use``: (module, UseCell) for the producer/consumer rule; ``vmappable`` (set by
+    :meth:`under_transform` only): plain torch ops in logical order, which vmap
+    batches. Double backward is supported (backward is linear in the gradient).
     """
 
     @staticmethod
-    def forward(ctx, input, kind, lo, hi, value, inplace, keep_output, use):
-        ctx.use = use
-        ctx.kind, ctx.lo, ctx.hi = kind, lo, hi
-        need = ctx.needs_input_grad[0]
-        ctx.x_strides = None if torch.compiler.is_compiling() or not need else _stock_operand_strides(
-            input, kind, inplace)
-        packed = None
-        if need and not keep_output and torch.compiler.is_compiling() and output_can_stand_in(
-                kind, lo, hi, value, input.dtype):
+    def forward(input, kind, lo, hi, value, inplace, keep_output, use, vmappable):
+        if keep_output:
+            out = _stock(input, kind, lo, hi, value, inplace)
+            return _outputs(input, input if inplace else out, None, inplace)
+        if vmappable:
+            out = _stock(input, kind, lo, hi, value, False)
+            mask = range_mask.mask_torch(input, _rule(kind), *_bounds(kind, lo, hi, input.dtype))
+            return out, _bitmask.pack_vmappable(mask)
+        if _packs_the_output(kind, lo, hi, value, input.dtype):
             # Traced: stock's op, then the pack read from its output (same pass region), which Inductor has
             # materialized for the next kernel anyway; nothing in the forward reads the pack, so the
             # partitioner saves it or, where the producer keeps a tensor it can be rebuilt from, may rebuild
             # it in backward (see activation._traced_masked_forward).
             out = _stock(input, kind, lo, hi, value, inplace)
-            packed = _pack(out, kind, lo, hi, ctx)
+            packed = _pack(out, kind, lo, hi)
         else:
-            if need and not keep_output:
-                packed = _pack(input, kind, lo, hi, ctx)  # before an in-place op overwrites the input
+            packed = _pack(input, kind, lo, hi)  # before an in-place op overwrites the input
             out = _stock(input, kind, lo, hi, value, inplace)
+        # torch.compile checks that a dirty tensor is returned as the same object
+        return _outputs(input, input if inplace else out, packed, inplace)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, kind, lo, hi, value, inplace, keep_output, use, vmappable = inputs
+        out, packed = _received(ctx, output)
         if inplace:
             ctx.mark_dirty(input)
-            out = input  # torch.compile checks that a dirty tensor is returned as the same object
-        if not need:
-            return out
+        if not ctx.needs_input_grad[0]:
+            return
+        ctx.use = use
+        ctx.kind, ctx.lo, ctx.hi = kind, lo, hi
+        ctx.vmappable = vmappable
+        ctx.x_strides = None if vmappable or torch.compiler.is_compiling() else _stock_operand_strides(
+            input, kind, inplace)
         if keep_output:
             ctx.mode = _OUTPUT
             ctx.save_for_backward(out)
+            return
+        ctx.mode = _MASK
+        if vmappable:
+            ctx.shape = tuple(input.shape)
         else:
-            ctx.mode = _MASK
-            ctx.save_for_backward(packed)
-        return out
+            _mask_layout(ctx, out if _packs_the_output(kind, lo, hi, value, input.dtype) else input)
+        ctx.save_for_backward(packed)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_grad_packed):
         dx = _input_grad(ctx, grad)
         if ctx.x_strides is not None:
             dx = _layout.conform(dx, _stock_grad_strides(ctx.kind, grad, ctx.x_strides))
-        return dx, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def stock(input, kind, lo, hi, value, inplace, keep_output, use, vmappable):
+        """Stock's op, as ``(output, None)`` (apply's pair)."""
+        return _stock(input, kind, lo, hi, value, inplace), None
+
+    @classmethod
+    def under_transform(cls, input, kind, lo, hi, value, inplace, keep_output, use, vmappable):
+        """Out of place (vmap's generated rule cannot return a dirtied input), copied into ``input`` outside the
+        Function so that only the mask stays; the module's learning runs from a node pre-hook. In place with
+        the output kept, stock runs (it keeps its result, the input's own memory, which is what keep_output
+        keeps)."""
+        if inplace and keep_output:
+            return cls.stock(input, kind, lo, hi, value, inplace, keep_output, use, vmappable)
+        out, packed = super().under_transform(input, kind, lo, hi, value, False, keep_output, None, True)
+        return _finish_activation(input, out, inplace, use), packed
 
 
 def _input_grad(ctx, grad):
@@ -201,6 +254,8 @@ def _input_grad(ctx, grad):
         # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
         zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
         grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
+    if ctx.mode == _MASK and ctx.vmappable:
+        return torch.where(_bitmask.unpack_vmappable(saved, ctx.shape), grad, 0)
     if ctx.mode == _MASK and ctx.planar:
         return torch.where(_unpack(saved, ctx), grad, 0)
     if ctx.mode == _OUTPUT or grad.requires_grad:
@@ -208,7 +263,7 @@ def _input_grad(ctx, grad):
         # see the module doc), or double backward (stay differentiable in grad): a torch mask.
         mask = (range_mask.mask_torch(saved, _rule(ctx.kind), *_bounds(ctx.kind, ctx.lo, ctx.hi, saved.dtype))
                 if ctx.mode == _OUTPUT else _unpack(saved, ctx))
-        if grad.requires_grad:
+        if grad.requires_grad or ctx.vmappable:
             return torch.where(mask, grad, 0)
         bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
         return (bits * mask).view(grad.dtype)
@@ -280,7 +335,10 @@ def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False
                 # into the module when its gradient arrives, as RangeMaskFunction's backward does.
                 out.grad_fn.register_prehook(_LearnHook(*use))
             return out
-    return RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use)
+    if inplace and _traced_inplace_on_view(input):
+        out = RangeMaskFunction.apply(input, kind, lo, hi, value, False, keep_output, use, False)[0]
+        return input.copy_(out)
+    return _result(RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use, False))
 
 
 def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> torch.Tensor:

@@ -107,24 +107,30 @@ def activation_backward(kind: str, grad: torch.Tensor, x: torch.Tensor, need_out
 class GatedFunction(_common.Function):
     """``act(gate) * up`` keeping gate (and up) instead of gate, act(gate) and up.
 
-    Double backward is refused (``once_differentiable``): supporting it would need the recomputation to
-    be differentiable, which is what stock does by keeping everything.
+    ``apply(gate, up, kind, impl)``: ``impl`` is the registry's kernel for the call (``gated_activation``: Triton
+    on CUDA), chosen by the caller, or None for this module's torch code (always under torch.compile and
+    torch.func, where vmap batches the torch code). Double backward is refused (``once_differentiable``):
+    supporting it would need the recomputation to be differentiable, which is what stock does by keeping
+    everything.
     """
 
     @staticmethod
-    def forward(ctx, gate, up, kind):
-        impl = _common.fast_kernel("gated_activation", gate)
-        ctx.impl = impl if impl is not None and impl.supports(gate, kind) else None
-        out = ctx.impl.forward(gate, up, kind) if ctx.impl is not None else activation_forward(kind, gate) * up
+    def forward(gate, up, kind, impl):
+        if impl is not None:
+            return impl.forward(gate, up, kind)
+        return activation_forward(kind, gate) * up
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gate, up, kind, impl = inputs
         need_gate, need_up = ctx.needs_input_grad[:2]
-        ctx.kind = kind
+        ctx.kind, ctx.impl = kind, impl
         ctx.mask = (need_gate, need_up)
         if need_gate or need_up:
             _common.note_input_kept(gate)
         if need_gate:
             _common.note_input_kept(up)
         ctx.save_for_backward(gate if (need_gate or need_up) else None, up if need_gate else None)
-        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -133,7 +139,7 @@ class GatedFunction(_common.Function):
         need_gate, need_up = ctx.mask
         if ctx.impl is not None:
             d_gate, d_up = ctx.impl.backward(grad_out, gate, up, ctx.kind, need_gate, need_up)
-            return d_gate, d_up, None
+            return d_gate, d_up, None, None
         d_gate = d_up = None
         if need_gate:
             # Stock: d(act) = dY * up (mul's backward), then the activation's backward on it.
@@ -142,7 +148,24 @@ class GatedFunction(_common.Function):
                 d_up = grad_out * act
         elif need_up:
             d_up = grad_out * activation_forward(ctx.kind, gate)
-        return d_gate, d_up, None
+        return d_gate, d_up, None, None
+
+    @staticmethod
+    def stock(gate, up, kind, impl):
+        return activation_forward(kind, gate) * up
+
+    @classmethod
+    def under_transform(cls, gate, up, kind, impl):
+        """The torch code (the registry's kernels cannot read functorch's wrapped tensors)."""
+        return super().under_transform(gate, up, kind, None)
+
+
+def _kernel(gate, kind):
+    """The registry's kernel for this call, or None for the torch code (see :class:`GatedFunction`)."""
+    if torch._C._are_functorch_transforms_active():
+        return None
+    impl = _common.fast_kernel("gated_activation", gate)
+    return impl if impl is not None and impl.supports(gate, kind) else None
 
 
 def _check(gate, up, activation):
@@ -168,4 +191,4 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
     if has_torch_function_variadic(gate, up):
         return handle_torch_function(gated_activation, (gate, up), gate, up, activation=activation)
     _check(gate, up, activation)
-    return GatedFunction.apply(gate, up, activation)
+    return GatedFunction.apply(gate, up, activation, _kernel(gate, activation))

@@ -35,12 +35,16 @@ class FormulaActivationFunction(_common.Function):
     """
 
     @staticmethod
-    def forward(ctx, input, kind):
+    def forward(input, kind):
+        return activation_forward(kind, input)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, kind = inputs
         ctx.kind = kind
         if ctx.needs_input_grad[0]:
             _common.note_input_kept(input)
             ctx.save_for_backward(input)
-        return activation_forward(kind, input)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -48,6 +52,10 @@ class FormulaActivationFunction(_common.Function):
         (x,) = ctx.saved_tensors
         dx, _ = activation_backward(ctx.kind, grad_out, x)
         return dx, None
+
+    @staticmethod
+    def stock(input, kind):
+        return activation_forward(kind, input)
 
 
 def _apply(input: torch.Tensor, kind: str, public) -> torch.Tensor:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 __all__ = ["packed_numel", "new_padded_mask", "pack", "unpack", "pack_planar", "unpack_planar", "planar_layout",
-           "PIXEL_PLANES"]
+           "PIXEL_PLANES", "pack_vmappable", "unpack_vmappable"]
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("slimgrad's bit-packed masks read bytes through an int64 view and need a "
@@ -223,3 +223,25 @@ def unpack_planar(packed: torch.Tensor, shape, order=None) -> torch.Tensor:
     for i, d in enumerate(order):
         inverse[d] = i
     return stored.permute(inverse)
+
+
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_vmappable(mask: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s format (element i in bit i % 8 of byte i // 8, row-major) with ops ``vmap`` batches, for
+    the Functions' forwards under torch.func (the int64 view trick of :func:`pack` and numpy cannot run on a
+    batched tensor): the mask padded to a multiple of 8, each byte the sum of its bits times their weights."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    extra = (-flat.shape[0]) % 8
+    if extra:
+        flat = torch.nn.functional.pad(flat, (0, extra))
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_vmappable(packed: torch.Tensor, shape) -> torch.Tensor:
+    """The bool mask of ``shape`` that :func:`pack_vmappable` (or :func:`pack`) packed, with ops ``vmap``
+    batches."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(-1) & weights).ne(0).reshape(-1)[:math.prod(shape)].view(shape)
