@@ -240,10 +240,14 @@ class _DropoutFunction(_common.Function):
             ctx.perm = _memory_order(input) if _dense(input) else None
         if ctx.mode != _MASK:
             ctx.noise_strides = _layout.like_strides(input)  # stock's noise is empty_like(input)
+            # ``kept`` never receives a gradient: no zero-filled one for backward (out's is always defined there)
+            ctx.set_materialize_grads(False)
         ctx.save_for_backward(kept)
 
     @staticmethod
     def backward(ctx, grad, _grad_kept):
+        if grad is None:  # undefined (not materialized: see setup_context), e.g. gradcheck's undefined-grad check
+            return None, None, None, None
         if ctx.mode == _ZERO:
             return grad * torch.zeros((), dtype=grad.dtype, device=grad.device), None, None, None
         (saved,) = ctx.saved_tensors

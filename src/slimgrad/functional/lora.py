@@ -156,6 +156,10 @@ class LoraLinearFunction(_common.Function):
         result, seeds = output[:2]
         kept_t, masks = output[2: 2 + n], output[2 + n:]
         ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+        if not torch.compiler.is_compiling():
+            # The extras never receive a gradient: no zero-filled ones for backward (the only differentiable
+            # output's gradient is always defined when backward runs).
+            ctx.set_materialize_grads(False)
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[1]
         need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
@@ -212,6 +216,8 @@ class LoraLinearFunction(_common.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, *_grad_kept):
+        if grad is None:  # undefined (not materialized: see setup_context)
+            return (None,) * len(ctx.needs_input_grad)
         fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n, bits = ctx.meta
         saved = ctx.saved_tensors
         x, weight, seeds = saved[:3]
