@@ -175,13 +175,14 @@ class RMSNormFunction(_common.Function):
     """RMSNorm in one of :data:`RMS_STYLES`; keeps x and the per-row rstd, nothing else (or, where only the
     weight trains, only the normalised input when that is no bigger).
 
-    ``impl``: the fast kernel chosen by the caller (:func:`_rms_impl`), None for the torch code. Returns
+    ``dims``: the normalised dimensions (the caller's, so that forward and setup_context need not work them out
+    twice); ``impl``: the fast kernel chosen by the caller (:func:`_rms_impl`), None for the torch code. Returns
     ``(out, rstd[, normed])``: the statistics and normalised input are what backward may read."""
 
     @staticmethod
-    def forward(input, weight, eps, ndim, style, impl):
+    def forward(input, weight, eps, dims, style, impl):
         if impl is not None:
-            n = _numel(input.shape[input.dim() - ndim:])
+            n = _numel(input.shape[dims[0]:])
             if weight is not None and weight.requires_grad and not input.requires_grad:
                 # Only dW (requires_grad is what needs_input_grad says): stock keeps the normalised input as the
                 # weight multiplies it; x plus one fp32 rstd per row is more at small hidden sizes. Write the
@@ -193,17 +194,17 @@ class RMSNormFunction(_common.Function):
             return impl.forward(input, weight, eps, style, n)
         if style == "torch" and input.device.type in _FUSED_RMS_DEVICES and (weight is None
                                                                       or weight.dtype == input.dtype):
-            return _aten._fused_rms_norm(input, list(input.shape[-ndim:]), weight, eps)
-        dims = tuple(range(input.dim() - ndim, input.dim()))
+            return _aten._fused_rms_norm(input, list(input.shape[dims[0]:]), weight, eps)
         out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
         # The normalised input is what dW reads when dX is not requested; without a weight there is no dW.
         return (out, rstd, normed) if weight is not None else (out, rstd)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        input, weight, eps, ndim, style, impl = inputs
-        _, rstd, *rest = output
-        ctx.mark_non_differentiable(rstd, *rest)
+        input, weight, eps, dims, style, impl = inputs
+        rstd = output[1]
+        normed = output[2] if len(output) > 2 else None
+        ctx.mark_non_differentiable(*output[1:])
         if not _is_compiling():  # None for the extras' gradients, not zeros allocated each backward
             ctx._materialize_non_diff_grads = False
         need_x, need_w = ctx.needs_input_grad[:2]
@@ -211,10 +212,10 @@ class RMSNormFunction(_common.Function):
         ctx.mask = (need_x, need_w)
         ctx.impl = impl
         if impl is not None:
-            ctx.style, ctx.n = style, _numel(input.shape[input.dim() - ndim:])
-            if rest:  # only dW, the normalised input written by the forward pass
+            ctx.style, ctx.n = style, _numel(input.shape[dims[0]:])
+            if normed is not None:  # only dW, the normalised input written by the forward pass
                 ctx.w_meta = (weight.shape, weight.dtype)
-                ctx.save_for_backward(None, None, None, rest[0])
+                ctx.save_for_backward(None, None, None, normed)
             elif need_x or need_w:
                 # only dW: stock keeps the normalised input, compact; a view's base would be more
                 kept = input if need_x else _common.compact(input)
@@ -224,10 +225,9 @@ class RMSNormFunction(_common.Function):
             return
         # the fused kernel's output has no normalised input (with a weight, the torch code's has)
         fused = style == "torch" and (len(output) == 2 if weight is not None else _fused_rms(input, weight, style))
-        ctx.dims = tuple(range(input.dim() - ndim, input.dim()))
-        ctx.style, ctx.fused, ctx.x_dtype = style, fused, input.dtype
+        ctx.dims, ctx.style, ctx.fused, ctx.x_dtype = dims, style, fused, input.dtype
         if need_x or need_w:
-            save_rms(ctx, input, weight, rstd, rest[0] if rest else None, need_x, style, fused)
+            save_rms(ctx, input, weight, rstd, normed, need_x, style, fused)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -256,18 +256,18 @@ class RMSNormFunction(_common.Function):
         return (dx if need_x else None), (dw if need_w else None), None, None, None, None
 
     @staticmethod
-    def stock(input, weight, eps, ndim, style, impl=None):
+    def stock(input, weight, eps, dims, style, impl=None):
         """Stock's computation: ``F.rms_norm`` for the torch style, the reference formula otherwise."""
         if style == "torch":
-            return torch.nn.functional.rms_norm(input, tuple(input.shape[input.dim() - ndim:]), weight, eps)
-        return _rms_forward(input, weight, eps, tuple(range(input.dim() - ndim, input.dim())), style)[0]
+            return torch.nn.functional.rms_norm(input, tuple(input.shape[dims[0]:]), weight, eps)
+        return _rms_forward(input, weight, eps, dims, style)[0]
 
     @classmethod
-    def under_transform(cls, input, weight, eps, ndim, style, impl):
+    def under_transform(cls, input, weight, eps, dims, style, impl):
         if _fused_rms(input, weight, style):
             # Stock's fused kernel keeps x and rstd, as the Function does there: nothing to save.
-            return cls.stock(input, weight, eps, ndim, style, None)
-        return _common._AUTOGRAD_APPLY(cls, input, weight, eps, ndim, style, None)
+            return cls.stock(input, weight, eps, dims, style, None)
+        return _common._AUTOGRAD_APPLY(cls, input, weight, eps, dims, style, None)
 
 
 def _rms_forward(x, weight, eps, dims, style, keep_normed=False):
@@ -411,7 +411,9 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
     if eps is None:
         eps = torch.finfo(_opmath(input.dtype)).eps
     impl = _rms_impl(input, weight, "torch", _numel(normalized_shape))
-    return _first(RMSNormFunction.apply(input, weight, eps, len(normalized_shape), "torch", impl))
+    out = RMSNormFunction.apply(input, weight, eps, tuple(range(input.dim() - len(normalized_shape), input.dim())),
+                                "torch", impl)
+    return out[0] if type(out) is tuple else out  # (out, rstd[, normed]), or stock's output under torch.func
 
 
 def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, style: str = "llama") -> torch.Tensor:
@@ -435,8 +437,9 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
         raise RuntimeError(f"slimgrad: rms_norm_hf: argument 'input' must have the weight's size "
                            f"{weight.shape[0]} (the module's hidden size) as its last dim, got shape "
                            f"{tuple(input.shape)}")
-    impl = _rms_impl(input, weight, style, input.shape[-1])
-    return _first(RMSNormFunction.apply(input, weight, float(eps), 1, style, impl))
+    out = RMSNormFunction.apply(input, weight, float(eps), (input.dim() - 1,), style,
+                                _rms_impl(input, weight, style, input.shape[-1]))
+    return out[0] if type(out) is tuple else out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -565,22 +568,21 @@ def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
 class GroupNormFunction(_common.Function):
     """``native_group_norm``; keeps x, mean and rstd only when dX or dW is requested (dY stands in for x
     when only dB is: the kernel folds x only into the per-channel ``Σ dy·x``, which dB does not read).
-    Returns ``(out, mean, rstd[, x])``, x being the copy of the input in the layout the kernels ran in, where
-    that is not the input itself."""
+    ``dims``: (N, C, H*W, groups), native_group_norm's arguments, worked out once by the caller. Returns
+    ``(out, mean, rstd[, x])``, x being the copy of the input in the layout the kernels ran in, where that is not
+    the input itself."""
 
     @staticmethod
-    def forward(input, weight, bias, num_groups, eps):
-        n, c = input.shape[:2]
-        hxw = input.numel() // (n * c) if n * c else 1
+    def forward(input, weight, bias, dims, eps):
         if input.is_contiguous():
-            return _aten.native_group_norm(input, weight, bias, n, c, hxw, num_groups, eps)
+            return _aten.native_group_norm(input, weight, bias, *dims, eps)
         input_c = input.contiguous(memory_format=_suggest_memory_format(input))
-        out = _aten.native_group_norm(input_c, weight, bias, n, c, hxw, num_groups, eps)
+        out = _aten.native_group_norm(input_c, weight, bias, *dims, eps)
         return out if input_c is input else (*out, input_c)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        input, weight, bias, num_groups, eps = inputs
+        input, weight, bias, dims, eps = inputs
         _, mean, rstd, *copy = output
         ctx.mark_non_differentiable(mean, rstd, *copy)
         if not _is_compiling():  # None for the extras' gradients, not zeros allocated each backward
@@ -588,9 +590,8 @@ class GroupNormFunction(_common.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_w = need_w and weight is not None
         need_b = need_b and bias is not None
-        n, c = input.shape[:2]
         ctx.mask = (need_x, need_w, need_b)
-        ctx.dims = (n, c, input.numel() // (n * c) if n * c else 1, num_groups)
+        ctx.dims = dims
         ctx.fmt = torch.contiguous_format if input.is_contiguous() else _suggest_memory_format(input)
         ctx.stat_shape, ctx.stat_dtype = mean.shape, mean.dtype
         keep = need_x or need_w
@@ -622,15 +623,15 @@ class GroupNormFunction(_common.Function):
         return (dx if need_x else None), (dw if need_w else None), (db if need_b else None), None, None
 
     @staticmethod
-    def stock(input, weight, bias, num_groups, eps):
-        return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
+    def stock(input, weight, bias, dims, eps):
+        return torch.nn.functional.group_norm(input, dims[3], weight, bias, eps)
 
     @classmethod
-    def under_transform(cls, input, weight, bias, num_groups, eps):
+    def under_transform(cls, input, weight, bias, dims, eps):
         if not input.is_contiguous() or _stock_keeps_the_same(input, weight):
             # (Non-contiguous: the Function would run stock's kernels on a contiguous or channels-last copy.)
-            return cls.stock(input, weight, bias, num_groups, eps)
-        return _common._AUTOGRAD_APPLY(cls, input, weight, bias, num_groups, eps)
+            return cls.stock(input, weight, bias, dims, eps)
+        return _common._AUTOGRAD_APPLY(cls, input, weight, bias, dims, eps)
 
 
 def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
@@ -666,7 +667,11 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             raise RuntimeError(f"slimgrad: group_norm: argument 'input' has {c} channels (dim 1 of shape "
                                f"{tuple(input.shape)}) but argument '{name}' has {p.shape[0]} (a GroupNorm's "
                                f"num_channels): they must match")
-    return _first(GroupNormFunction.apply(input, weight, bias, num_groups, eps))
+    n = input.shape[0]
+    # (N, C, H*W, groups): native_group_norm's arguments, worked out once for forward and setup_context
+    dims = (n, c, input.numel() // (n * c) if n * c else 1, num_groups)
+    out = GroupNormFunction.apply(input, weight, bias, dims, eps)
+    return out[0] if type(out) is tuple else out
 
 
 # ---------------------------------------------------------------------------------------------------------
