@@ -162,7 +162,7 @@ class GatedFunction(_common.Function):
 
 def _kernel(gate, kind):
     """The registry's kernel for this call, or None for the torch code (see :class:`GatedFunction`)."""
-    if torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return None
     impl = _common.fast_kernel("gated_activation", gate)
     return impl if impl is not None and impl.supports(gate, kind) else None
