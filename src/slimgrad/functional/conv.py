@@ -233,6 +233,8 @@ class _ConvFunction(_common.Function):
             ctx.cfg
         )
         x, weight = ctx.saved_tensors
+        if grad is None:  # (an undefined output gradient, as gradcheck passes, where grads are not materialized)
+            return None, None, None, None, None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         dx = dw = db = None
