@@ -151,45 +151,47 @@ class LoraLinearFunction(_common.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters = inputs
+        x, weight, _, fan_in_fan_out, cast, scalings, ps = inputs[:7]
+        adapters = inputs[_ADAPTERS_AT:]
         n = len(scalings)
-        result, seeds = output[:2]
+        result, seeds = output[0], output[1]
         kept_t, masks = output[2: 2 + n], output[2 + n:]
-        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
-        if not torch.compiler.is_compiling():
+        ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             # The extras never receive a gradient: no zero-filled ones for backward (the only differentiable
             # output's gradient is always defined when backward runs).
             ctx.set_materialize_grads(False)
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[1]
-        need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
-        need_b = [need[_ADAPTERS_AT + 1 + 3 * i] for i in range(n)]
+        need_a, need_b = need[_ADAPTERS_AT::3], need[_ADAPTERS_AT + 1::3]
         base_dtype = result.dtype
         # Each adapter's u = B(t) has t's dtype; the forward summed in the base result's dtype promoted with
         # those (the adapters' alone without a base).
-        u_dtypes = tuple(t.dtype for t in kept_t)
+        u_dtypes = tuple([t.dtype for t in kept_t])
         sum_dtype = base_dtype if weight is not None or not n else u_dtypes[0]
         for dt in u_dtypes:
-            sum_dtype = torch.promote_types(sum_dtype, dt)
-        bits = {}  # adapter -> (perm, scale) of its packed mask (dropout policy "bits")
-        if not torch.compiler.is_compiling() and resolve_policy(policy, x.device) == "bits":
-            adapter_dtype = adapters[0].dtype if n and cast else x.dtype
+            if dt != sum_dtype:
+                sum_dtype = torch.promote_types(sum_dtype, dt)
+        bits = {}  # adapter -> (perm, scale) of its packed mask (in eager, a mask is the "bits" policy's)
+        if not compiling:
             for i in range(n):
-                if 0 < ps[i] < 1:
-                    bits[i] = bits_layout(x, ps[i], adapter_dtype)  # x.to(dtype) keeps x's layout
+                if masks[i] is not None:
+                    # the mask's layout is x's (x.to(dtype) keeps it), its scale that of the adapters' dtype
+                    bits[i] = bits_layout(x, ps[i], adapters[0].dtype if cast else x.dtype)
         keep_x = need_w or any(need_a)
-        kept_x = x
-        if keep_x and not need_w:
+        if keep_x:
             # stock's base layer keeps x itself only when its weight trains; the adapters' read a cast copy
-            kept_x = _common.compact(x)
-        if kept_x is x and keep_x:
-            _common.note_input_kept(x)
+            kept_x = x if need_w else _common.compact(x)
+            if kept_x is x:
+                _common.note_input_kept(x)
+        else:
+            kept_x = None
         keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
-        ctx.meta = (fan_in_fan_out, cast, tuple(scalings), tuple(ps), base_dtype, sum_dtype, u_dtypes,
-                    tuple(x.shape), x.dtype, n, bits)
+        ctx.meta = (fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, tuple(x.shape), x.dtype,
+                    n, bits)
         # weight is a parameter (not counted); it is only read when dX is requested.
-        ctx.save_for_backward(kept_x if keep_x else None, weight if need_x else None,
-                              seeds if keep_seeds else None,
+        ctx.save_for_backward(kept_x, weight if need_x else None, seeds if keep_seeds else None,
                               *[t if nb else None for t, nb in zip(kept_t, need_b)],
                               *[m if (need_x or na) else None for m, na in zip(masks, need_a)], *adapters)
 
