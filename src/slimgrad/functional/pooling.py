@@ -181,8 +181,11 @@ class MaxPoolFunction(_common.Function):
         # gradients are made for them before each backward (output-sized tensors otherwise).
         ctx.set_materialize_grads(False)
         ctx.geometry = (nd, tuple(x.shape), kernel, stride, padding, dilation, ceil_mode)
-        ctx.grad_format = TRANSFORM_LAYOUT if transformed else _grad_format(x, nd)
-        ctx.family = not transformed and _family(x, nd, return_indices)
+        # Forward's _family choice, read from what it returned (positions alone: the family path, or the reference
+        # on a non-contiguous or channel-less input; under torch.func the indices come too, under compile no positions).
+        ctx.family = indices is None and pos is not None and x.dim() > nd and x.is_contiguous()
+        # (The family's input is contiguous, and so is its gradient.)
+        ctx.grad_format = TRANSFORM_LAYOUT if transformed or ctx.family else _grad_format(x, nd)
         ctx.kept_indices = pos is None
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(indices if ctx.kept_indices else pos)
@@ -243,8 +246,30 @@ def _family(x: torch.Tensor, nd: int, return_indices: bool) -> bool:
     return not return_indices and x.is_contiguous() and x.dim() > nd and not torch.compiler.is_compiling()
 
 
-def _geometry(nd, kernel_size, stride, padding, dilation):
-    """kernel, stride, padding and dilation as tuples of ``nd`` ints (stride defaulted to the kernel)."""
+_GEOMETRY: dict = {}
+
+
+def _geometry(nd, kernel_size, stride, padding, dilation, cache=True):
+    """kernel, stride, padding and dilation as tuples of ``nd`` ints (stride defaulted to the kernel), worked out
+    once per distinct (hashable) arguments: the Python path's per-call cost (about 1 µs of the ~45 µs forward on a
+    tiny input, what the split form's separate setup_context call costs). ``cache=False`` while traced: dynamo
+    would guard on the dictionary's contents and recompile as it grows."""
+    key = (nd, kernel_size, stride, padding, dilation)
+    if not cache:
+        return _make_geometry(*key)
+    try:
+        cached = _GEOMETRY.get(key)
+    except TypeError:  # lists
+        return _make_geometry(*key)
+    if cached is None:
+        cached = _make_geometry(*key)
+        if len(_GEOMETRY) >= 4096:
+            _GEOMETRY.clear()
+        _GEOMETRY[key] = cached
+    return cached
+
+
+def _make_geometry(nd, kernel_size, stride, padding, dilation):
     fn = f"max_pool{nd}d"
     kernel = _tuple(kernel_size, nd, "kernel_size", fn)
     stride_t = kernel if _is_default(stride) else _tuple(stride, nd, "stride", fn)
@@ -301,7 +326,8 @@ def core_max_pool(nd, input, options):
 
 
 def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, stock):
-    if type(input) is torch.Tensor and input.requires_grad and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling and type(input) is torch.Tensor and input.requires_grad:
         options = core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
         if (out := core_max_pool(nd, input, options)) is not None:
             return out
@@ -309,14 +335,14 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
     if not _wants_grad(input):
         return stock(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                      return_indices=return_indices)
-    if nd == 1 and not torch.compiler.is_compiling():
+    if nd == 1 and not compiling:
         # Stock's max_pool1d validates its arguments with 1-d messages before running the 2-d kernel we
         # call; replay that validation on a data-less meta tensor so errors read the same.
         F.max_pool1d(torch.empty(input.shape, dtype=input.dtype, device="meta"), kernel_size, stride, padding,
                      dilation, ceil_mode)
     if nd == 3:
         input = _fp32_under_autocast(input)
-    kernel, stride, padding, dilation = _geometry(nd, kernel_size, stride, padding, dilation)
+    kernel, stride, padding, dilation = _geometry(nd, kernel_size, stride, padding, dilation, cache=not compiling)
     with autocast_off(input.device.type):
         out, indices, _ = MaxPoolFunction.apply(input, nd, kernel, stride, padding, dilation, bool(ceil_mode),
                                                 bool(return_indices), False)
