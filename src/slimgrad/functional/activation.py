@@ -145,26 +145,28 @@ def _traced_masked_forward(input, slope, inplace):
     return value, _shared_masks.pack(_relu_sign if slope is None else _positive, value, order), order
 
 
-# The mask an in-place eager forward hands to setup_context (per thread: setup_context runs right after forward,
-# on the same thread). Autograd refuses a Function that modifies a view in place and returns more than one tensor,
-# so there the mask cannot be an output.
+# The mask an eager forward hands to setup_context (per thread: setup_context runs right after forward, on the
+# same thread). In eager the mask is not an output: autograd refuses a Function that modifies a view in place and
+# returns more than one tensor, and a second output costs ~7 µs a forward and backward call (measured, tiny
+# tensors, one thread: the engine materializes a zero gradient for it, the output is wrapped and marked).
 _PENDING = threading.local()
 
 
-def _outputs(input, out, packed, inplace: bool):
-    """What an activation Function's forward returns: ``(out, packed)`` (an empty mask where none is kept), or in
-    place in eager ``out`` alone, the mask parked in ``_PENDING`` for setup_context (:func:`_received`).
-    (Traced, a Function returning one tensor and saving another refused views the same way, so traced in-place
-    calls on views run out of place instead: :func:`_traced_inplace_on_view`.)"""
-    if inplace and not torch.compiler.is_compiling():
+def _outputs(input, out, packed, vmappable: bool):
+    """What an activation Function's forward returns: in eager ``out`` alone, the mask (or None) parked in
+    ``_PENDING`` for setup_context (:func:`_received`); traced (torch.compile), ``(out, packed)``, an empty mask
+    where none is kept, and so under torch.func (``vmappable``). (Traced, a Function modifying a view in place may
+    return one tensor only and save no intermediate, so traced in-place calls on views run out of place instead:
+    :func:`_traced_inplace_on_view`.)"""
+    if not vmappable and not torch.compiler.is_compiling():
         _PENDING.mask = packed
         return out
     return out, (input.new_empty(0, dtype=torch.uint8) if packed is None else packed)
 
 
 def _received(ctx, output):
-    """setup_context's ``(out, packed)`` from what :func:`_outputs` returned (``packed`` None where none is kept
-    in an in-place eager call)."""
+    """setup_context's ``(out, packed)`` from what the forward returned (``packed`` None where none is kept in
+    an eager call)."""
     if type(output) is tuple:
         ctx.mark_non_differentiable(output[1])
         return output
@@ -174,7 +176,7 @@ def _received(ctx, output):
 
 
 def _result(res):
-    """The user's tensor from a Function's ``apply``: ``(out, packed)`` or, in place in eager, ``out``."""
+    """The user's tensor from a Function's ``apply``: ``(out, packed)``, or in eager ``out``."""
     return res[0] if type(res) is tuple else res
 
 
@@ -197,7 +199,7 @@ class _ReLUFunction(_common.Function):
     """relu (``negative_slope is None``) and leaky_relu, keeping a packed mask or the output.
 
     ``apply(input, negative_slope, inplace, keep_output, use, vmappable)`` returns ``(output, packed mask)``
-    (an empty mask where the output or nothing is kept), in place in eager the output alone (``_outputs``).
+    (an empty mask where the output or nothing is kept), in eager the output alone (``_outputs``).
     ``use`` is (module, UseCell) when a module calls it (``_common.learn_from_use``); ``vmappable`` (set by
     :meth:`under_transform` only) makes forward and backward plain torch ops in the logical order, which vmap
     batches. In eager, forward and backward run the
@@ -223,7 +225,7 @@ class _ReLUFunction(_common.Function):
             out = torch.relu(input)
         else:
             out = torch._C._nn.leaky_relu(input, negative_slope)
-        return _outputs(input, out, packed, inplace)
+        return _outputs(input, out, packed, vmappable)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -238,9 +240,8 @@ class _ReLUFunction(_common.Function):
             # Nothing asked, or stock refuses backward (in place with a negative slope: the input's sign is lost).
             ctx.mode = _REFUSE
             return
-        ctx.x_strides = None
-        if not vmappable and not torch.compiler.is_compiling():
-            ctx.x_strides = _stock_operand_strides(input, relu, inplace)
+        planar = torch.compiler.is_compiling()
+        ctx.x_strides = None if vmappable or planar else _stock_operand_strides(input, relu, inplace)
         if not _keeps_mask(negative_slope, inplace, keep_output):
             ctx.mode = _OUTPUT
             ctx.save_for_backward(out)
@@ -250,8 +251,8 @@ class _ReLUFunction(_common.Function):
         if vmappable:
             ctx.shape = tuple(input.shape)
         else:
-            ctx.planar = torch.compiler.is_compiling()
-            if ctx.planar:
+            ctx.planar = planar
+            if planar:
                 ctx.order = _bitmask.planar_layout(input)
             else:
                 ctx.perm = _memory_order(input)  # the order _masked_forward packed in

@@ -165,7 +165,7 @@ class RangeMaskFunction(_common.Function):
     """hardtanh / threshold / hardsigmoid, keeping a packed pass mask (or the output, see the module doc).
 
     ``apply(input, kind, lo, hi, value, inplace, keep_output, use, vmappable)`` returns ``(output, packed
-    mask)`` (empty where the output is kept), in place in eager the output alone (``activation._outputs``).
+    mask)`` (empty where the output is kept), in eager the output alone (``activation._outputs``).
     ``lo``/``hi``: the bounds of the pass region (``hi`` unused for threshold); ``value``: threshold's
     replacement value; ``use``: (module, UseCell) for the producer/consumer rule; ``vmappable`` (set by
     :meth:`under_transform` only): plain torch ops in logical order, which vmap
@@ -176,7 +176,7 @@ class RangeMaskFunction(_common.Function):
     def forward(input, kind, lo, hi, value, inplace, keep_output, use, vmappable):
         if keep_output:
             out = _stock(input, kind, lo, hi, value, inplace)
-            return _outputs(input, input if inplace else out, None, inplace)
+            return _outputs(input, input if inplace else out, None, vmappable)
         if vmappable:
             out = _stock(input, kind, lo, hi, value, False)
             mask = range_mask.mask_torch(input, _rule(kind), *_bounds(kind, lo, hi, input.dtype))
@@ -192,7 +192,7 @@ class RangeMaskFunction(_common.Function):
             packed = _pack(input, kind, lo, hi)  # before an in-place op overwrites the input
             out = _stock(input, kind, lo, hi, value, inplace)
         # torch.compile checks that a dirty tensor is returned as the same object
-        return _outputs(input, input if inplace else out, packed, inplace)
+        return _outputs(input, input if inplace else out, packed, vmappable)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
