@@ -153,7 +153,7 @@ class MaxPoolFunction(_common.Function):
     @staticmethod
     def forward(x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed):
         if not transformed and _family(x, nd, return_indices):
-            # One pass for output and positions where a fast backend exists (the compiled core, numba).
+            # One pass for output and positions where a fast backend exists (the compiled core, Triton on CUDA).
             out, pos = max_pool.choose(x).forward(x, kernel, stride, padding, dilation, ceil_mode)
             return out, None, pos
         out, indices = _MAX_FORWARD[nd](x, kernel, stride, padding, dilation, ceil_mode)
