@@ -75,9 +75,9 @@ def _inverse(perm):
 
 
 def _masked_forward(input, slope, inplace):
-    """Run the ``relu_mask`` kernel on ``input`` in its memory order (:func:`_memory_order`, which
-    ``setup_context`` reads again for backward); returns (out, packed mask)."""
-    perm = _memory_order(input)
+    """Run the ``relu_mask`` kernel on ``input`` in its memory order (:func:`_memory_order`, parked in
+    ``_PENDING.perm`` for setup_context); returns (out, packed mask)."""
+    perm = _PENDING.perm = _memory_order(input)
     if perm is not None or input.is_contiguous():
         xc = input if perm is None else input.permute(perm)
         out, packed = relu_mask.choose(xc).forward(xc, slope, inplace)
@@ -154,30 +154,14 @@ _PENDING = threading.local()
 
 def _outputs(input, out, packed, vmappable: bool):
     """What an activation Function's forward returns: in eager ``out`` alone, the mask (or None) parked in
-    ``_PENDING`` for setup_context (:func:`_received`); traced (torch.compile), ``(out, packed)``, an empty mask
-    where none is kept, and so under torch.func (``vmappable``). (Traced, a Function modifying a view in place may
-    return one tensor only and save no intermediate, so traced in-place calls on views run out of place instead:
-    :func:`_traced_inplace_on_view`.)"""
+    ``_PENDING`` for setup_context, which takes it from there when ``output`` is not a tuple; traced (torch.compile)
+    and under torch.func (``vmappable``), ``(out, packed)``, an empty mask where none is kept. (Traced, a Function
+    modifying a view in place may return one tensor only and save no intermediate, so traced in-place calls on
+    views run out of place instead: :func:`_traced_inplace_on_view`.)"""
     if not vmappable and not torch.compiler.is_compiling():
         _PENDING.mask = packed
         return out
     return out, (input.new_empty(0, dtype=torch.uint8) if packed is None else packed)
-
-
-def _received(ctx, output):
-    """setup_context's ``(out, packed)`` from what the forward returned (``packed`` None where none is kept in
-    an eager call)."""
-    if type(output) is tuple:
-        ctx.mark_non_differentiable(output[1])
-        return output
-    packed = _PENDING.mask
-    _PENDING.mask = None
-    return output, packed
-
-
-def _result(res):
-    """The user's tensor from a Function's ``apply``: ``(out, packed)``, or in eager ``out``."""
-    return res[0] if type(res) is tuple else res
 
 
 def _traced_inplace_on_view(input) -> bool:
@@ -208,14 +192,14 @@ class _ReLUFunction(_common.Function):
 
     @staticmethod
     def forward(input, negative_slope, inplace, keep_output, use, vmappable):
-        packed = None
         if _keeps_mask(negative_slope, inplace, keep_output):
             if vmappable:
                 return _vmappable_masked_forward(input, negative_slope)
             if torch.compiler.is_compiling():
                 return _traced_masked_forward(input, negative_slope, inplace)[:2]
-            out, packed = _masked_forward(input, negative_slope, inplace)
-        elif inplace:
+            out, _PENDING.mask = _masked_forward(input, negative_slope, inplace)
+            return out  # eager: the mask goes to setup_context through _PENDING (see _outputs)
+        if inplace:
             if negative_slope is None:
                 torch.relu_(input)
             else:
@@ -225,12 +209,19 @@ class _ReLUFunction(_common.Function):
             out = torch.relu(input)
         else:
             out = torch._C._nn.leaky_relu(input, negative_slope)
-        return _outputs(input, out, packed, vmappable)
+        return _outputs(input, out, None, vmappable)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         input, negative_slope, inplace, keep_output, use, vmappable = inputs
-        out, packed = _received(ctx, output)
+        if type(output) is tuple:  # traced or under torch.func
+            out, packed = output
+            ctx.mark_non_differentiable(packed)
+            keeps_mask = _keeps_mask(negative_slope, inplace, keep_output)
+        else:  # eager: the mask, if any, comes through _PENDING (see _outputs)
+            out, packed = output, _PENDING.mask
+            _PENDING.mask = None
+            keeps_mask = packed is not None
         if inplace:
             ctx.mark_dirty(input)
         ctx.use = use  # (module, UseCell) when called by a module: see _common.learn_from_use
@@ -242,7 +233,7 @@ class _ReLUFunction(_common.Function):
             return
         planar = torch.compiler.is_compiling()
         ctx.x_strides = None if vmappable or planar else _stock_operand_strides(input, relu, inplace)
-        if not _keeps_mask(negative_slope, inplace, keep_output):
+        if not keeps_mask:
             ctx.mode = _OUTPUT
             ctx.save_for_backward(out)
             return
@@ -255,7 +246,7 @@ class _ReLUFunction(_common.Function):
             if planar:
                 ctx.order = _bitmask.planar_layout(input)
             else:
-                ctx.perm = _memory_order(input)  # the order _masked_forward packed in
+                ctx.perm = _PENDING.perm  # the order _masked_forward packed in
         ctx.save_for_backward(packed)
 
     @staticmethod
@@ -369,7 +360,8 @@ def _apply(input, negative_slope, inplace, keep_output, fn, use=None):
         if negative_slope is not None and negative_slope < 0:
             return F.leaky_relu(input, negative_slope, inplace=True)  # stock refuses its backward, as we do
         return input.copy_(_ReLUFunction.apply(input, negative_slope, False, bool(keep_output), use, False)[0])
-    return _result(_ReLUFunction.apply(input, negative_slope, bool(inplace), bool(keep_output), use, False))
+    out = _ReLUFunction.apply(input, negative_slope, bool(inplace), bool(keep_output), use, False)
+    return out if type(out) is not tuple else out[0]  # eager: the output alone (see _outputs)
 
 
 def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:

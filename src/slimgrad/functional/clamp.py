@@ -51,12 +51,11 @@ from slimgrad import csrc
 from slimgrad.functional import _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.functional.activation import (
+    _PENDING,
     LazyUseCell,
     _finish_activation,
     _LearnHook,
     _outputs,
-    _received,
-    _result,
     _traced_inplace_on_view,
 )
 from slimgrad.kernels import bitmask as _bitmask
@@ -104,26 +103,19 @@ def _bounds(kind: str, lo: float, hi: float | None, dtype: torch.dtype) -> tuple
 
 def _pack(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
     """The packed pass mask of x, in x's memory order (a dense layout goes to the kernel as its contiguous
-    permuted view; a non-dense one, a slice, as a contiguous copy); traced, in the planar format. ``_mask_layout``
-    records the same choices on ctx for backward."""
+    permuted view; a non-dense one, a slice, as a contiguous copy); the order is parked in ``_PENDING.perm``
+    for setup_context."""
     lo, hi = _bounds(kind, lo, hi, x.dtype)
-    if torch.compiler.is_compiling():
-        # Traced: the planar format (_bitmask.planar_layout), which Inductor fuses into the producing kernel.
-        rule = _rule(kind)
-        return _shared_masks.pack(lambda t: range_mask.mask_torch(t, rule, lo, hi), x, _bitmask.planar_layout(x))
-    perm = _memory_order(x)
+    perm = _PENDING.perm = _memory_order(x)
     xc = x.permute(perm) if perm is not None else x.contiguous()
     return range_mask.choose(xc).pack(xc, _rule(kind), lo, hi)
 
 
-def _mask_layout(ctx, x: torch.Tensor) -> None:
-    """Record on ctx how :func:`_pack` laid out the mask of ``x``: planar (traced), or in the memory order."""
-    ctx.planar = torch.compiler.is_compiling()
-    if ctx.planar:
-        ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.planar_layout(x)
-        return
-    perm = ctx.perm = _memory_order(x)
-    ctx.packed_shape = tuple(x.shape) if perm is None else tuple(x.shape[d] for d in perm)
+def _pack_traced(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
+    """Traced: the planar format (_bitmask.planar_layout), which Inductor fuses into the producing kernel."""
+    lo, hi = _bounds(kind, lo, hi, x.dtype)
+    rule = _rule(kind)
+    return _shared_masks.pack(lambda t: range_mask.mask_torch(t, rule, lo, hi), x, _bitmask.planar_layout(x))
 
 
 def _select(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
@@ -156,11 +148,6 @@ def _stock(input, kind, lo, hi, value, inplace):
     return torch._C._nn.hardsigmoid_(input) if inplace else torch._C._nn.hardsigmoid(input)
 
 
-def _packs_the_output(kind, lo, hi, value, dtype) -> bool:
-    """Traced, the pack is read from stock's output where its pass region is the input's (see the forward)."""
-    return torch.compiler.is_compiling() and output_can_stand_in(kind, lo, hi, value, dtype)
-
-
 class RangeMaskFunction(_common.Function):
     """hardtanh / threshold / hardsigmoid, keeping a packed pass mask (or the output, see the module doc).
 
@@ -181,15 +168,18 @@ class RangeMaskFunction(_common.Function):
             out = _stock(input, kind, lo, hi, value, False)
             mask = range_mask.mask_torch(input, _rule(kind), *_bounds(kind, lo, hi, input.dtype))
             return out, _bitmask.pack_vmappable(mask)
-        if _packs_the_output(kind, lo, hi, value, input.dtype):
+        if not torch.compiler.is_compiling():
+            packed = _pack(input, kind, lo, hi)  # before an in-place op overwrites the input
+            out = _stock(input, kind, lo, hi, value, inplace)
+        elif output_can_stand_in(kind, lo, hi, value, input.dtype):
             # Traced: stock's op, then the pack read from its output (same pass region), which Inductor has
             # materialized for the next kernel anyway; nothing in the forward reads the pack, so the
             # partitioner saves it or, where the producer keeps a tensor it can be rebuilt from, may rebuild
             # it in backward (see activation._traced_masked_forward).
             out = _stock(input, kind, lo, hi, value, inplace)
-            packed = _pack(out, kind, lo, hi)
+            packed = _pack_traced(out, kind, lo, hi)
         else:
-            packed = _pack(input, kind, lo, hi)  # before an in-place op overwrites the input
+            packed = _pack_traced(input, kind, lo, hi)
             out = _stock(input, kind, lo, hi, value, inplace)
         # torch.compile checks that a dirty tensor is returned as the same object
         return _outputs(input, input if inplace else out, packed, vmappable)
@@ -197,7 +187,12 @@ class RangeMaskFunction(_common.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         input, kind, lo, hi, value, inplace, keep_output, use, vmappable = inputs
-        out, packed = _received(ctx, output)
+        if type(output) is tuple:  # traced or under torch.func
+            out, packed = output
+            ctx.mark_non_differentiable(packed)
+        else:  # eager: the mask, if any, comes through activation._PENDING (see activation._outputs)
+            out, packed = output, _PENDING.mask
+            _PENDING.mask = None
         if inplace:
             ctx.mark_dirty(input)
         if not ctx.needs_input_grad[0]:
@@ -205,8 +200,8 @@ class RangeMaskFunction(_common.Function):
         ctx.use = use
         ctx.kind, ctx.lo, ctx.hi = kind, lo, hi
         ctx.vmappable = vmappable
-        ctx.x_strides = None if vmappable or torch.compiler.is_compiling() else _stock_operand_strides(
-            input, kind, inplace)
+        planar = ctx.planar = torch.compiler.is_compiling()
+        ctx.x_strides = None if vmappable or planar else _stock_operand_strides(input, kind, inplace)
         if keep_output:
             ctx.mode = _OUTPUT
             ctx.save_for_backward(out)
@@ -214,8 +209,12 @@ class RangeMaskFunction(_common.Function):
         ctx.mode = _MASK
         if vmappable:
             ctx.shape = tuple(input.shape)
-        else:
-            _mask_layout(ctx, out if _packs_the_output(kind, lo, hi, value, input.dtype) else input)
+        elif planar:  # how the forward packed (_pack_traced): from the output where it can stand in
+            x = out if output_can_stand_in(kind, lo, hi, value, input.dtype) else input
+            ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.planar_layout(x)
+        else:  # in _pack's memory order
+            perm = ctx.perm = _PENDING.perm
+            ctx.packed_shape = tuple(input.shape) if perm is None else tuple(input.shape[d] for d in perm)
         ctx.save_for_backward(packed)
 
     @staticmethod
@@ -338,7 +337,8 @@ def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False
     if inplace and _traced_inplace_on_view(input):
         out = RangeMaskFunction.apply(input, kind, lo, hi, value, False, keep_output, use, False)[0]
         return input.copy_(out)
-    return _result(RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use, False))
+    out = RangeMaskFunction.apply(input, kind, lo, hi, value, bool(inplace), keep_output, use, False)
+    return out if type(out) is not tuple else out[0]  # eager: the output alone (see activation._outputs)
 
 
 def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> torch.Tensor:
