@@ -105,7 +105,8 @@ def main() -> None:
         "",
         f"`OMP_NUM_THREADS=1 {cmd.strip()}` — torch {torch.__version__}, {machine}, "
         f"{time.strftime('%Y-%m-%d')}. Peak over one training step above its start: `slimgrad.estimate` "
-        f"(simulated on fake tensors) against `slimgrad.peak_bytes` around the real step ({records}). Largest error over {len(errors)} rows: "
+        f"(simulated on fake tensors) against `slimgrad.peak_bytes` around the real step ({records}). "
+        f"Largest error over {len(errors)} rows: "
         f"**{100 * max(errors, default=0):.2f} %**.",
         "",
         "| model | case | optimizer | model as | estimated MiB | measured MiB | error | peak at | estimate s |",

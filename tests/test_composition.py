@@ -182,8 +182,8 @@ def test_offloading_hooks_see_only_what_slimgrad_keeps():
     assert totals[1] >= kept.bytes  # the hook sees each storage as often as it is saved
 
 
-# torch.func: under a transform each slimgrad Function runs its setup_context-style twin
-# (functional/_func_twins.py; bytes in tests/test_func_bytes.py) or its stock computation; a Function with
+# torch.func: under a transform each slimgrad Function runs itself (its setup_context form; bytes in
+# tests/test_func_bytes.py) or its stock computation (functional/_transforms.py); a Function with
 # neither must fail with slimgrad's message saying what to do, never with wrong numbers or an obscure error.
 FUNC_LAYERS = {
     "conv": lambda: nn.Conv2d(3, 4, 3),

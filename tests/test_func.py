@@ -1,7 +1,8 @@
 """torch.func on converted models: ``grad``, ``vmap``, ``jacrev`` and ``functional_call`` give stock's numbers.
 
-Under a transform each slimgrad Function runs its stock computation (``slimgrad.functional._func_stock``):
-the same kernels or the reference formulas, so results equal stock's, and stock's memory. Tested per family,
+Under a transform each slimgrad Function runs itself where it serves the transform stack, else its stock
+computation (its class's ``stock``: ``slimgrad.functional._transforms``): the same kernels or the reference
+formulas, so results equal stock's. Tested per family,
 for per-sample gradients (``vmap(grad(loss))``, the DP-SGD recipe) and input gradients on a converted CNN
 and on an LLM block with peft LoRA adapters.
 """
@@ -113,9 +114,9 @@ def _cnn_case(model, x, y, case):
 def test_per_sample_gradients_of_a_converted_cnn(case):
     """DP-SGD's recipe on a converted ResNet (batch norm in eval, as per-sample training requires, frozen
     stem): per-sample gradients and input gradients equal stock's, and the graph keeps what eager slimgrad
-    keeps for the same batch, less than stock (``_func_twins``: the frozen stem keeps no input, max pooling
-    positions; for input gradients with every weight frozen, convolutions and batch norms keep no
-    activation, ReLUs a bit mask)."""
+    keeps for the same batch, less than stock (the Functions' own saving under torch.func: the frozen stem
+    keeps no input, max pooling positions; for input gradients with every weight frozen, convolutions and
+    batch norms keep no activation, ReLUs a bit mask)."""
     torch.manual_seed(0)
     stock = build_model("resnet18", width_scale=0.125, num_classes=3).eval()
     stock.conv1.requires_grad_(False)

@@ -1,4 +1,5 @@
-"""Under torch.func, slimgrad keeps what it keeps in eager (``slimgrad.functional._func_twins``).
+"""Under torch.func, slimgrad keeps what it keeps in eager (each family's one Function, in functorch's
+``setup_context`` form: ``slimgrad.functional._transforms``).
 
 Saved-tensor hooks are refused inside ``torch.func.grad``, so bytes are read from the autograd graph itself
 (:func:`slimgrad.measure.saved_in_graph`, checked here against :func:`slimgrad.saved_bytes` in eager). For each

@@ -93,9 +93,6 @@ def run_under_transform(cls, args, kwargs):
         return cls.under_transform(*args, **kwargs)
     stock = cls.stock
     if stock is None:
-        legacy = _legacy(cls)
-        if legacy is not None:
-            return legacy(cls, args, kwargs)
         raise RuntimeError(
             f"slimgrad: {cls.__name__} does not support torch.func transforms (grad, vmap, jacrev, "
             f"functional_call under a transform, ...). Run this part with stock layers "
@@ -103,11 +100,3 @@ def run_under_transform(cls, args, kwargs):
         )
     return stock(*args, **kwargs)
 
-
-def _legacy(cls):
-    # Transitional: Functions not yet written in the one-Function form still find their twin/stock by name.
-    try:
-        from slimgrad.functional import _func_twins
-    except ImportError:
-        return None
-    return _func_twins.run_under_transform

@@ -107,8 +107,8 @@ def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Te
 
 def conv_forward(x, weight, bias, cfg, xc=None):
     """The convolution ``cfg`` describes, with stock's ops: explicit pad (in autocast's fp32 where stock's pad
-    runs there), autocast's cast, then the (transposed) convolution. What the Function, its torch.func twin and
-    its stock fallback compute (``xc``, the Function's copy of X, has X's values: unused here)."""
+    runs there), autocast's cast, then the (transposed) convolution. What the Function (in eager and under torch.func)
+    and its stock fallback compute (``xc``, the Function's copy of X, has X's values: unused here)."""
     nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype = cfg
     conv_dtype = cast_dtype or x.dtype
     if pad is not None:
@@ -625,7 +625,7 @@ def _input_copy(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor | No
     if cast_dtype is None and (pad is None or not weight.requires_grad):
         return None
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-        return None  # under torch.func the Function's twin keeps X itself (its tensors have no storage to check)
+        return None  # under torch.func the Function keeps X itself (its tensors have no storage to check)
     if cast_dtype is not None:
         return x.to(cast_dtype)
     nbytes = _common.storage_bytes(x) if torch.is_grad_enabled() else None

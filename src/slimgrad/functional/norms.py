@@ -123,8 +123,8 @@ def _variance_path_grad(d_rstd, rstd, up, n):
 
 
 def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
-    """What ``RMSNormFunction``'s torch code keeps for backward (x and rstd, or only the normalised input), shared
-    with its torch.func twin; ``normed``: the normalised input when it was computed, else None."""
+    """What ``RMSNormFunction``'s torch code keeps for backward (x and rstd, or only the normalised input), in eager
+    and under torch.func; ``normed``: the normalised input when it was computed, else None."""
     ctx.w_meta = None if weight is None else (weight.shape, weight.dtype)
     # The weight is a parameter (not an activation): keeping it costs nothing.
     # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
