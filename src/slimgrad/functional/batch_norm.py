@@ -134,6 +134,7 @@ class BatchNormFunction(_common.Function):
         ctx.x_dense = _dense(input)
         # Under torch.func the gradient is contiguous whatever x's layout (stock's there: TRANSFORM_LAYOUT).
         ctx.x_format = None if transformed else _channels_last_format(input)
+        ctx.transformed = transformed
         if not (need_x or need_w or need_b):
             return
         # dW always reads x; in training dX reads it as well (through x̂ and the batch statistics).
@@ -182,8 +183,9 @@ class BatchNormFunction(_common.Function):
                     save_mean = save_invstd = bias.detach()
                 else:
                     save_mean = save_invstd = grad_out.new_zeros(ctx.x_shape[1], dtype=ctx.stat_dtype)
-            if not ctx.training and save_mean is None:
-                # CUDA's kernel asserts that the (unused in evaluation) batch statistics are defined.
+            if not ctx.training and save_mean is None and (ctx.transformed or not grad_out.is_cpu):
+                # CUDA's kernel and vmap's batching rule assert that the (unused in evaluation) batch statistics are
+                # defined (the CPU kernel takes None: one allocation less a call).
                 save_mean = save_invstd = grad_out.new_empty(0, dtype=_stat_dtype(grad_out, running_mean))
             kdx, dw, db = _aten.native_batch_norm_backward(
                 grad_out,
