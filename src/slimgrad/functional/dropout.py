@@ -112,7 +112,7 @@ def _draw_seed(device: torch.device) -> torch.Tensor:
 
 def _fill_noise(noise: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """Seeded noise with stock's ops (kept for callers of the earlier API)."""
-    if noise.device.type == "meta":  # shapes only: no generator (and no value to read the seed from)
+    if not kernels.has_values(seed):  # shapes only (meta, or slimgrad.estimate's fake tensors): no seed to read
         return noise
     generator = torch.Generator(device=noise.device)
     generator.manual_seed(int(seed.item()))

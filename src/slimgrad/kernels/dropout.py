@@ -51,8 +51,8 @@ import torch
 
 from . import registry
 
-__all__ = ["BITS", "SEED", "CoreDropoutBits", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits", "choose_seed",
-           "noise_scale"]
+__all__ = ["BITS", "SEED", "CoreDropoutBits", "has_values", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits",
+           "choose_seed", "noise_scale"]
 
 BITS, SEED = "dropout_bits", "dropout_seed"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -92,6 +92,16 @@ class TorchDropoutBits:
         return grad * noise if out is None else torch.mul(grad, noise, out=out)
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read: not a meta tensor, not a fake one (``slimgrad.estimate`` runs the step
+    on fake tensors, where the seed policy's noise keeps its allocations but has no seed to draw from)."""
+    if t.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
 class TorchDropoutSeed:
     """Reference: a private ``torch.Generator`` seeded from ``seed``, stock's ops in stock's order."""
 
@@ -99,7 +109,7 @@ class TorchDropoutSeed:
 
     @staticmethod
     def noise(like, p, seed):
-        if like.device.type == "meta":  # shapes only: no generator there, no seed value to read
+        if not has_values(seed):  # shapes only (meta, or slimgrad.estimate's fake tensors): no seed to read
             return torch.empty_like(like)
         generator = torch.Generator(device=like.device)
         generator.manual_seed(int(seed.item()))
