@@ -300,3 +300,36 @@ def test_checkpoint_same_mask_under_each_policy(policy):
         out = checkpoint(f, x, use_reentrant=False) if use_ckpt else f(x)
         grads.append(torch.autograd.grad(out.sum(), x)[0])
     assert_same(grads[1], grads[0], what="grad")
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("policy", ["bits", "seed"])
+def test_inplace_on_a_view_of_an_activation(policy, core):
+    """In-place dropout on a view of a non-leaf (MobileNetV2's classifier drops its pooled view in place): the
+    Python Function returns one tensor there (autograd refuses a second output from a Function that modifies a
+    view in place; it failed before, on every device the compiled core does not serve). "bits" gives stock's
+    output and gradient bitwise; "seed" the same numbers as its own out-of-place call with the same seed."""
+    import contextlib
+
+    from slimgrad import csrc
+
+    results = []
+    slim = functools.partial(dropout, policy=policy)
+    runs = [(F.dropout, True) if policy == "bits" else (slim, False), (slim, True)]
+    for fn, inplace in runs:
+        leaf = torch.randn(4, 8, 3, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        h = leaf * 2
+        view = h[:, :, 0]
+        torch.manual_seed(1)
+        with contextlib.nullcontext() if core else csrc.disabled():
+            out = fn(view, 0.3, True, inplace)
+            if inplace:
+                assert out is view
+                total = h
+            else:
+                total = torch.cat([out.unsqueeze(-1), h[:, :, 1:]], -1)
+            total.backward(torch.randn(4, 8, 3, generator=torch.Generator().manual_seed(2)))
+        results.append((out.detach().clone(), leaf.grad))
+    (ro, rg), (mo, mg) = results
+    assert_same(mo, ro, what="output")
+    assert_same(mg, rg, what="grad")

@@ -39,6 +39,7 @@ Function stays for torch.compile, torch.func, the "seed" policy, other devices a
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,13 @@ def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, 
     return gi if perm is None else gi.permute(_inverse(perm))
 
 
+# An eager in-place call hands ``kept`` to setup_context here instead of as a second output: autograd refuses a
+# Function that modifies a view in place and returns two tensors (MobileNetV2's in-place classifier dropout on
+# the pooled view; the compiled core, a C++ Function, returns one). forward and setup_context run back to back
+# in one thread inside apply.
+_PENDING = threading.local()
+
+
 class _DropoutFunction(_common.Function):
     """Element-wise dropout for 0 < p <= 1 in training mode: ``apply`` returns ``(out, kept)``, ``kept`` the
     packed mask, the seed or None (p == 1), an output so that the same Function serves eager and torch.compile
@@ -216,19 +224,26 @@ class _DropoutFunction(_common.Function):
             xc = _canonical(input, perm)
             out = _finish(input, kernels.choose_seed(xc).forward(xc, p, kept, inplace), perm, inplace)
         # In place: ``input`` itself (torch.compile checks that a dirty tensor is returned as the same object).
+        if inplace and not torch.compiler.is_compiling():
+            _PENDING.kept = kept
+            return input
         return input if inplace else out, kept
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         input, p, inplace, policy = inputs
-        kept = output[1]
+        if type(output) is tuple:
+            kept = output[1]
+            if kept is not None:
+                ctx.mark_non_differentiable(kept)
+        else:  # an eager in-place call: see _PENDING
+            kept, _PENDING.kept = _PENDING.kept, None
         if inplace:
             ctx.mark_dirty(input)
         ctx.p = p
         if kept is None:
             ctx.mode = _ZERO
             return
-        ctx.mark_non_differentiable(kept)
         if torch.compiler.is_compiling():
             ctx.mode = _MASK
             ctx.shape, ctx.order = tuple(input.shape), _bitmask.planar_layout(input)
@@ -245,7 +260,7 @@ class _DropoutFunction(_common.Function):
         ctx.save_for_backward(kept)
 
     @staticmethod
-    def backward(ctx, grad, _grad_kept):
+    def backward(ctx, grad, *_grad_kept):
         if grad is None:  # undefined (not materialized: see setup_context), e.g. gradcheck's undefined-grad check
             return None, None, None, None
         if ctx.mode == _ZERO:
@@ -304,7 +319,12 @@ def _dropout_impl(input, p, training, inplace, policy=None):
     if torch.is_grad_enabled() and input.requires_grad:
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)
-        return _DropoutFunction.apply(input, float(p), bool(inplace), policy)[0]
+        if inplace and torch.compiler.is_compiling() and input._base is not None:
+            # traced, a Function modifying a view in place may return one tensor only and save nothing made in
+            # forward: out of place, then copied into the view (the same values; the copy's backward is identity)
+            return input.copy_(_DropoutFunction.apply(input, float(p), False, policy)[0])
+        out = _DropoutFunction.apply(input, float(p), bool(inplace), policy)
+        return out if type(out) is not tuple else out[0]
     # No gradient: the same mask all the same (checkpoint recomputes this call with grad).
     if p == 1:
         return _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
