@@ -25,6 +25,7 @@ transformers.__version__, 'peft', peft.__version__)"; $PY -m pip list 2>/dev/nul
 
 step cuda-tests 150 $PY -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests/test_triton_norms.py \
   tests/test_triton_max_pool.py
+step estimate-probe 90 $PY scripts/gpu_estimate_probe.py
 step plan-offload 60 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
 step budget 210 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
 step estimate 100 $PY benchmarks/estimate_accuracy.py --device cuda --only cnn,llama --write \
