@@ -481,6 +481,23 @@ def test_parse_bytes_strings(text, expected):
     assert parse_bytes(text) == expected
 
 
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -x  # reads a value: data-dependent control flow
+
+
+def test_data_dependent_step_names_the_module():
+    """A step that reads a tensor's value cannot be simulated: the error says so and names the module where it
+    happened (it said "(model)" before: the modules' frames had unwound by the time the error was written)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), _Branchy()))
+    with pytest.raises(ValueError, match=r"reads a tensor's values .* in the forward of 1\.1\b"):
+        estimate(model, torch.randn(4, 8, requires_grad=True))
+
+
 def test_parse_bytes_numbers_and_errors():
     assert parse_bytes(1e9) == 10**9
     assert parse_bytes(4096) == 4096

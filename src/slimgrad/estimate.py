@@ -276,6 +276,7 @@ class _Allocations(TorchDispatchMode):
         #  bytes per kind alive after the op)
         self.events: list[tuple] = []
         self.signatures: dict = {}
+        self.failed_at: tuple | None = None  # (owner, node) of the op that raised, for the error
 
     def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
@@ -325,7 +326,12 @@ class _Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.sweep()
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            # where the step stopped, before the modules' frames unwind (the caller's error names it)
+            self.failed_at = self._where()
+            raise
         kind = {"forward": "activations", "backward": "backward", "optimizer": "optimizer"}[self.phase]
         owner, node = self._where()
         new = 0
@@ -560,7 +566,7 @@ def _data_dependence_explained(sim: _Allocations):
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
-        owner, node = sim._where()
+        owner, node = sim.failed_at or sim._where()
         where = f"{sim.phase} of {owner or '(model)'}" + (f" ({node})" if node else "")
         raise ValueError(f"estimate: the step reads a tensor's values ({e.func}) in the {where}, which a "
                          f"simulated step cannot (fake tensors hold no data): data-dependent control flow or "
