@@ -33,7 +33,6 @@ consumer keeps the output.
 from __future__ import annotations
 
 import numbers
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -145,11 +144,8 @@ def _traced_masked_forward(input, slope, inplace):
     return value, _shared_masks.pack(_relu_sign if slope is None else _positive, value, order), order
 
 
-# The mask an eager forward hands to setup_context (per thread: setup_context runs right after forward, on the
-# same thread). In eager the mask is not an output: autograd refuses a Function that modifies a view in place and
-# returns more than one tensor, and a second output costs ~7 µs a forward and backward call (measured, tiny
-# tensors, one thread: the engine materializes a zero gradient for it, the output is wrapped and marked).
-_PENDING = threading.local()
+# The mask an eager forward hands to setup_context (``_common.EAGER_HANDOFF``, which says why it is not an output).
+_PENDING = _common.EAGER_HANDOFF
 
 
 def _outputs(input, out, packed, vmappable: bool):
@@ -164,9 +160,7 @@ def _outputs(input, out, packed, vmappable: bool):
     return out, (input.new_empty(0, dtype=torch.uint8) if packed is None else packed)
 
 
-def _traced_inplace_on_view(input) -> bool:
-    """Traced in-place calls on a view run the Function out of place and copy into the input (see _outputs)."""
-    return torch.compiler.is_compiling() and input._base is not None  # (dynamo cannot trace _is_view())
+_traced_inplace_on_view = _common.traced_inplace_on_view
 
 
 def _keeps_mask(negative_slope, inplace: bool, keep_output: bool) -> bool:

@@ -39,7 +39,6 @@ Function stays for torch.compile, torch.func, the "seed" policy, other devices a
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -187,11 +186,10 @@ def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, 
     return gi if perm is None else gi.permute(_inverse(perm))
 
 
-# An eager in-place call hands ``kept`` to setup_context here instead of as a second output: autograd refuses a
-# Function that modifies a view in place and returns two tensors (MobileNetV2's in-place classifier dropout on
-# the pooled view; the compiled core, a C++ Function, returns one). forward and setup_context run back to back
-# in one thread inside apply.
-_PENDING = threading.local()
+# An eager in-place call hands ``kept`` to setup_context through ``_common.EAGER_HANDOFF`` instead of as a second
+# output (MobileNetV2's in-place classifier dropout works on the pooled view; the compiled core, a C++ Function,
+# returns one tensor).
+_PENDING = _common.EAGER_HANDOFF
 
 
 class _DropoutFunction(_common.Function):
@@ -319,9 +317,8 @@ def _dropout_impl(input, p, training, inplace, policy=None):
     if torch.is_grad_enabled() and input.requires_grad:
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)
-        if inplace and torch.compiler.is_compiling() and input._base is not None:
-            # traced, a Function modifying a view in place may return one tensor only and save nothing made in
-            # forward: out of place, then copied into the view (the same values; the copy's backward is identity)
+        if inplace and _common.traced_inplace_on_view(input):
+            # out of place, then copied into the view (the same values; the copy's backward is identity)
             return input.copy_(_DropoutFunction.apply(input, float(p), False, policy)[0])
         out = _DropoutFunction.apply(input, float(p), bool(inplace), policy)
         return out if type(out) is not tuple else out[0]
