@@ -481,6 +481,19 @@ def test_parse_bytes_strings(text, expected):
     assert parse_bytes(text) == expected
 
 
+def test_a_missing_mask_seam_is_said(monkeypatch):
+    """Where transformers has no ``_ignore_causal_mask_sdpa`` of the form slimgrad knows, the mask decision runs
+    on fake tensors (the estimate may be high): the estimate's notes say so instead of staying silent."""
+    import transformers.masking_utils as masking
+
+    model, example = bm.llama_lora(seq=16)
+    example["attention_mask"] = torch.ones_like(example["input_ids"])
+    assert not any("attention-mask decision" in n for n in _estimate(model, example).notes)
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # another form: no padding_mask
+    notes = _estimate(model, example).notes
+    assert any("attention-mask decision" in n and "may be high" in n for n in notes), notes
+
+
 class _Branchy(nn.Module):
     def __init__(self):
         super().__init__()

@@ -581,7 +581,7 @@ def _is_fake(t) -> bool:
 
 
 @contextlib.contextmanager
-def _masks_decided_on_real_values(facts, kwargs, f_kwargs):
+def _masks_decided_on_real_values(facts, kwargs, f_kwargs, notes: list[str]):
     """Hugging Face's attention-mask code decides from values whether the mask can be left to SDPA's
     ``is_causal``: an all-ones ``attention_mask``, ``position_ids`` that hold one sequence per row. On fake
     tensors it cannot read them (transformers' ``is_tracing`` flags fake tensors), so it builds the full
@@ -594,7 +594,8 @@ def _masks_decided_on_real_values(facts, kwargs, f_kwargs):
     answers None for those at all (4.x always returns the tensor). transformers 4.x read the padding mask's
     values in the first decision, which failed on fake tensors: it now gets the real answer too. Where the real
     values are unknown (a meta-device batch, a cache's tensor offset), transformers' own answer stands: the
-    estimate is then high, never low."""
+    estimate is then high, never low. Where a transformers version has no such seam (or another form of it) and
+    the batch has an attention mask, ``notes`` says the estimate may be high."""
     masking, ignore, packed, mask, real_mask, mask_all_ones, no_padding, positions_packed = facts
     if masking is None:
         yield
@@ -629,6 +630,11 @@ def _masks_decided_on_real_values(facts, kwargs, f_kwargs):
         if packed is not None and _first_parameter(packed) == "position_ids":
             saved["find_packed_sequence_indices"] = packed
             masking.find_packed_sequence_indices = find_packed
+        if mask is not None and "_ignore_causal_mask_sdpa" not in saved:
+            notes.append("this transformers version's attention-mask decision (masking_utils."
+                         "_ignore_causal_mask_sdpa) is not the form slimgrad knows: it ran on fake tensors, which "
+                         "count a materialized batch x 1 x seq x seq mask where the real step may leave the mask to "
+                         "SDPA, so the estimate may be high")
         yield
     finally:
         for name, fn in saved.items():
@@ -642,7 +648,7 @@ def _mask_facts(kwargs):
     masking = sys.modules.get("transformers.masking_utils")
     ignore = getattr(masking, "_ignore_causal_mask_sdpa", None)
     packed = getattr(masking, "find_packed_sequence_indices", None)
-    if ignore is None and packed is None:
+    if masking is None:
         return (None,) * 8
     mask = kwargs.get("attention_mask")
     real_mask = bool(isinstance(mask, torch.Tensor) and not _is_fake(mask) and mask.device.type != "meta")
@@ -722,6 +728,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     # bitsandbytes' packed weights stay real (see _packed_tensors); fake mode converts them where an op reads them
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     mask_facts = _mask_facts(kwargs)
+    notes: list[str] = []
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":  # a model built on the meta device: fake tensors where it will run
@@ -777,7 +784,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         with _reparametrize_module(model, {**{n: p for n, p in params.items() if n not in packed}, **buffers},
                                    tie_weights=True, strict=False), \
                 _data_dependence_explained(sim), _packed_restored(model), \
-                _masks_decided_on_real_values(mask_facts, kwargs, f_kwargs):
+                _masks_decided_on_real_values(mask_facts, kwargs, f_kwargs, notes):
             with _tracked_forwards(model, sim, paths, {}):
                 out = model(*f_args, **f_kwargs)
             loss = loss_of(out)
@@ -871,8 +878,9 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
         gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
         peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline,
-        notes=[f"scratch space inside {len(skipped)} op call(s) ({', '.join(sorted(set(skipped)))}) is not counted: "
-               f"their inputs exceed SLIMGRAD_ESTIMATE_REPLAY_BYTES ({_gib(_REPLAY_LIMIT)})"] if skipped else [])
+        notes=notes + ([f"scratch space inside {len(skipped)} op call(s) ({', '.join(sorted(set(skipped)))}) is not "
+                        f"counted: their inputs exceed SLIMGRAD_ESTIMATE_REPLAY_BYTES ({_gib(_REPLAY_LIMIT)})"]
+                       if skipped else []))
 
 
 # -- how the peak grows with the batch ----------------------------------------------------------------------
