@@ -351,9 +351,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         if not chosen.fits:
             if inplace:  # leave the user's model as it came: the conversion was for the plan
                 for module, _ in swaps:
-                    module.__class__ = ORIGINALS[type(module)]
-                    for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
-                        del module.__dict__[attr]
+                    _restore_stock(module, ORIGINALS[type(module)])
             raise ValueError(f"convert: {chosen}")
         apply_plan(target, chosen.actions)
         result.plan = chosen
@@ -384,7 +382,12 @@ def revert(model: nn.Module) -> nn.Module:
     for module in model.modules():
         stock = ORIGINALS.get(type(module))
         if stock is not None:
-            module.__class__ = stock
-            for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
-                del module.__dict__[attr]
+            _restore_stock(module, stock)
     return model
+
+
+def _restore_stock(module: nn.Module, stock: type) -> None:
+    """Give ``module`` its stock class back and drop what slimgrad's layers learned at run time."""
+    module.__class__ = stock
+    for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
+        del module.__dict__[attr]
