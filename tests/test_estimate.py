@@ -134,6 +134,36 @@ def test_estimate_qlora_matches_measured_peak(bits, optimizer, converted):
     assert packed and e.weight_bytes >= sum(p.nbytes for p in model.parameters())  # the packed ones included
 
 
+@pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
+def test_qlora_estimate_under_older_fake_mode(monkeypatch, converted):
+    """torch before 2.13 (2.11 on the GPU machine) has fake mode answer NotImplemented for any tensor subclass but
+    Parameter, attribute-only ones such as bitsandbytes' Params4bit included: there the QLoRA estimate failed at
+    ``matmul_4bit``'s ``B.view(-1, 1)`` ("all __torch_dispatch__ handlers returned NotImplemented"). With that
+    rule put back, the estimate still runs and equals the one under 2.13's rule, and the measured peak."""
+    pytest.importorskip("bitsandbytes")
+    from torch._subclasses import fake_tensor
+
+    model, example = bm.qlora_llama(bits=4)
+    if converted:
+        model = slimgrad.convert(model)
+    today = _estimate(model, example)
+
+    def older_rule(x):  # torch 2.11's fake_tensor._check_for_subclass_arg
+        return (not isinstance(x, fake_tensor.FakeTensor) and isinstance(x, torch.Tensor)
+                and type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter)
+
+    monkeypatch.setattr(fake_tensor, "_check_for_subclass_arg", older_rule)
+    with torch.no_grad():  # the rule is what fails the unfixed estimate: check it bites
+        w = next(p for p in model.parameters() if type(p).__name__ == "Params4bit")
+        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(TypeError, match="NotImplemented"):
+            w.view(-1, 1)
+    older = _estimate(model, example)
+    monkeypatch.undo()
+    assert older.step_peak_bytes == today.step_peak_bytes and older.weight_bytes == today.weight_bytes
+    measured = bm.measured_step_peak(model, example, None, warm=1)
+    _check(older, measured, f"qlora 4-bit {'converted' if converted else 'stock'} under the older fake rule")
+
+
 @pytest.mark.parametrize("bits,training", [(4, False), pytest.param(4, True, marks=pytest.mark.slow),
                                            pytest.param(8, False, marks=pytest.mark.slow)],
                          ids=["nf4-eval", "nf4-train", "int8-eval"])

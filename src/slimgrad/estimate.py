@@ -260,6 +260,32 @@ def _real_of(x):
     return x
 
 
+def _is_packed_param(x) -> bool:
+    """A real Parameter subclass that only adds attributes (bitsandbytes' ``Params4bit``, ``Int8Params``): the
+    packed weights the estimate leaves real. torch 2.13's fake mode converts such a tensor where an op reads it;
+    older releases (2.11, on the GPU machine) answer NotImplemented for any type but Tensor and Parameter, so an op
+    on it (``B.view(-1, 1)`` in ``matmul_4bit``) failed with "all __torch_dispatch__ handlers returned
+    NotImplemented"."""
+    return (isinstance(x, nn.Parameter) and type(x) is not nn.Parameter and not _is_fake(x)
+            and type(x).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def _has_packed_param(args, kwargs) -> bool:
+    for a in (*args, *kwargs.values()):
+        if _is_packed_param(a) or (isinstance(a, (list, tuple)) and any(_is_packed_param(b) for b in a)):
+            return True
+    return False
+
+
+def _as_fake_params(fake_mode, args, kwargs):
+    """The packed weights in an op's arguments as fake mode's own (memoized) fakes of them: the same fake tensors
+    that the estimate counted as weights, on every torch release."""
+    def convert(x):
+        return fake_mode.from_tensor(x, static_shapes=True) if _is_packed_param(x) else x
+
+    return _pytree.tree_map_only(torch.Tensor, convert, (tuple(args), kwargs))
+
+
 class _Allocations(TorchDispatchMode):
     """Every storage an op brings into being, alive until nothing refers to it; one event per op."""
 
@@ -277,6 +303,7 @@ class _Allocations(TorchDispatchMode):
         self.events: list[tuple] = []
         self.signatures: dict = {}
         self.failed_at: tuple | None = None  # (owner, node) of the op that raised, for the error
+        self.fake_mode = None  # set by estimate: converts the real packed weights an op reads (_as_fake_params)
 
     def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
@@ -326,6 +353,8 @@ class _Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.sweep()
+        if self.fake_mode is not None and _has_packed_param(args, kwargs):
+            args, kwargs = _as_fake_params(self.fake_mode, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -725,8 +754,10 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     device = target.type
     sim = _Allocations(device)
     paths = {id(m): p for p, m in model.named_modules()}
-    # bitsandbytes' packed weights stay real (see _packed_tensors); fake mode converts them where an op reads them
+    # bitsandbytes' packed weights stay real (see _packed_tensors); fake mode (or sim, _as_fake_params) converts
+    # them where an op reads them
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    sim.fake_mode = fake_mode
     mask_facts = _mask_facts(kwargs)
     notes: list[str] = []
 
