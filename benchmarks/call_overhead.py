@@ -2,6 +2,12 @@
 (the compiled core's Function runs; the Python path's Function where the core is disabled or unavailable).
 
     OMP_NUM_THREADS=1 python benchmarks/call_overhead.py [--repeats 2000] [--write]
+    OMP_NUM_THREADS=1 python benchmarks/call_overhead.py --core off --rounds 5 [--only relu,lora]
+
+``--core off`` measures only stock against the Python path (what runs on CUDA, where the core does not serve:
+each saving layer's Python Function), with rows for the families CUDA runs there (peft LoRA with "seed"
+dropout, the mask activations in place and not, frozen-weight conv, batch norm, max pool, RMSNorm, the gated
+activation); ``--rounds`` repeats the interleaved measurement and reports the median of the rounds' medians.
 
 Tiny tensors, so the time is the Python and autograd bookkeeping around the kernels: forward + backward
 of one layer, stock vs converted with the core vs converted with the core disabled (``slimgrad.csrc.disabled``),
@@ -74,6 +80,57 @@ def _cases():
         yield "[Function] peft LoRA Linear r=4, dropout 0.1", lora, xs, False
 
 
+def _python_path_cases():
+    """The families that run their Python Function on CUDA (the core serves CPU tensors only), as CUDA runs them:
+    dropout with the "seed" policy (CUDA's default), so the Python path's per-call cost is measured on CPU."""
+    x4 = lambda: torch.randn(2, 4, 6, 6)  # noqa: E731
+    xs = lambda: torch.randn(2, 8, 16)  # noqa: E731
+    lora = _peft_lora()
+    if lora is not None:
+        yield "peft LoRA Linear r=4, dropout 0.1 (seed)", lora, xs, False, "seed"
+        yield "peft LoRA Linear r=4, dropout 0.1, X needs grad (seed)", _peft_lora(), xs, True, "seed"
+    yield "Dropout(0.1) fp32 (seed)", nn.Dropout(0.1), x4, True, "seed"
+    yield "ReLU, 1-bit mask", nn.ReLU(), x4, True, None
+    yield "ReLU(inplace), 1-bit mask", nn.ReLU(inplace=True), x4, True, None
+    yield "LeakyReLU, 1-bit mask", nn.LeakyReLU(0.1), x4, True, None
+    yield "ReLU6, 1-bit mask", nn.ReLU6(), x4, True, None
+    yield "Conv2d frozen, X needs grad", nn.Conv2d(4, 4, 3, padding=1).requires_grad_(False), x4, True, None
+    yield "BatchNorm2d eval, frozen", nn.BatchNorm2d(4).eval().requires_grad_(False), x4, True, None
+    bn = nn.BatchNorm2d(4)
+    bn.weight.requires_grad_(False)
+    yield "BatchNorm2d train, weight frozen, X no grad", bn, x4, False, None
+    yield "MaxPool2d 3/2", nn.MaxPool2d(3, 2, 1), x4, True, None
+    yield "RMSNorm frozen, X needs grad", nn.RMSNorm(16).requires_grad_(False), xs, True, None
+    yield "RMSNorm, weight trains, X needs grad", nn.RMSNorm(16), xs, True, None
+    llama = _llama_rms_norm()
+    if llama is not None:
+        yield "LlamaRMSNorm, weight trains, X needs grad", llama, xs, True, None
+    yield "gated silu(gate) * up", _Gated(False), xs, True, None
+
+
+class _Gated(nn.Module):
+    """``silu(gate) * up`` on a split input: stock's expression, or slimgrad's gated_activation (``slim``)."""
+
+    def __init__(self, slim: bool):
+        super().__init__()
+        self.slim = slim
+
+    def forward(self, x):
+        gate, up = x, x * 2.0
+        if self.slim:
+            return slimgrad.functional.gated_activation(gate, up, "silu")
+        return torch.nn.functional.silu(gate) * up
+
+
+def _llama_rms_norm():
+    """transformers' LlamaRMSNorm (hidden 16), None without transformers."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        return None
+    return LlamaRMSNorm(16)
+
+
 def _peft_lora():
     """A peft LoRA linear (frozen base, trainable adapters, dropout 0.1); None without peft."""
     try:
@@ -93,33 +150,65 @@ def _step(module, x, keep):
     out.sum().backward()
 
 
-def measure(repeats: int):
+def _convert(stock, policy):
+    if isinstance(stock, _Gated):
+        return _Gated(True)
+    return slimgrad.convert(copy.deepcopy(stock), **({} if policy is None else {"dropout": policy}))
+
+
+def _round(stock, slim, x, keep, repeats, with_core):
+    """One interleaved round: per provider, the median of ``repeats`` calls (seconds)."""
+    ts = {"stock": [], "core": [], "python": []}
+    providers = (("stock", stock, True),) + ((("core", slim, True),) if with_core else ()) + (
+        ("python", slim, False),)
+    for _ in range(repeats):
+        for key, m, core in providers:
+            with contextlib.nullcontext() if core else csrc.disabled():
+                t = time.perf_counter()
+                _step(m, x, keep)
+                ts[key].append(time.perf_counter() - t)
+    return {k: (statistics.median(v) if v else float("nan")) for k, v in ts.items()}
+
+
+def measure(repeats: int, rounds: int = 1, with_core: bool = True, only=None):
     rows = []
-    for name, stock, make_x, x_grad in _cases():
-        slim = slimgrad.convert(copy.deepcopy(stock))
+    cases = ((*c, None) for c in _cases()) if with_core else _python_path_cases()
+    for name, stock, make_x, x_grad, policy in cases:
+        if only and not any(o.lower() in name.lower() for o in only):
+            continue
+        slim = _convert(stock, policy)
         keep = "consumer keeps" in name
         x = make_x().requires_grad_(x_grad)
         for m in (stock, slim):
             for _ in range(20):  # warm-up (and the ReLU learns that its output is kept)
-                _step(m, x, keep)
-        ts = {"stock": [], "core": [], "python": []}
-        providers = (("stock", stock, True), ("core", slim, True), ("python", slim, False))
-        for _ in range(repeats):
-            for key, m, core in providers:
-                with contextlib.nullcontext() if core else csrc.disabled():
-                    t = time.perf_counter()
+                with contextlib.nullcontext() if with_core else csrc.disabled():
                     _step(m, x, keep)
-                    ts[key].append(time.perf_counter() - t)
-        rows.append((name, *(statistics.median(ts[k]) * 1e6 for k in ("stock", "core", "python"))))
+        per_round = [_round(stock, slim, x, keep, repeats, with_core) for _ in range(rounds)]
+        rows.append((name, *(statistics.median(r[k] for r in per_round) * 1e6 for k in ("stock", "core", "python"))))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the median of their medians")
+    parser.add_argument("--core", choices=("on", "off"), default="on",
+                        help="off: stock against the Python path only, on the rows CUDA runs in Python")
+    parser.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    rows = measure(args.repeats)
+    only = [o for o in args.only.split(",") if o]
+    rows = measure(args.repeats, args.rounds, args.core == "on", only)
+    if args.core == "off":
+        print(f"`OMP_NUM_THREADS=1 python benchmarks/call_overhead.py --core off --repeats {args.repeats} "
+              f"--rounds {args.rounds}` — torch {torch.__version__}, {platform.machine()}, "
+              f"{torch.get_num_threads()} thread(s); median of {args.rounds} rounds of {args.repeats} interleaved "
+              f"calls. The Python path (core disabled), as CUDA runs it.\n")
+        print("| layer | stock µs | Python path µs | overhead µs |")
+        print("|---|---:|---:|---:|")
+        for name, s, _, p in rows:
+            print(f"| {name} | {s:.1f} | {p:.1f} | {p - s:+.1f} |")
+        return
     status = csrc.status()
     core_note = "loaded" if status["loaded"] else f"unavailable ({status['reason']})"
     lines = [
