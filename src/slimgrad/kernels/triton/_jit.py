@@ -31,6 +31,9 @@ class _Deferred:
         self._compiled = {}
 
     def __getitem__(self, grid):
+        return _Launch(self, grid)
+
+    def compiled(self):
         interpret = triton_interpreting()
         kernel = self._compiled.get(interpret)
         if kernel is None:
@@ -39,7 +42,34 @@ class _Deferred:
             if interpret:
                 _check_interpreter()
             kernel = self._compiled[interpret] = triton.jit(self.fn)
-        return kernel[grid]
+        return kernel
+
+
+class _Launch:
+    """One launch of a deferred kernel, skipped where an argument is a fake tensor.
+
+    Why: ``slimgrad.estimate`` runs the step on fake tensors (shapes, no data) and its allocator simulation
+    counts what the wrappers allocate around the launches (outputs, partial sums); a kernel has nothing to compute
+    there. So a simulated step runs each family's Triton wrapper as the real step does, allocations in the same
+    order, instead of the torch reference, whose transients differ (:func:`slimgrad.kernels.registry.choose`)."""
+
+    __slots__ = ("deferred", "grid")
+
+    def __init__(self, deferred, grid):
+        self.deferred = deferred
+        self.grid = grid
+
+    def __call__(self, *args, **kwargs):
+        for a in args:
+            if type(a) is not torch.Tensor and isinstance(a, torch.Tensor) and _is_fake(a):
+                return None
+        return self.deferred.compiled()[self.grid](*args, **kwargs)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _check_interpreter() -> None:
