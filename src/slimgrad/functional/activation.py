@@ -32,6 +32,7 @@ consumer keeps the output.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -161,6 +162,16 @@ def _outputs(input, out, packed, vmappable: bool):
 
 
 _traced_inplace_on_view = _common.traced_inplace_on_view
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _eager() -> bool:
+    """Whether ``_common.Function.apply`` takes its eager branch (not traced, no torch.func transform): there a
+    module's forward calls torch's C apply itself, as that branch does, without its generic argument handling
+    (~1 µs a call; the one tensor argument is unwrapped where it is a functorch wrapper that outlived its
+    transform, as ``unwrap_dead_wrappers`` does)."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 
 def _keeps_mask(negative_slope, inplace: bool, keep_output: bool) -> bool:
@@ -226,7 +237,9 @@ class _ReLUFunction(_common.Function):
             ctx.mode = _REFUSE
             return
         planar = torch.compiler.is_compiling()
-        ctx.x_strides = None if vmappable or planar else _stock_operand_strides(input, relu, inplace)
+        # x's strides, from which backward works out stock's gradient layout (_stock_grad_strides)
+        ctx.x_strides = None if vmappable or planar else input.stride()
+        ctx.result_operand = relu and not inplace
         if not keeps_mask:
             ctx.mode = _OUTPUT
             ctx.save_for_backward(out)
@@ -249,9 +262,9 @@ class _ReLUFunction(_common.Function):
             raise RuntimeError(_NEGATIVE_INPLACE)
         gi = _input_grad(ctx, grad)
         if ctx.x_strides is not None:
-            # Stock's threshold_backward(grad, result) / leaky_relu_backward(grad, x): TensorIterator takes
-            # the result or x first, so its layout leads and the gradient's breaks ties (size-1 dimensions).
-            gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), ctx.x_strides, grad.stride()))
+            strides = (_stock_grad_strides if torch.compiler.is_compiling() else _cached_stock_grad_strides)(
+                grad.shape, ctx.x_strides, grad.stride(), ctx.result_operand)
+            gi = _layout.conform(gi, strides)
         return gi, None, None, None, None, None
 
     @staticmethod
@@ -284,12 +297,16 @@ def _finish_activation(input, out, inplace, use):
     return out
 
 
-def _stock_operand_strides(input, relu, inplace):
-    """The strides of the tensor stock's backward reads: relu's result (out of place, a new tensor with the
-    unary op's layout), else x itself."""
-    if relu and not inplace:
-        return _layout.binary_strides(tuple(input.shape), input.stride(), input.stride())
-    return tuple(input.stride())
+def _stock_grad_strides(shape, x_strides, grad_strides, result_operand: bool):
+    """The strides of stock's input gradient (``threshold_backward(grad, result)`` / ``leaky_relu_backward(grad,
+    x)``: TensorIterator takes the result or x first, so its layout leads and the gradient's breaks ties, size-1
+    dimensions), from x's strides; ``result_operand``: stock reads relu's out-of-place result, laid out as the unary
+    op lays it. One cached call in eager: the same inputs come back every step."""
+    operand = _layout.binary_strides(shape, x_strides, x_strides) if result_operand else x_strides
+    return _layout.binary_strides(shape, operand, grad_strides)
+
+
+_cached_stock_grad_strides = functools.lru_cache(maxsize=1024)(_stock_grad_strides)
 
 
 def _input_grad(ctx, grad):
@@ -410,16 +427,21 @@ def _module_forward(module, input, negative_slope):
     rule in ``_common``."""
     keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
     if not keep_output and type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
-        # The compiled core's common case in one call, with the producer's bookkeeping made lazy (LazyUseCell).
+        # The common case in one call, with the producer's bookkeeping made lazy (LazyUseCell): the compiled core,
+        # else, in eager, the Python Function (CUDA's path, where the core does not serve).
+        inplace = bool(module.inplace)
+        if inplace and input.is_leaf:
+            raise RuntimeError(_LEAF_INPLACE)
         core = csrc.for_eager(input)
         if core is not None:
-            inplace = bool(module.inplace)
-            if inplace and input.is_leaf:
-                raise RuntimeError(_LEAF_INPLACE)
             out = core.relu_mask_apply(input, negative_slope, inplace, False)
             if out is not None:
                 mark_producer(out, LazyUseCell(module, out.grad_fn))
                 return out
+        if _eager():
+            out = _C_APPLY(_ReLUFunction, _unwrap_if_dead(input), negative_slope, inplace, False, None, False)
+            mark_producer(out, LazyUseCell(module, out.grad_fn))
+            return out
     cell = UseCell()
     if (
         keep_output
