@@ -51,12 +51,15 @@ from slimgrad import csrc
 from slimgrad.functional import _common, _layout, _shared_masks
 from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
 from slimgrad.functional.activation import (
+    _C_APPLY,
     _PENDING,
     LazyUseCell,
+    _eager,
     _finish_activation,
     _LearnHook,
     _outputs,
     _traced_inplace_on_view,
+    _unwrap_if_dead,
 )
 from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import range_mask
@@ -385,19 +388,26 @@ def module_forward(module, input, kind, lo, hi=None, value=None):
     during the previous step (the producer/consumer rule in ``_common``)."""
     keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
     if not keep_output and type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
-        # The compiled core's common case in one call, with the producer's bookkeeping made lazy
-        # (activation.LazyUseCell: the learning hook is registered only if a consumer keeps the output).
+        # The common case in one call, with the producer's bookkeeping made lazy (activation.LazyUseCell: the
+        # learning hook is registered only if a consumer keeps the output): the compiled core, else, in eager,
+        # the Python Function (CUDA's path, where the core does not serve).
+        inplace = bool(module.inplace)
+        if inplace and input.is_leaf:
+            raise RuntimeError(_LEAF_INPLACE)
         core = csrc.for_eager(input)
         if core is not None:
-            inplace = bool(module.inplace)
-            if inplace and input.is_leaf:
-                raise RuntimeError(_LEAF_INPLACE)
             out = core.range_mask_apply(input, _KINDS[kind], lo, 0.0 if hi is None else hi,
                                         0.0 if value is None else value, inplace, False)
             if out is not None:
                 if output_can_stand_in(kind, lo, hi, value, input.dtype):
                     mark_producer(out, LazyUseCell(module, out.grad_fn))
                 return out
+        if _eager():
+            out = _C_APPLY(RangeMaskFunction, _unwrap_if_dead(input), kind, lo, hi, value, inplace, False, None,
+                           False)
+            if output_can_stand_in(kind, lo, hi, value, input.dtype):
+                mark_producer(out, LazyUseCell(module, out.grad_fn))
+            return out
     cell = UseCell()
     out = apply(input, kind, lo, hi, value, module.inplace, keep_output, use=(module, cell),
                 fn=type(module).__name__)
