@@ -23,6 +23,7 @@ and other devices run the Python Function, the reference the core is tested agai
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from slimgrad import csrc
@@ -92,8 +93,43 @@ def _stat_dtype(input: torch.Tensor, running_mean: torch.Tensor | None) -> torch
     return input.dtype if running_mean is None else running_mean.dtype
 
 
+def _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps) -> bool:
+    """Whether stock's ``torch.batch_norm`` runs cuDNN for these arguments (aten's own selector decides; it
+    needs the weight and bias, and reads only whether the running statistics are defined)."""
+    if weight is None or bias is None:
+        return False
+    running_mean = weight if running_mean is None else running_mean
+    running_var = weight if running_var is None else running_var
+    backend = torch._C._select_batch_norm_backend(input, weight, bias, running_mean, running_var, training, eps)
+    return backend == torch._C._BatchNormBackend.Cudnn
+
+
+def _cudnn_forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``cudnn_batch_norm`` on the operands ``_batch_norm_impl_index`` hands it (the same copies, if any)."""
+    memory_format = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
+    return _aten.cudnn_batch_norm(
+        input.contiguous(memory_format=memory_format), weight.contiguous(), bias.contiguous(),
+        None if running_mean is None else running_mean.contiguous(),
+        None if running_var is None else running_var.contiguous(), training, momentum, eps,
+    )
+
+
+def _cudnn_grad_bias(grad_out, ctx, _x, weight, _bias, running_mean, running_var, save_mean, save_invstd, reserve):
+    """dB = sum(dY) from stock's kernel, ``cudnn_batch_norm_backward`` (which computes dX and dW as well, as it
+    does for stock). Its x operand is dY itself, laid out as stock lays x out for it: dB does not read x, and
+    dX/dW, which do, are dropped."""
+    grad_out = grad_out.contiguous(memory_format=ctx.cudnn_format)
+    return _aten.cudnn_batch_norm_backward(grad_out, grad_out, weight, running_mean, running_var, save_mean,
+                                           save_invstd, ctx.eps, reserve)[2]
+
+
 class BatchNormFunction(_common.Function):
     """``native_batch_norm`` with a backward that keeps x only where a requested gradient reads it.
+
+    On CUDA, where stock's ``torch.batch_norm`` picks cuDNN (aten's selector, asked with the same arguments),
+    forward runs ``cudnn_batch_norm`` instead, on the operands stock hands it: native's reductions and affine step
+    round differently (scripts/gpu_stock_diff.py). Evaluation's backward is ``native_batch_norm_backward`` there
+    too (stock's derivative for cuDNN in evaluation); training's (only dB reaches it) is ``cudnn_batch_norm_backward``.
 
     Running statistics are updated in place by the forward kernel, exactly as in stock. Double backward
     is refused (``once_differentiable``): stock's double backward needs x and the saved statistics in
@@ -109,14 +145,26 @@ class BatchNormFunction(_common.Function):
 
     @staticmethod
     def forward(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
+        if (input.is_cuda and not transformed and not torch.compiler.is_compiling()
+                and _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps)):
+            # Stock's kernel (cuDNN), so output, statistics and running statistics are stock's bits (traced, both
+            # decompose to the same ops; under torch.func stock runs native too). Training
+            # returns cuDNN's reserve as a fourth output: its backward (dB, the one gradient this Function
+            # computes in training without keeping x) reads it.
+            result = _cudnn_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
+            return result if training else result[0]
         result = _aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
         return result if training else result[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         input, weight, bias, running_mean, running_var, training, momentum, eps, transformed = inputs
+        reserve = None
         if training:
-            _, save_mean, save_invstd = output
+            save_mean, save_invstd = output[1], output[2]
+            if len(output) == 4:  # cuDNN's forward (CUDA), whose backward reads its reserve
+                reserve = output[3]
+                ctx.mark_non_differentiable(reserve)
             ctx.mark_non_differentiable(save_mean, save_invstd)
             # No zero gradients for the statistics (C-sized tensors made before each backward otherwise).
             ctx.set_materialize_grads(False)
@@ -142,6 +190,14 @@ class BatchNormFunction(_common.Function):
         if keep_x:
             _common.note_input_kept(input)
         bias_as_stats = training and not keep_x
+        # cuDNN's training backward (only dB is requested here) reads its own statistics and reserve: C-sized
+        # statistics, and a reserve cuDNN sizes for itself (stock keeps both, and x).
+        ctx.cudnn = reserve is not None
+        if ctx.cudnn:
+            # The layout cuDNN got x in (stock hands it dY in that layout).
+            ctx.cudnn_format = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
+            ctx.save_for_backward(None, weight, None, running_mean, running_var, save_mean, save_invstd, reserve)
+            return
         ctx.save_for_backward(
             input if keep_x else None,
             weight,
@@ -157,21 +213,32 @@ class BatchNormFunction(_common.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, *_grad_stats):
-        x, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.mask
         if not (need_x or need_w or need_b):
             return (None,) * 9
+        if ctx.cudnn:
+            return (None, None, _cudnn_grad_bias(grad_out, ctx, *ctx.saved_tensors)) + (None,) * 6
+        x, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
         standin = x is None
         # Evaluation, channels-last x, non-dense dY (e.g. ``sum().backward()``): stock's strided kernel
         # lays dX out like x, but fed a zero-stride stand-in it would lay it out contiguously. Compute dX
         # directly there (same rounding when the parameters have dY's dtype) instead of restriding it.
+        # On CUDA the stand-in would also turn stock's separate dX pass into the fused kernel where dB is
+        # requested: dX gets its own call there (the elementwise kernel stock runs), restrided.
         direct_dx = (
             need_x and standin and not ctx.training and ctx.x_format is not None
-            and not (ctx.x_dense and _dense(grad_out)) and running_var.dtype == grad_out.dtype
+            and not (ctx.x_dense and _dense(grad_out))
+            and (running_var.dtype == grad_out.dtype or not grad_out.is_cpu)
         )
         dx = dw = db = None
-        if direct_dx:
+        if direct_dx and grad_out.is_cpu:
             dx = _eval_grad_input(grad_out, weight, running_var, ctx.eps, ctx.x_shape, ctx.x_stride)
+        elif direct_dx:
+            empty = grad_out.new_empty(0, dtype=_stat_dtype(grad_out, running_mean))
+            dx = _aten.native_batch_norm_backward(
+                grad_out, _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense), weight,
+                running_mean, running_var, empty, empty, False, ctx.eps, [True, False, False],
+            )[0].contiguous(memory_format=ctx.x_format)
         if need_w or need_b or (need_x and not direct_dx):
             if standin:
                 x = _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense)
