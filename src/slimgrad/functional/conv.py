@@ -14,13 +14,15 @@ values it never reads (``_shape_carrier``: X while alive, a view of the gradient
 where stock holds X). A pointwise (1x1) convolution takes that route in every layout: there stock's kernel is
 faster than the transposed convolution (1.8x on a MobileNet shape at one thread), with the same bits.
 
-Eager CPU calls run the compiled core's ``conv_forward`` (``csrc/conv.cpp``): one C++ autograd Function with
-these same decisions, which costs about what stock's convolution costs per call, where the Python Function and
-slimgrad's per-call checks cost tens of microseconds more. The options that do not change between calls are
-made into the core's ``conv_Cfg`` once (cached on the module, or per option tuple for the functional form); a
-call does a few checks and one call. Zero padding only, no autocast, batched input, plain tensors: everything
-else (padding modes, an asymmetric ``padding='same'``, autocast, torch.compile, torch.func, subclasses, other
-devices) runs the Python Function below, the reference the core is tested against bit for bit.
+Eager CPU and CUDA calls run the compiled core's ``conv_forward`` (``csrc/conv.cpp``): one C++ autograd Function
+with these same decisions, which costs about what stock's convolution costs per call, where the Python Function
+and slimgrad's per-call checks cost tens of microseconds more (on CUDA that host time was the whole of a
+host-bound step's excess over stock). Its ops are aten's, dispatched on the tensors' device, so on CUDA it runs
+the cuDNN calls the Python Function runs, in the same order (``SLIMGRAD_CORE_CUDA=0`` leaves CUDA to the Python
+Function). The options that do not change between calls are made into the core's ``conv_Cfg`` once (cached on
+the module, or per option tuple for the functional form); a call does a few checks and one call. Batched input,
+no autocast, plain tensors: everything else (autocast, an unbatched input, torch.compile, torch.func, subclasses,
+other devices) runs the Python Function below, the reference the core is tested against bit for bit.
 
 With a padding mode under autocast the Function mirrors stock's order of operations (the pad in autocast's
 fp32 where stock's runs there, then the cast), and keeps X cast to autocast's dtype rather than X; a padded X
@@ -476,7 +478,7 @@ def conv_nd(
 
     Where stock keeps what we would keep (the weight trains, no explicit padding), stock's functional
     runs directly: no Function, no bookkeeping beyond noting that X is kept."""
-    core = csrc.for_eager(x)
+    core = csrc.for_eager(x, cuda=True)
     if core is not None:
         cfg = _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, groups, nd, transposed,
                                    output_padding, padding_mode, fn)
@@ -716,7 +718,7 @@ def _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, group
     """``conv_nd``'s core route: the cached ``conv_Cfg`` where the core serves this call, else None (the Python
     path then runs, and raises where the arguments are wrong)."""
     if (type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN) or x.dim() != nd + 2
-            or weight.dim() != nd + 2 or torch.is_autocast_enabled("cpu")):
+            or weight.dim() != nd + 2 or torch.is_autocast_enabled(x.device.type)):
         return None
     try:
         key = (nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode,

@@ -17,8 +17,10 @@ Eager CPU calls (no autocast, dropout policy "bits", the default there) run the 
 (:mod:`slimgrad.csrc`, ``csrc/lora.cpp``): one C++ autograd Function per call, this Function's forward and
 backward op for op through aten (same matmuls, casts and sums, so the same bits), the adapters' dropout drawn by
 stock's call and applied and packed in one pass (``csrc/dropout.cpp``), saving exactly what this Function saves.
-The Python Function stays for torch.compile, torch.func, autocast, the "seed" policy, other devices and a core
-that is off or unbuilt, and is the reference the core is tested against.
+Eager CUDA calls whose adapters do not drop (p 0, eval, or 1) run it too: there it is aten's ops alone,
+dispatched to CUDA, without the Python Function's per-call host cost (``SLIMGRAD_CORE_CUDA=0`` turns that off).
+The Python Function stays for torch.compile, torch.func, autocast, the "seed" policy (CUDA's default: dropout on
+CUDA), other devices and a core that is off or unbuilt, and is the reference the core is tested against.
 
 The forward runs PEFT's own ops in PEFT's order (``F.linear`` / ``addmm``, the same casts, the same
 left-to-right sum), so outputs are bitwise PEFT's. Backward runs the matrix products autograd runs for
@@ -383,15 +385,18 @@ _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _core(x, tensors, ps, policy):
-    """The compiled core when this call may run it: eager, plain CPU tensors of float dtypes, no autocast, and
-    the adapters' dropout (if any) kept as bits."""
-    core = csrc.for_eager(x)
-    if core is None or torch.is_autocast_enabled("cpu"):
+    """The compiled core when this call may run it: eager, plain tensors of float dtypes on x's device, no
+    autocast, and the adapters' dropout (if any) kept as bits on CPU. On CUDA only adapters that do not drop
+    (p 0 or 1: aten's ops alone) run it: its dropout draws and packs with CPU loops, and CUDA's default policy,
+    "seed", is the Python Function's (Triton's counter-based kernel)."""
+    core = csrc.for_eager(x, cuda=True)
+    if core is None or torch.is_autocast_enabled(x.device.type):
         return None
-    if any(0 < p < 1 for p in ps) and resolve_policy(policy, x.device) != "bits":
+    if any(0 < p < 1 for p in ps) and (not x.is_cpu or resolve_policy(policy, x.device) != "bits"):
         return None
+    device = x.device
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or t.device.type != "cpu" or t.dtype not in _CORE_DTYPES):
+        if t is not None and (type(t) not in _PLAIN or t.device != device or t.dtype not in _CORE_DTYPES):
             return None
     return core
 

@@ -20,7 +20,8 @@ torch.compile, torch.func, other devices, 3-d pooling under autocast, empty inpu
 errors stock's kernels word) and a core that is off (``SLIMGRAD_CORE=0``) or unbuilt; it is the reference the
 core is tested against bit for bit. Average pooling keeps nothing for backward either way; its core Function
 (``csrc/avg_pool.cpp``: stock's kernels, a stand-in input in backward) removes the Python Function's per-call
-cost (measured about 45 us a call, 2x stock's fwd+bwd on small tensors).
+cost (measured about 45 us a call, 2x stock's fwd+bwd on small tensors). Being aten's ops alone, it serves CUDA
+tensors as well (``SLIMGRAD_CORE_CUDA=0``: the Python Function there).
 """
 
 from __future__ import annotations
@@ -493,10 +494,11 @@ def core_avg_pool(nd, input, options):
     """One call into the compiled core when this eager call may take it, else None (the caller then runs the
     Python path, which also raises stock's error for arguments aten rejects inside the call)."""
     if (options is None or not input.requires_grad or not torch.is_grad_enabled()
-            or (core := csrc.for_eager(input)) is None):
+            or (core := csrc.for_eager(input, cuda=True)) is None):
         return None
-    if nd == 3 and input.dtype not in (torch.float32, torch.float64) and _common.autocast_enabled("cpu"):
-        return None
+    if (nd == 3 and input.dtype not in (torch.float32, torch.float64)
+            and _common.autocast_enabled(input.device.type)):
+        return None  # the Python path's cast (_fp32_under_autocast)
     try:
         return core.avg_pool_apply(input, options)
     except Exception:  # noqa: BLE001 - rejected by aten: the Python Function raises it in stock's words

@@ -124,11 +124,12 @@ def _hooked(module: nn.Module) -> bool:
 
 def _core_forward(self: LoraLinear, x: torch.Tensor):
     """The compiled core's call (one C++ autograd Function, :mod:`slimgrad.functional.lora`) for an eager CPU
-    plain-LoRA forward, after the checks of the path below read straight from the module's ``__dict__``; None
-    where anything is unusual (the checked path decides then). Whether the base layer is supported is cached in
-    the module's ``__dict__`` per base layer type."""
-    core = csrc.for_eager(x)
-    if core is None or torch.is_autocast_enabled("cpu"):
+    plain-LoRA forward, or a CUDA one whose adapters do not drop (the core's dropout is CPU loops), after the
+    checks of the path below read straight from the module's ``__dict__``; None where anything is unusual (the
+    checked path decides then). Whether the base layer is supported is cached in the module's ``__dict__`` per
+    base layer type."""
+    core = csrc.for_eager(x, cuda=True)
+    if core is None or torch.is_autocast_enabled(x.device.type):
         return None
     d = self.__dict__
     if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or not _CHECK.still_known():
@@ -141,7 +142,8 @@ def _core_forward(self: LoraLinear, x: torch.Tensor):
     if not plan[1] or _hooked(base):
         return None
     weight, bias = base._parameters["weight"], base._parameters.get("bias")
-    if type(weight) not in _PLAIN or not weight.is_cpu or weight.dtype not in _FLOATS:
+    device = x.device
+    if type(weight) not in _PLAIN or weight.device != device or weight.dtype not in _FLOATS:
         return None
     lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
     scaling = d["scaling"]
@@ -162,7 +164,7 @@ def _core_forward(self: LoraLinear, x: torch.Tensor):
         if p is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
             return None
         dtype = A.dtype if dtype is None else dtype
-        if A.dtype != dtype or B.dtype != dtype or not A.is_cpu or not B.is_cpu:
+        if A.dtype != dtype or B.dtype != dtype or A.device != device or B.device != device:
             return None
         bb = b._parameters.get("bias")
         tensors += [A, B, bb]
@@ -170,7 +172,7 @@ def _core_forward(self: LoraLinear, x: torch.Tensor):
         ps.append(float(p))
         adapters.append((A, B, bb))
     cast = d.get("cast_input_dtype_enabled", True)
-    if any(0 < p < 1 for p in ps) and resolve_policy(d.get(POLICY_ATTRIBUTE), x.device) != "bits":
+    if any(0 < p < 1 for p in ps) and (not x.is_cpu or resolve_policy(d.get(POLICY_ATTRIBUTE), x.device) != "bits"):
         return None
     if not any(p > 0 for p in ps) and not (cast and adapters and x.dtype != dtype):
         # no dropout, no cast: stock's ops (what stock keeps is what we would keep), as lora_linear runs them

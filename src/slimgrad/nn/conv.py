@@ -1,7 +1,7 @@
 """Drop-in convolution modules: the stock classes with a forward that keeps only what the requested
 gradients need (see :mod:`slimgrad.functional.conv`). Constructor, parameters and state are stock's.
 
-Eager CPU calls go to the compiled core in one call: the core's options object (``conv_Cfg``) is made once per
+Eager CPU and CUDA calls go to the compiled core in one call: the core's options object (``conv_Cfg``) is made once per
 module and kept in the module's ``__dict__`` (with the option objects it was made from, so that a changed
 ``stride``/``padding``/... is noticed), and a call checks the input's kind, autocast and grad mode before it.
 """
@@ -85,9 +85,9 @@ def _core_cfg(self, core, weight, nd: int, transposed: bool):
 
 def _core_call(self, input, weight, bias, nd: int, transposed: bool):
     """The core's convolution where it serves this call (else None)."""
-    core = csrc.for_eager(input)
+    core = csrc.for_eager(input, cuda=True)
     if (core is None or input.dim() != nd + 2 or type(weight) not in _PLAIN
-            or (bias is not None and type(bias) not in _PLAIN) or torch.is_autocast_enabled("cpu")):
+            or (bias is not None and type(bias) not in _PLAIN) or torch.is_autocast_enabled(input.device.type)):
         return None
     cfg = _core_cfg(self, core, weight, nd, transposed)
     if cfg is None:

@@ -1,0 +1,445 @@
+"""CUDA only (skipped elsewhere): the compiled core on CUDA tensors (issue 22) against the Python path on CUDA.
+
+The core serves CUDA tensors for the families whose C++ is aten's ops alone: convolution, batch norm, average
+pooling and LoRA linear whose adapters do not drop (``csrc.for_eager(x, cuda=True)``). For each, on independent
+copies, the core and the Python path (``csrc.disabled()``) give the same output, every requested gradient bit for
+bit (strides too) and the same saved bytes, and the core really ran where it serves the call (its node is the C++
+Function's, ``CppNode<slimgrad::...>``) and did not where it must not (dropping LoRA adapters, 3-d pooling under
+autocast, ``SLIMGRAD_CORE_CUDA=0``).
+
+cuDNN runs in its deterministic mode here, and the pooling shapes avoid CUDA's atomic backward kernels (adaptive
+pooling with non-divisible sizes, overlapping 3-d windows): with atomics two runs of the same kernel can round
+differently, which says nothing about the core.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tests._util import assert_same, grad_combos, saved_bytes, slim_copy
+from torch import nn
+
+import slimgrad
+import slimgrad.functional.conv as sf
+import slimgrad.nn.batchnorm  # noqa: F401  (registers the replacements)
+import slimgrad.nn.conv  # noqa: F401
+import slimgrad.nn.pooling  # noqa: F401
+from slimgrad import csrc
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(torch.cuda.is_available() and csrc.core() is None,
+                       reason="the compiled core is unavailable (see `python -m slimgrad kernels`)"),
+    pytest.mark.skipif(not csrc.status()["cuda"], reason="SLIMGRAD_CORE_CUDA=0: the core serves CPU tensors only"),
+]
+DEVICE = "cuda"
+LOW = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_cudnn():
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+def _node(out) -> str:
+    return out.grad_fn.name() if out.grad_fn is not None else ""
+
+
+def _ran_core(out, family: str) -> bool:
+    name = _node(out)
+    return "CppNode<slimgrad::" in name and family in name
+
+
+def _flags_id(flags) -> str:
+    return "".join(str(int(f)) for f in flags)
+
+
+def _grad_like(out: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return g.to(device=out.device, dtype=out.dtype)
+
+
+def _step(module, x, rx, core: bool):
+    """Forward and backward on a clone of x (its layout kept): (output, x.grad, saved bytes of a second forward)."""
+    xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_(rx)
+    with csrc.disabled() if not core else _null():
+        out = module(xi)
+        if out.requires_grad:
+            out.backward(_grad_like(out))
+        kept = saved_bytes(module, x.detach().clone(memory_format=torch.preserve_format).requires_grad_(rx))
+    return out, xi.grad, kept
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _core_vs_python(stock: nn.Module, x: torch.Tensor, rx: bool, family: str, expect_core: bool):
+    """The converted module on two independent copies, core on and off: every tensor and byte count equal."""
+    core_m, py_m = slim_copy(stock), slim_copy(stock)
+    o_c, dx_c, kept_c = _step(core_m, x, rx, True)
+    o_p, dx_p, kept_p = _step(py_m, x, rx, False)
+    assert_same(o_c, o_p, what="output core/python")
+    assert o_c.stride() == o_p.stride(), "output strides core/python"
+    assert_same(dx_c, dx_p, what="input grad core/python")
+    if dx_c is not None:
+        assert dx_c.stride() == dx_p.stride(), "input grad strides core/python"
+    for (name, a), b in zip(core_m.named_parameters(), py_m.parameters(), strict=True):
+        assert_same(a.grad, b.grad, what=f"{name}.grad core/python")
+    for (name, a), b in zip(core_m.named_buffers(), py_m.buffers(), strict=True):
+        assert_same(a, b, what=f"buffer {name} core/python")
+    assert kept_c == kept_p, f"saved bytes core {kept_c} != python {kept_p}"
+    if o_c.requires_grad:
+        assert _ran_core(o_c, family) == expect_core, (_node(o_c), expect_core)
+        assert "CppNode" not in _node(o_p), _node(o_p)
+    return o_c
+
+
+# ----------------------------------------------------------------------------------------------------- conv
+
+# (id, stock class, constructor kwargs, input shape)
+CONV = [
+    ("c1d", nn.Conv1d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=2, dilation=2),
+     (2, 4, 11)),
+    ("c2d", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1), (2, 4, 9, 8)),
+    ("c2d_1x1", nn.Conv2d, dict(in_channels=8, out_channels=4, kernel_size=1), (2, 8, 6, 7)),
+    ("c2d_depthwise", nn.Conv2d, dict(in_channels=4, out_channels=8, kernel_size=3, groups=4, padding=1),
+     (2, 4, 7, 8)),
+    ("c2d_same_even", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=(2, 4), padding="same",
+                                      dilation=(1, 3)), (2, 4, 7, 8)),
+    ("c2d_reflect", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=(1, 2),
+                                    padding_mode="reflect"), (2, 4, 7, 8)),
+    ("c2d_circular", nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=(2, 1),
+                                     padding_mode="circular"), (2, 4, 7, 8)),
+    ("c3d", nn.Conv3d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=(1, 2, 1), padding=1),
+     (2, 3, 5, 6, 7)),
+    ("c3d_replicate", nn.Conv3d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=1,
+                                      padding_mode="replicate"), (2, 3, 5, 6, 7)),
+    ("t2d", nn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1,
+                                     output_padding=1), (2, 4, 5, 6)),
+    ("t2d_1x1_groups", nn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=1, stride=2, groups=2),
+     (2, 4, 5, 6)),
+    ("t3d", nn.ConvTranspose3d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=(2, 1, 2), padding=1,
+                                     output_padding=(1, 0, 0)), (2, 3, 4, 5, 3)),
+]
+_CONV = {c[0]: c for c in CONV}
+
+
+def _conv_case(cid, flags, dtype, layout=None, weight_layout=None):
+    _, cls, kwargs, shape = _CONV[cid]
+    rx, rw, rb = flags
+    torch.manual_seed(0)
+    stock = cls(**kwargs).to(device=DEVICE, dtype=dtype)
+    if weight_layout is not None:
+        stock = stock.to(memory_format=weight_layout)
+    stock.weight.requires_grad_(rw)
+    if stock.bias is not None:
+        stock.bias.requires_grad_(rb)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device=DEVICE, dtype=dtype)
+    if layout is not None:
+        x = x.contiguous(memory_format=layout)
+    padded = kwargs.get("padding_mode", "zeros") != "zeros" or cid == "c2d_same_even"
+    # the core serves a frozen weight, or any weight with an explicit pad; a trainable weight without one runs
+    # stock's op (both paths: stock keeps what slimgrad would)
+    out = _core_vs_python(stock, x, rx, "Conv", expect_core=padded or not rw)
+    if layout is not None:
+        assert out.is_contiguous(memory_format=layout) == stock(x).is_contiguous(memory_format=layout)
+
+
+@pytest.mark.parametrize("flags", grad_combos(3), ids=_flags_id)
+@pytest.mark.parametrize("cid", list(_CONV))
+def test_conv_fp32_every_combo(cid, flags):
+    _conv_case(cid, flags, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("flags", [(True, False, False), (True, False, True), (False, False, True),
+                                   (True, True, True)], ids=_flags_id)
+@pytest.mark.parametrize("cid", list(_CONV))
+def test_conv_half_precision(cid, flags, dtype):
+    _conv_case(cid, flags, dtype)
+
+
+CL = ["c2d", "c2d_1x1", "c2d_depthwise", "c2d_same_even", "c2d_reflect", "c3d", "c3d_replicate", "t2d", "t3d"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("flags", [(True, False, False), (True, False, True), (False, True, True)], ids=_flags_id)
+@pytest.mark.parametrize("weight_cl", [False, True], ids=["w_contig", "w_cl"])
+@pytest.mark.parametrize("cid", CL)
+def test_conv_channels_last(cid, weight_cl, flags, dtype):
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}[len(_CONV[cid][3])]
+    _conv_case(cid, flags, dtype, layout=layout, weight_layout=layout if weight_cl else None)
+
+
+def test_conv_functional_and_autocast():
+    """The functional form runs the core on CUDA; under CUDA autocast the Python Function runs (no core)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 7, 8, device=DEVICE)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    b = torch.randn(6, device=DEVICE)
+    results = []
+    for core in (True, False):
+        xi, bi = x.clone().requires_grad_(), b.clone().requires_grad_()
+        with csrc.disabled() if not core else _null():
+            out = sf.conv2d(xi, w, bi, stride=2, padding=1)
+            out.backward(_grad_like(out))
+        assert _ran_core(out, "Conv") == core, _node(out)
+        results.append((out, xi.grad, bi.grad))
+    for a, b_ in zip(*results, strict=True):
+        assert_same(a, b_, what="functional conv core/python")
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = sf.conv2d(x.clone().requires_grad_(), w, None, padding=1)
+    assert out.dtype == torch.bfloat16 and not _ran_core(out, "Conv"), _node(out)
+
+
+# ----------------------------------------------------------------------------------------------- batch norm
+
+BN = [(nn.BatchNorm1d, (6, 4, 5)), (nn.BatchNorm2d, (4, 4, 5, 6)), (nn.BatchNorm3d, (2, 4, 3, 4, 5))]
+
+
+def _bn_case(cls, shape, flags, training, dtype, param_dtype=None, layout=None):
+    rx, rw, rb = flags
+    torch.manual_seed(0)
+    stock = cls(shape[1]).to(device=DEVICE, dtype=param_dtype or dtype)
+    with torch.no_grad():
+        stock.weight.normal_(1, 0.2)
+        stock.bias.normal_(0, 0.2)
+        stock.running_mean.normal_(0, 0.3)
+        stock.running_var.uniform_(0.5, 1.5)
+    stock.weight.requires_grad_(rw)
+    stock.bias.requires_grad_(rb)
+    stock.train(training)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device=DEVICE, dtype=dtype)
+    if layout is not None:
+        x = x.contiguous(memory_format=layout)
+    # slimgrad's batch_norm runs stock's functional where stock keeps what it would (a trainable weight, or batch
+    # statistics with x needing grad); the core (or the Python Function) elsewhere
+    expect_core = not rw and not (training and rx)
+    _core_vs_python(stock, x, rx, "BatchNorm", expect_core=expect_core)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("flags", grad_combos(3), ids=_flags_id)
+@pytest.mark.parametrize("cls,shape", BN, ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_batch_norm_fp32_every_combo(cls, shape, flags, training):
+    _bn_case(cls, shape, flags, training, torch.float32)
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.float32], ids=["same", "fp32_params"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("flags", [(True, False, False), (True, False, True), (False, False, True)],
+                         ids=_flags_id)
+def test_batch_norm_half_precision(flags, training, dtype, param_dtype):
+    _bn_case(nn.BatchNorm2d, (4, 4, 5, 6), flags, training, dtype, param_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("flags", [(True, False, False), (True, False, True), (False, False, True)],
+                         ids=_flags_id)
+def test_batch_norm_channels_last(flags, training, dtype):
+    _bn_case(nn.BatchNorm2d, (4, 4, 5, 6), flags, training, dtype, layout=torch.channels_last)
+
+
+def test_batch_norm_channels_last_eval_sum_backward():
+    """Evaluation, channels-last x, an expanded dY (``out.sum().backward()``): the direct dX of both paths."""
+    torch.manual_seed(0)
+    stock = nn.BatchNorm2d(4).to(DEVICE).eval().requires_grad_(False)
+    x = torch.randn(2, 4, 5, 6, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    grads = []
+    for core in (True, False):
+        m = slim_copy(stock)
+        xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
+        with csrc.disabled() if not core else _null():
+            out = m(xi)
+            out.sum().backward()
+        assert _ran_core(out, "BatchNorm") == core
+        grads.append(xi.grad)
+    assert_same(grads[0], grads[1], what="input grad core/python")
+    assert grads[0].stride() == grads[1].stride()
+
+
+# -------------------------------------------------------------------------------------------------- avg pool
+
+# (id, stock module, input shape); 3-d windows do not overlap and adaptive sizes divide the input's: CUDA's
+# backward kernels are atomic otherwise
+POOL = [
+    ("avg1d", nn.AvgPool1d(3, stride=2, padding=1), (2, 3, 9)),
+    ("avg2d", nn.AvgPool2d(3, stride=2, padding=1), (2, 3, 9, 8)),
+    ("avg2d_ceil_nopad", nn.AvgPool2d((2, 3), stride=(2, 1), ceil_mode=True, count_include_pad=False), (2, 3, 7, 8)),
+    ("avg2d_divisor", nn.AvgPool2d(2, divisor_override=3), (2, 3, 6, 8)),
+    ("avg3d", nn.AvgPool3d(2), (2, 3, 4, 6, 4)),
+    ("adaptive1d", nn.AdaptiveAvgPool1d(3), (2, 3, 9)),
+    ("adaptive2d", nn.AdaptiveAvgPool2d((3, 2)), (2, 3, 6, 8)),
+    ("adaptive3d", nn.AdaptiveAvgPool3d(2), (2, 3, 4, 6, 4)),
+]
+_POOL = {p[0]: p for p in POOL}
+
+
+def _pool_case(pid, dtype, layout=None, autocast=None):
+    _, stock, shape = _POOL[pid]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device=DEVICE, dtype=dtype)
+    if layout is not None:
+        x = x.contiguous(memory_format=layout)
+    expect_core = not (autocast is not None and len(shape) == 5 and dtype in LOW)  # the Python path's fp32 cast
+    with torch.autocast(DEVICE, dtype=autocast) if autocast is not None else _null():
+        _core_vs_python(stock, x, True, "AvgPool", expect_core=expect_core)
+        for rx in (False,):  # no gradient wanted: stock's op in both
+            _core_vs_python(stock, x, rx, "AvgPool", expect_core=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW], ids=str)
+@pytest.mark.parametrize("pid", list(_POOL))
+def test_avg_pool(pid, dtype):
+    _pool_case(pid, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pid", ["avg2d", "avg2d_ceil_nopad", "adaptive2d"])
+def test_avg_pool_channels_last(pid, dtype):
+    _pool_case(pid, dtype, layout=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pid", ["avg2d", "avg3d", "adaptive2d"])
+def test_avg_pool_under_autocast(pid, dtype):
+    _pool_case(pid, dtype, autocast=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------------ LoRA
+
+IN, OUT, R = 16, 12, 4
+
+
+def _peft_model(dtype, dropout):
+    peft = pytest.importorskip("peft")
+    from tests._util import OneLayer
+
+    torch.manual_seed(0)
+    layer = nn.Linear(IN, OUT)
+    with torch.no_grad():
+        for t in layer.parameters():
+            t.normal_(0, 0.3)
+    config = peft.LoraConfig(r=R, lora_alpha=8, target_modules=["proj"], lora_dropout=dropout,
+                             init_lora_weights=False)
+    return peft.get_peft_model(OneLayer(layer.to(dtype)), config).to(DEVICE)
+
+
+def _lora_layer(model):
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    return next(m for m in model.modules() if isinstance(m, LoraLinear))
+
+
+def _lora_step(model, x0, rx, core):
+    x = x0.clone().requires_grad_(rx)
+    for p in model.parameters():
+        p.grad = None
+    with csrc.disabled() if not core else _null():
+        out = model(x)
+        node = _node(out)
+        if out.requires_grad:
+            out.backward(_grad_like(out))
+        kept = saved_bytes(model, x0.clone().requires_grad_(rx))
+    return out, x.grad, [p.grad for p in model.parameters()], kept, node
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW], ids=str)
+@pytest.mark.parametrize("combo", grad_combos(4), ids=lambda c: "".join("xWAB"[i] if f else "-" for i, f in
+                                                                        enumerate(c)))
+@pytest.mark.parametrize("mode", ["no_dropout", "dropout_eval", "dropout_train"])
+def test_peft_lora(mode, combo, dtype):
+    """peft's LoRA on a bf16/fp16 base upcasts its adapters to fp32 (peft's default): the layer casts x, the
+    core's case; an fp32 base without dropout runs stock's ops (nothing to save). Dropout in training stays with
+    the Python Function on CUDA (the "seed" policy); in evaluation it is off and the core runs."""
+    rx, rw, ra, rb = combo
+    stock = _peft_model(dtype, 0.0 if mode == "no_dropout" else 0.25)
+    if mode == "dropout_eval":
+        stock.eval()
+    layer = _lora_layer(stock)
+    layer.base_layer.weight.requires_grad_(rw)
+    layer.base_layer.bias.requires_grad_(False)
+    layer.lora_A["default"].weight.requires_grad_(ra)
+    layer.lora_B["default"].weight.requires_grad_(rb)
+    core_m = slimgrad.convert(copy.deepcopy(stock))
+    py_m = slimgrad.convert(copy.deepcopy(stock))
+    x0 = torch.randn(3, 5, IN, generator=torch.Generator().manual_seed(2)).to(device=DEVICE, dtype=dtype)
+    torch.manual_seed(7)
+    c = _lora_step(core_m, x0, rx, True)
+    torch.manual_seed(7)
+    p = _lora_step(py_m, x0, rx, False)
+    assert_same(c[0], p[0], what="output core/python")
+    assert_same(c[1], p[1], what="x.grad core/python")
+    for a, b in zip(c[2], p[2], strict=True):
+        assert_same(a, b, what="parameter grad core/python")
+    assert c[3] == p[3], f"saved bytes core {c[3]} != python {p[3]}"
+    function_runs = dtype != torch.float32 or mode == "dropout_train"
+    if c[0].requires_grad and function_runs:
+        expect = mode != "dropout_train"
+        assert ("CppNode" in c[4] and "LoraLinearFunction" in c[4]) == expect, c[4]
+        assert "CppNode" not in p[4], p[4]
+
+
+def test_lora_functional_dropout_one_runs_the_core():
+    """p = 1 (aten's product with zero, no draw) runs the core on CUDA; 0 < p < 1 does not."""
+    from slimgrad.functional.lora import LoraAdapter, lora_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(4, IN, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(OUT, IN, device=DEVICE, dtype=torch.bfloat16)
+    a = LoraAdapter(torch.randn(R, IN, device=DEVICE).requires_grad_(), torch.randn(OUT, R, device=DEVICE), 0.5,
+                    1.0)
+    results = []
+    for core in (True, False):
+        xi = x.clone().requires_grad_()
+        A = a.A.detach().clone().requires_grad_()
+        with csrc.disabled() if not core else _null():
+            out = lora_linear(xi, w, None, [a._replace(A=A)])
+            out.backward(_grad_like(out))
+        assert ("CppNode" in _node(out)) == core, _node(out)
+        results.append((out, xi.grad, A.grad))
+    for u, v in zip(*results, strict=True):
+        assert_same(u, v, what="lora p=1 core/python")
+    out = lora_linear(x.clone().requires_grad_(), w, None, [a._replace(dropout=0.3)], dropout_policy="bits")
+    assert "CppNode" not in _node(out), _node(out)
+
+
+# ---------------------------------------------------------------------------------------------------- switch
+
+_SWITCH = """
+import torch, slimgrad
+from slimgrad import csrc
+from torch import nn
+conv = slimgrad.convert(nn.Conv2d(3, 4, 3).requires_grad_(False))
+names = []
+for device in ("cpu", "cuda"):
+    m = conv.to(device)
+    out = m(torch.randn(1, 3, 6, 6, device=device, requires_grad=True))
+    names.append(out.grad_fn.name())
+print(csrc.status()["cuda"], "CppNode" in names[0], "CppNode" in names[1])
+"""
+
+
+@pytest.mark.parametrize("value,expected", [("0", "False True False"), ("1", "True True True")])
+def test_env_switch(value, expected):
+    """``SLIMGRAD_CORE_CUDA=0`` keeps CUDA tensors on the Python path and CPU tensors on the core."""
+    env = dict(os.environ, SLIMGRAD_CORE_CUDA=value)
+    run = subprocess.run([sys.executable, "-c", _SWITCH], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == expected, run.stdout
