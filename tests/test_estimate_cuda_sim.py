@@ -273,13 +273,17 @@ def test_simulation_under_interpreter():
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
+#: one case per family the registry gives Triton on CUDA under the default preference (each kernel variant costs a
+#: compilation on a fresh GPU machine); torch-style RMSNorm and layer norm run aten's fused kernels there
+CUDA_CASES = ["max_pool2d", "relu", "gated_silu", "rms_llama", "fused_add_rms", "dropout_seed"]
+
+
 @cuda_only
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", CUDA_CASES)
 def test_cuda_simulated_step_allocates_what_the_triton_step_allocates(name):
-    """Under the default preference: where the registry prefers the torch code on CUDA (torch-style RMSNorm,
-    layer norm: aten's fused kernels), both steps run it, and the comparison still holds."""
     pytest.importorskip("triton")
     real, fake, ran, simulated, log_real, log_fake = _real_and_simulated(name, "cuda")
+    assert ran > 0, f"{name}: no Triton kernel ran in the real CUDA step"
     assert simulated == 0, f"{name}: {simulated} Triton launch(es) ran on fake tensors"
     assert fake == real, f"{name}: simulated {log_fake} != real {log_real}"
 
@@ -317,10 +321,13 @@ def _llama_lora(converted):
 
 def _measured_step_peak(model, args, kwargs) -> tuple[int, int]:
     """(peak during one forward + backward, bytes allocated at its start), from the caching allocator's records."""
+    import gc
+
     from slimgrad.audit import default_loss
 
     for p in model.parameters():
         p.grad = None
+    gc.collect()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
