@@ -443,3 +443,41 @@ def test_env_switch(value, expected):
     run = subprocess.run([sys.executable, "-c", _SWITCH], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == expected, run.stdout
+
+
+# ------------------------------------------------------------------------------------------- against stock
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("which", ["conv3x3", "conv1x1", "conv_transpose", "bn_eval", "avg_pool"])
+def test_core_vs_stock_on_cuda(which, layout, dtype):
+    """The core's output and input gradient against stock's on CUDA (frozen weights, x trains: the rows the core
+    serves in a host-bound step), bit for bit. Stock's batch norm runs cuDNN there, slimgrad's (core and Python
+    path alike) aten's native kernels; its convolution dX is the transposed convolution where stock runs cuDNN's
+    backward-data call. A failure here is the Python path's as well (the tests above), not the core's."""
+    torch.manual_seed(0)
+    stock = {"conv3x3": lambda: nn.Conv2d(8, 16, 3, padding=1), "conv1x1": lambda: nn.Conv2d(8, 16, 1),
+             "conv_transpose": lambda: nn.ConvTranspose2d(8, 4, 2, stride=2), "bn_eval": lambda: nn.BatchNorm2d(8),
+             "avg_pool": lambda: nn.AvgPool2d(3, stride=2, padding=1)}[which]()
+    stock = stock.to(device=DEVICE, dtype=dtype).eval().requires_grad_(False)
+    if which == "bn_eval":
+        with torch.no_grad():
+            stock.weight.normal_(1, 0.2)
+            stock.bias.normal_(0, 0.2)
+            stock.running_mean.normal_(0, 0.3)
+            stock.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(4, 8, 12, 10, generator=torch.Generator().manual_seed(2)).to(device=DEVICE, dtype=dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+        stock = stock.to(memory_format=torch.channels_last)
+    slim = slim_copy(stock)
+    results = []
+    for m in (slim, stock):
+        xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
+        out = m(xi)
+        out.backward(_grad_like(out))
+        results.append((out, xi.grad))
+    assert _ran_core(results[0][0], {"bn_eval": "BatchNorm", "avg_pool": "AvgPool"}.get(which, "Conv"))
+    assert_same(results[0][0], results[1][0], what=f"{which} output core/stock")
+    assert_same(results[0][1], results[1][1], what=f"{which} input grad core/stock")
+    assert results[0][1].stride() == results[1][1].stride(), "input grad strides core/stock"
