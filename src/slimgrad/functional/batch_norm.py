@@ -313,11 +313,14 @@ def batch_norm(
         _common.note_input_kept(input)
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                               momentum, eps)
-    # (CUDA too: the core's kernels are the Python Function's, native_batch_norm and its backward, not cuDNN's)
+    # (CUDA too: the core's kernels are native_batch_norm and its backward, not cuDNN's, so where stock runs cuDNN
+    # the Python Function does, as stock does)
     core = csrc.for_eager(input, cuda=True)
     if (core is not None and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE
             and type(running_mean) in _PLAIN_OR_NONE and type(running_var) in _PLAIN_OR_NONE
-            and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled(input.device.type)):
+            and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled(input.device.type)
+            and not (input.is_cuda
+                     and _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps))):
         _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
         return core.batch_norm_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
     if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
