@@ -14,10 +14,12 @@ stock computes. Where x was not kept, the kernel is handed a tensor with x's sha
 itself when both are dense (so the kernel takes exactly the code path it takes for stock), else a
 zero-stride stand-in (stock then takes the strided path too, as dY or x is not dense).
 
-Eager CPU calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++ autograd
-Function with these same decisions and aten's same kernels, at about stock's cost per call where the Python
-Function and its checks cost tens of microseconds more. Autocast, torch.compile, torch.func, tensor subclasses
-and other devices run the Python Function, the reference the core is tested against bit for bit.
+Eager CPU and CUDA calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++
+autograd Function with these same decisions and aten's same kernels, at about stock's cost per call where the
+Python Function and its checks cost tens of microseconds more. On CUDA both run aten's native kernels where stock's
+``F.batch_norm`` picks cuDNN's (tests/test_cuda_core.py compares the bits); ``SLIMGRAD_CORE_CUDA=0`` leaves CUDA
+to the Python Function. Autocast, torch.compile, torch.func, tensor subclasses and other devices run the Python
+Function, the reference the core is tested against bit for bit.
 """
 
 from __future__ import annotations
@@ -314,13 +316,15 @@ def batch_norm(
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                               momentum, eps)
     # (CUDA too: the core's kernels are native_batch_norm and its backward, not cuDNN's, so where stock runs cuDNN
-    # the Python Function does, as stock does)
+    # the Python Function does, as stock does; so does evaluation on a channels-last x, whose direct dX the core
+    # rounds as stock's CPU kernel does)
     core = csrc.for_eager(input, cuda=True)
     if (core is not None and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE
             and type(running_mean) in _PLAIN_OR_NONE and type(running_var) in _PLAIN_OR_NONE
             and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled(input.device.type)
-            and not (input.is_cuda
-                     and _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps))):
+            and not (input.is_cuda and ((not training and _channels_last_format(input) is not None)
+                                        or _stock_uses_cudnn(input, weight, bias, running_mean, running_var,
+                                                             training, eps)))):
         _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
         return core.batch_norm_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
     if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
