@@ -8,18 +8,21 @@ mode. But with x̂ = (x - mean) * invstd and y = x̂ * w + b:
 * evaluation (running statistics): dX = dY * w * invstd_running reads no input-sized tensor; dW reads x;
   dB reads nothing. So x is kept only when W needs a gradient.
 
-Backward always runs stock's own ``native_batch_norm_backward`` kernel, so every gradient is bitwise what
-stock computes. Where x was not kept, the kernel is handed a tensor with x's shape and strides whose
-*values* it only folds into the weight-gradient dot product, which is then not requested: a view of dY
-itself when both are dense (so the kernel takes exactly the code path it takes for stock), else a
-zero-stride stand-in (stock then takes the strided path too, as dY or x is not dense).
+Backward runs stock's own kernel (``native_batch_norm_backward``; on CUDA, in training where stock runs cuDNN,
+``cudnn_batch_norm_backward``), so every gradient is bitwise what stock computes. Where x was not kept, the
+kernel is handed a tensor with x's shape and strides whose *values* it only folds into the weight-gradient dot
+product, which is then not requested: a view of dY itself when both are dense (so the kernel takes exactly the
+code path it takes for stock), else a zero-stride stand-in (stock then takes the strided path too, as dY or x
+is not dense).
 
 Eager CPU and CUDA calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++
 autograd Function with these same decisions and aten's same kernels, at about stock's cost per call where the
-Python Function and its checks cost tens of microseconds more. On CUDA both run aten's native kernels where stock's
-``F.batch_norm`` picks cuDNN's (tests/test_cuda_core.py compares the bits); ``SLIMGRAD_CORE_CUDA=0`` leaves CUDA
-to the Python Function. Autocast, torch.compile, torch.func, tensor subclasses and other devices run the Python
-Function, the reference the core is tested against bit for bit.
+Python Function and its checks cost tens of microseconds more. On CUDA, where stock's ``F.batch_norm`` picks cuDNN
+(aten's selector, asked with the same arguments), the Python Function runs cuDNN as stock does and the core (aten's
+native kernels) stands aside, as it does for evaluation on a channels-last x (tests/test_cuda_exact.py compares
+the bits with stock); ``SLIMGRAD_CORE_CUDA=0`` leaves all of CUDA to the Python Function. Autocast,
+torch.compile, torch.func, tensor subclasses and other devices run the Python Function, the reference the core is
+tested against bit for bit.
 """
 
 from __future__ import annotations
