@@ -342,11 +342,23 @@ def batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
     _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
-    out = BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps, False)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        out = BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps, False)
+    else:
+        # _common.Function.apply's eager branch, called directly: its generic argument handling cost ~2 µs a call on
+        # the Python path (CUDA's where stock runs cuDNN). Tensors unwrapped as its unwrap_dead_wrappers does.
+        out = _C_APPLY(BatchNormFunction, _unwrap_if_dead(input), _unwrap(weight), _unwrap(bias),
+                       _unwrap(running_mean), _unwrap(running_var), training, momentum, eps, False)
     return out[0] if training else out
 
 
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _unwrap(t):
+    return t if t is None else _unwrap_if_dead(t)
 
 
 def _check_arguments(input, running_mean, running_var, weight, bias, training, eps) -> None:
