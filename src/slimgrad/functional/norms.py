@@ -411,8 +411,7 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
     if eps is None:
         eps = torch.finfo(_opmath(input.dtype)).eps
     impl = _rms_impl(input, weight, "torch", _numel(normalized_shape))
-    out = RMSNormFunction.apply(input, weight, eps, tuple(range(input.dim() - len(normalized_shape), input.dim())),
-                                "torch", impl)
+    out = _apply_rms(input, weight, eps, tuple(range(input.dim() - len(normalized_shape), input.dim())), "torch", impl)
     return out[0] if type(out) is tuple else out  # (out, rstd[, normed]), or stock's output under torch.func
 
 
@@ -437,9 +436,23 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
         raise RuntimeError(f"slimgrad: rms_norm_hf: argument 'input' must have the weight's size "
                            f"{weight.shape[0]} (the module's hidden size) as its last dim, got shape "
                            f"{tuple(input.shape)}")
-    out = RMSNormFunction.apply(input, weight, float(eps), (input.dim() - 1,), style,
-                                _rms_impl(input, weight, style, input.shape[-1]))
+    out = _apply_rms(input, weight, float(eps), (input.dim() - 1,), style, _rms_impl(input, weight, style,
+                                                                                  input.shape[-1]))
     return out[0] if type(out) is tuple else out
+
+
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _apply_rms(input, weight, eps, dims, style, impl):
+    """``RMSNormFunction.apply``; in eager its eager branch called directly (torch's C apply, the tensors unwrapped
+    as its ``unwrap_dead_wrappers`` does): the generic argument handling cost ~2 µs a call on the Python path,
+    which is CUDA's (the core serves CPU tensors)."""
+    if _is_compiling() or torch._C._are_functorch_transforms_active():
+        return RMSNormFunction.apply(input, weight, eps, dims, style, impl)
+    return _C_APPLY(RMSNormFunction, _unwrap_if_dead(input), None if weight is None else _unwrap_if_dead(weight),
+                    eps, dims, style, impl)
 
 
 # ---------------------------------------------------------------------------------------------------------
