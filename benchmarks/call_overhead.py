@@ -156,17 +156,21 @@ def _convert(stock, policy):
     return slimgrad.convert(copy.deepcopy(stock), **({} if policy is None else {"dropout": policy}))
 
 
+_CLOCK = time.perf_counter
+
+
 def _round(stock, slim, x, keep, repeats, with_core):
     """One interleaved round: per provider, the median of ``repeats`` calls (seconds)."""
+    clock = _CLOCK
     ts = {"stock": [], "core": [], "python": []}
     providers = (("stock", stock, True),) + ((("core", slim, True),) if with_core else ()) + (
         ("python", slim, False),)
     for _ in range(repeats):
         for key, m, core in providers:
             with contextlib.nullcontext() if core else csrc.disabled():
-                t = time.perf_counter()
+                t = clock()
                 _step(m, x, keep)
-                ts[key].append(time.perf_counter() - t)
+                ts[key].append(clock() - t)
     return {k: (statistics.median(v) if v else float("nan")) for k, v in ts.items()}
 
 
@@ -195,13 +199,17 @@ def main() -> None:
     parser.add_argument("--core", choices=("on", "off"), default="on",
                         help="off: stock against the Python path only, on the rows CUDA runs in Python")
     parser.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="thread: this thread's CPU time (steadier on a shared machine)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     only = [o for o in args.only.split(",") if o]
+    global _CLOCK
+    _CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     rows = measure(args.repeats, args.rounds, args.core == "on", only)
     if args.core == "off":
         print(f"`OMP_NUM_THREADS=1 python benchmarks/call_overhead.py --core off --repeats {args.repeats} "
-              f"--rounds {args.rounds}` — torch {torch.__version__}, {platform.machine()}, "
+              f"--rounds {args.rounds} --clock {args.clock}` — torch {torch.__version__}, {platform.machine()}, "
               f"{torch.get_num_threads()} thread(s); median of {args.rounds} rounds of {args.repeats} interleaved "
               f"calls. The Python path (core disabled), as CUDA runs it.\n")
         print("| layer | stock µs | Python path µs | overhead µs |")
