@@ -496,9 +496,8 @@ def core_avg_pool(nd, input, options):
     if (options is None or not input.requires_grad or not torch.is_grad_enabled()
             or (core := csrc.for_eager(input, cuda=True)) is None):
         return None
-    if (nd == 3 and input.dtype not in (torch.float32, torch.float64)
-            and _common.autocast_enabled(input.device.type)):
-        return None  # the Python path's cast (_fp32_under_autocast)
+    if nd == 3 and (_avg3d_autocast_dtype(input, False) is not None or _avg3d_autocast_dtype(input, True) is not None):
+        return None  # the Python path's cast (_apply_avg)
     try:
         return core.avg_pool_apply(input, options)
     except Exception:  # noqa: BLE001 - rejected by aten: the Python Function raises it in stock's words
@@ -511,9 +510,33 @@ def _core_avg(nd, input, adaptive, args):
     return None
 
 
+# (device type, autocast dtype, x's dtype, adaptive) -> the dtype stock's 3-d average pooling runs in under autocast
+_AVG3D_DTYPES: dict = {}
+
+
+def _avg3d_autocast_dtype(x: torch.Tensor, adaptive: bool) -> torch.dtype | None:
+    """The dtype stock's 3-d (adaptive) average pooling of ``x`` runs in under the current autocast, where it is not
+    x's own: CPU autocast's fp32 list holds avg_pool3d and adaptive_avg_pool3d, CUDA's neither (a cast there gave
+    an fp32 output where stock's is bf16). Asked of autocast itself, once per device type and dtypes, on a tiny
+    tensor: no list of ops to keep in step with torch."""
+    if (not x.is_floating_point() or x.dtype in (torch.float32, torch.float64)
+            or not _common.autocast_enabled(x.device.type)):
+        return None
+    key = (x.device.type, torch.get_autocast_dtype(x.device.type), x.dtype, adaptive)
+    dtype = _AVG3D_DTYPES.get(key)
+    if dtype is None:
+        probe = torch.zeros((1, 1, 2, 2, 2), dtype=x.dtype, device=x.device)
+        dtype = (F.adaptive_avg_pool3d(probe, 2) if adaptive else F.avg_pool3d(probe, 1)).dtype
+        if not torch.compiler.is_compiling():
+            _AVG3D_DTYPES[key] = dtype
+    return dtype if dtype != x.dtype else None
+
+
 def _apply_avg(nd, input, adaptive, options):
-    if nd == 3:
-        input = _fp32_under_autocast(input)
+    if nd == 3 and (dtype := _avg3d_autocast_dtype(input, adaptive)) is not None:
+        # cast like autocast does, outside our Function, so the cast's own backward (like stock's) turns the
+        # gradient back into x's dtype
+        input = input.to(dtype)
     with autocast_off(input.device.type):
         return AvgPoolFunction.apply(input, nd, adaptive, options, False)
 
