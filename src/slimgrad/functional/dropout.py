@@ -220,7 +220,9 @@ class _DropoutFunction(_common.Function):
             kept = _draw_seed(input.device)
             perm = _memory_order(input) if _dense(input) else None
             xc = _canonical(input, perm)
-            out = _finish(input, kernels.choose_seed(xc).forward(xc, p, kept, inplace), perm, inplace)
+            # backward regenerates the mask with this same kernel (_PENDING.seed_impl, kept by setup_context)
+            impl = _PENDING.seed_impl = kernels.choose_seed(xc)
+            out = _finish(input, impl.forward(xc, p, kept, inplace), perm, inplace)
         # In place: ``input`` itself (torch.compile checks that a dirty tensor is returned as the same object).
         if inplace and not torch.compiler.is_compiling():
             _PENDING.kept = kept
@@ -251,6 +253,7 @@ class _DropoutFunction(_common.Function):
         else:
             ctx.mode = _SEED
             ctx.perm = _memory_order(input) if _dense(input) else None
+            ctx.seed_impl, _PENDING.seed_impl = _PENDING.seed_impl, None
         if ctx.mode != _MASK:
             ctx.noise_strides = _layout.like_strides(input)  # stock's noise is empty_like(input)
             # ``kept`` never receives a gradient: no zero-filled one for backward (out's is always defined there)
@@ -277,7 +280,7 @@ class _DropoutFunction(_common.Function):
                 gi = bits_backward(grad, saved, ctx.perm, ctx.scale)
         else:
             g = _canonical(grad, ctx.perm)
-            gi = kernels.choose_seed(g).backward(g, ctx.p, saved)
+            gi = ctx.seed_impl.backward(g, ctx.p, saved)
             gi = gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))
         # Stock's gradient is ``grad * noise``: TensorIterator lays it out after grad first, then noise.
         gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), grad.stride(), ctx.noise_strides))
@@ -320,7 +323,12 @@ def _dropout_impl(input, p, training, inplace, policy=None):
         if inplace and _common.traced_inplace_on_view(input):
             # out of place, then copied into the view (the same values; the copy's backward is identity)
             return input.copy_(_DropoutFunction.apply(input, float(p), False, policy)[0])
-        out = _DropoutFunction.apply(input, float(p), bool(inplace), policy)
+        if torch.compiler.is_compiling():
+            out = _DropoutFunction.apply(input, float(p), bool(inplace), policy)
+            return out if type(out) is not tuple else out[0]
+        # Eager: _common.Function.apply's eager branch called directly (torch's C apply, the input unwrapped as its
+        # unwrap_dead_wrappers does), without its generic argument handling (the Python path is CUDA's).
+        out = _C_APPLY(_DropoutFunction, _unwrap_if_dead(input), float(p), bool(inplace), policy)
         return out if type(out) is not tuple else out[0]
     # No gradient: the same mask all the same (checkpoint recomputes this call with grad).
     if p == 1:
@@ -338,6 +346,8 @@ def _dropout_impl(input, p, training, inplace, policy=None):
     return _finish(input, kernels.choose_seed(xc).forward(xc, p, seed, inplace), perm, inplace)
 
 
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CORE_POLICIES = ("auto", "bits")  # on the CPU both are "bits"
 
