@@ -485,14 +485,17 @@ def test_env_switch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-@pytest.mark.parametrize("which", ["conv3x3", "conv1x1", "conv_transpose", "bn_eval", "avg_pool"])
+@pytest.mark.parametrize("which", ["conv3x3", "conv1x1", "conv_depthwise", "conv_transpose", "bn_eval", "avg_pool"])
 def test_core_vs_stock_on_cuda(which, layout, dtype):
     """The core's output and input gradient against stock's on CUDA (frozen weights, x trains: the rows the core
-    serves in a host-bound step), bit for bit. slimgrad's convolution dX is the transposed convolution where stock
-    runs cuDNN's backward-data call; its batch norm runs the core (aten's native kernels) only where stock's does
-    not pick cuDNN. A failure here is the Python path's as well (the tests above), not the core's."""
+    serves in a host-bound step), bit for bit. slimgrad's convolution dX (contiguous, kernel > 1x1) is the
+    transposed convolution where stock runs cuDNN's backward-data call (the same cuDNN operation), or, for a
+    depthwise fp32 convolution, aten's CUDA depthwise kernel (a different one: this case says whether they agree);
+    its batch norm runs the core (aten's native kernels) only where stock's does not pick cuDNN. A failure here is
+    the Python path's as well (the tests above), not the core's."""
     torch.manual_seed(0)
     stock = {"conv3x3": lambda: nn.Conv2d(8, 16, 3, padding=1), "conv1x1": lambda: nn.Conv2d(8, 16, 1),
+             "conv_depthwise": lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8),
              "conv_transpose": lambda: nn.ConvTranspose2d(8, 4, 2, stride=2), "bn_eval": lambda: nn.BatchNorm2d(8),
              "avg_pool": lambda: nn.AvgPool2d(3, stride=2, padding=1)}[which]()
     stock = stock.to(device=DEVICE, dtype=dtype).eval().requires_grad_(False)
