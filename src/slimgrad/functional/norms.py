@@ -194,7 +194,7 @@ class RMSNormFunction(_common.Function):
             return impl.forward(input, weight, eps, style, n)
         if style == "torch" and input.device.type in _FUSED_RMS_DEVICES and (weight is None
                                                                       or weight.dtype == input.dtype):
-            return _aten._fused_rms_norm(input, list(input.shape[dims[0]:]), weight, eps)
+            return torch._fused_rms_norm(input, list(input.shape[dims[0]:]), weight, eps)
         out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
         # The normalised input is what dW reads when dX is not requested; without a weight there is no dW.
         return (out, rstd, normed) if weight is not None else (out, rstd)
@@ -487,7 +487,7 @@ class LayerNormFunction(_common.Function):
     def forward(input, normalized_shape, weight, bias, eps, impl):
         if impl is not None:
             return impl.forward(input, weight, bias, eps, _numel(normalized_shape))
-        return _aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+        return torch.native_layer_norm(input, normalized_shape, weight, bias, eps)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -588,9 +588,9 @@ class GroupNormFunction(_common.Function):
     @staticmethod
     def forward(input, weight, bias, dims, eps):
         if input.is_contiguous():
-            return _aten.native_group_norm(input, weight, bias, *dims, eps)
+            return torch.native_group_norm(input, weight, bias, *dims, eps)
         input_c = input.contiguous(memory_format=_suggest_memory_format(input))
-        out = _aten.native_group_norm(input_c, weight, bias, *dims, eps)
+        out = torch.native_group_norm(input_c, weight, bias, *dims, eps)
         return out if input_c is input else (*out, input_c)
 
     @staticmethod
