@@ -80,17 +80,24 @@ def _masked_forward(input, slope, inplace):
     perm = _PENDING.perm = _memory_order(input)
     if perm is not None or input.is_contiguous():
         xc = input if perm is None else input.permute(perm)
-        out, packed = relu_mask.choose(xc).forward(xc, slope, inplace)
+        out, packed = _kernel(xc).forward(xc, slope, inplace)
         if inplace:
             return input, packed
         return (out if perm is None else out.permute(_inverse(perm))), packed
     # Not dense (a slice): the kernels take contiguous tensors, so work on a contiguous copy.
     xc = input.contiguous()
-    out, packed = relu_mask.choose(xc).forward(xc, slope, inplace)
+    out, packed = _kernel(xc).forward(xc, slope, inplace)
     if inplace:
         input.copy_(out)
         return input, packed
     return out, packed
+
+
+def _kernel(xc):
+    """The ``relu_mask`` kernel for an eager forward, parked in ``_PENDING.impl``: setup_context keeps it for backward
+    (one registry lookup less a call)."""
+    _PENDING.impl = impl = relu_mask.choose(xc)
+    return impl
 
 
 def _vmappable_masked_forward(input, slope):
@@ -254,6 +261,7 @@ class _ReLUFunction(_common.Function):
                 ctx.order = _bitmask.planar_layout(input)
             else:
                 ctx.perm = _PENDING.perm  # the order _masked_forward packed in
+                ctx.impl, _PENDING.impl = _PENDING.impl, None  # and the kernel it packed with
         ctx.save_for_backward(packed)
 
     @staticmethod
@@ -336,7 +344,8 @@ def _input_grad(ctx, grad):
     else:
         if not g.is_contiguous():
             g = g.contiguous()
-        gi = relu_mask.choose(g).backward(g, saved, slope)
+        # the forward's kernel; traced (compiled autograd over an eager forward), the registry's answer there
+        gi = (relu_mask.choose(g) if torch.compiler.is_compiling() else ctx.impl).backward(g, saved, slope)
     if perm is not None:
         gi = gi.permute(_inverse(perm))
     return gi

@@ -111,7 +111,8 @@ def _pack(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
     lo, hi = _bounds(kind, lo, hi, x.dtype)
     perm = _PENDING.perm = _memory_order(x)
     xc = x.permute(perm) if perm is not None else x.contiguous()
-    return range_mask.choose(xc).pack(xc, _rule(kind), lo, hi)
+    _PENDING.impl = impl = range_mask.choose(xc)  # kept by setup_context for backward: one registry lookup less
+    return impl.pack(xc, _rule(kind), lo, hi)
 
 
 def _pack_traced(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
@@ -125,7 +126,8 @@ def _select(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
     """``mask ? grad : +0`` through the kernel family, in the mask's memory order."""
     perm = ctx.perm
     g = grad if perm is None else grad.permute(perm)
-    g = range_mask.choose(g).select(g.contiguous(), packed)
+    # the forward's kernel; traced (compiled autograd over an eager forward), the registry's answer there
+    g = (range_mask.choose(g) if torch.compiler.is_compiling() else ctx.impl).select(g.contiguous(), packed)
     return g if perm is None else g.permute(_inverse(perm))
 
 
@@ -215,8 +217,9 @@ class RangeMaskFunction(_common.Function):
         elif planar:  # how the forward packed (_pack_traced): from the output where it can stand in
             x = out if output_can_stand_in(kind, lo, hi, value, input.dtype) else input
             ctx.perm, ctx.packed_shape, ctx.order = None, tuple(x.shape), _bitmask.planar_layout(x)
-        else:  # in _pack's memory order
+        else:  # in _pack's memory order, by _pack's kernel
             perm = ctx.perm = _PENDING.perm
+            ctx.impl, _PENDING.impl = _PENDING.impl, None
             ctx.packed_shape = tuple(input.shape) if perm is None else tuple(input.shape[d] for d in perm)
         ctx.save_for_backward(packed)
 

@@ -280,7 +280,9 @@ class _DropoutFunction(_common.Function):
                 gi = bits_backward(grad, saved, ctx.perm, ctx.scale)
         else:
             g = _canonical(grad, ctx.perm)
-            gi = ctx.seed_impl.backward(g, ctx.p, saved)
+            # traced (compiled autograd over an eager forward): the registry's answer there, the torch reference
+            impl = kernels.choose_seed(g) if torch.compiler.is_compiling() else ctx.seed_impl
+            gi = impl.backward(g, ctx.p, saved)
             gi = gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))
         # Stock's gradient is ``grad * noise``: TensorIterator lays it out after grad first, then noise.
         gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), grad.stride(), ctx.noise_strides))
