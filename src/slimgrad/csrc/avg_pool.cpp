@@ -4,8 +4,9 @@
 // (functional.pooling.AvgPoolFunction) keeps nothing where stock keeps the input. Its saving costs a Python
 // Function call and per-call argument handling (about 45 us a call, measured: 2x stock on small tensors); this
 // Function does the same in C++: aten's forward kernel, and in backward aten's backward kernel fed a zero-stride
-// stand-in of the input (its values are never read), with a channels_last buffer where stock's gradient is
-// channels_last, step for step as the Python Function. Arguments aten rejects raise inside the call; the caller
+// stand-in of the input (its values are never read) or, where stock's gradient is channels_last, the channels_last
+// buffer itself as that input (CUDA's kernels pick their loop from it), step for step as the Python Function.
+// Arguments aten rejects raise inside the call; the caller
 // then runs the Python Function, whose error is stock's.
 #include "common.h"
 
@@ -106,7 +107,9 @@ struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
         gi = at::avg_pool3d_backward(g, stand_in(), k, s, p, ceil, cip, div);
       } else if (cl) {
         gi = at::empty(shape, opts.memory_format(at::MemoryFormat::ChannelsLast));
-        at::avg_pool2d_backward_out(gi, g, stand_in(), k, s, p, ceil, cip, div);
+        // the buffer is the input argument too: the kernels (CUDA's in particular) choose their loop from the
+        // input's suggested format, and a stand-in suggests contiguous (values never read)
+        at::avg_pool2d_backward_out(gi, g, gi, k, s, p, ceil, cip, div);
       } else {
         gi = at::avg_pool2d_backward(g, stand_in(), k, s, p, ceil, cip, div);
       }

@@ -211,16 +211,17 @@ class MaxPoolFunction(_common.Function):
             grad_out, indices = grad_out.unsqueeze(-2), indices.unsqueeze(-2)
             kernel, stride, padding, dilation = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
         op = _MAX_BACKWARD[max(nd, 2)]
-        args = (grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
-        if nd == 3 and ctx.grad_format != torch.contiguous_format:
-            # The 3-d kernel lays its out= buffer out like its *input* argument, and a stand-in suggests
-            # contiguous. It never reads the input's values (it zeroes the buffer, then scatters), so the
-            # channels_last_3d buffer itself serves as the input: stock's layout, no extra allocation.
-            buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
-            args = (grad_out, buffer) + args[2:]
-            return (op.grad_input(*args, grad_input=buffer),) + (None,) * 8
         buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
-        grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
+        if buffer is None:
+            grad = op(grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
+        else:
+            # The kernels pick their channels-last or contiguous loop from the *input* argument's suggested
+            # format (CUDA's 2-d and 3-d, and CPU's), and a stand-in suggests contiguous: on CUDA a 2-d
+            # channels_last buffer was filled with contiguous offsets (values scrambled). They never read the
+            # input's values (they zero the buffer, then scatter), so the buffer itself serves as the input:
+            # stock's layout and loop, no extra allocation.
+            grad = op.grad_input(grad_out, buffer, kernel, stride, padding, dilation, ceil_mode, indices,
+                                 grad_input=buffer)
         if nd == 1:
             grad = grad.squeeze(-2)
         return (grad,) + (None,) * 8
@@ -424,8 +425,10 @@ class AvgPoolFunction(_common.Function):
             if nd == 1:
                 kernel, stride, padding = (1,) + kernel, (1,) + stride, (0,) + padding
             op = _AVG_BACKWARD[max(nd, 2)]
-            args = (grad_out, standin(shape, grad_out), kernel, stride, padding, ceil_mode, count_include_pad,
-                    divisor_override)
+            # With a channels-last buffer, the buffer is the input argument too (as max pooling's): the
+            # kernels choose their loop from the input's suggested format, never reading its values.
+            args = (grad_out, standin(shape, grad_out) if buffer is None else buffer, kernel, stride, padding,
+                    ceil_mode, count_include_pad, divisor_override)
             grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
         if nd == 1:
             grad = grad.squeeze(-2)
