@@ -130,13 +130,7 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
     # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
     # and half its size.
     narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
-    kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
-    storage = None if narrow else _common.storage_bytes(input)
-    if storage is not None:
-        # a view of a wider tensor (one head of a fused projection) pins its whole storage when kept
-        kept_bytes = max(kept_bytes, storage)
-    if not need_x and normed is not None and (
-            normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()):
+    if not need_x and normed is not None and _normed_no_bigger(normed, input, narrow, rstd):
         # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
         # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there. The
         # weight's shape and dtype are all dW reads of it: a plain-tensor weight is not kept (stock's
@@ -146,6 +140,17 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
         _common.note_input_kept(input)
         kept = input.to(rstd.dtype) if narrow else input
         ctx.save_for_backward(kept, rstd, weight if (need_x or fused) else None, None)
+
+
+def _normed_no_bigger(normed, input, narrow, rstd) -> bool:
+    """Whether keeping the normalised input costs no more than keeping x (or, ``narrow``, its fp32 copy) and rstd
+    (:func:`save_rms`). Asked only where only dW is requested: reading x's storage size costs ~1 µs a call."""
+    kept_bytes = input.numel() * (rstd.element_size() if narrow else input.element_size())
+    storage = None if narrow else _common.storage_bytes(input)
+    if storage is not None:
+        # a view of a wider tensor (one head of a fused projection) pins its whole storage when kept
+        kept_bytes = max(kept_bytes, storage)
+    return normed.numel() * normed.element_size() <= kept_bytes + rstd.numel() * rstd.element_size()
 
 
 def _rms_impl(input, weight, style, n):
