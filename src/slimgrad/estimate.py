@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -286,6 +287,11 @@ def _as_fake_params(fake_mode, args, kwargs):
     return _pytree.tree_map_only(torch.Tensor, convert, (tuple(args), kwargs))
 
 
+#: aten ops whose autograd formula saves the operand a Python number became, for the tensor's gradient
+_SAVES_NUMBER = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.mul_.Tensor, torch.ops.aten.div.Tensor,
+                           torch.ops.aten.div_.Tensor, torch.ops.aten.div.Tensor_mode, torch.ops.aten.div_.Tensor_mode})
+
+
 class _Allocations(TorchDispatchMode):
     """Every storage an op brings into being, alive until nothing refers to it; one event per op."""
 
@@ -304,6 +310,7 @@ class _Allocations(TorchDispatchMode):
         self.signatures: dict = {}
         self.failed_at: tuple | None = None  # (owner, node) of the op that raised, for the error
         self.fake_mode = None  # set by estimate: converts the real packed weights an op reads (_as_fake_params)
+        self.wrapped: list = []  # (weak output, storage): saved numbers of the last op (_count_saved_number)
 
     def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
@@ -350,8 +357,43 @@ class _Allocations(TorchDispatchMode):
             return self.node_owner.get(node, ""), node.name()
         return (self.module_stack[-1] if self.module_stack else ""), ""
 
+    def _count_saved_number(self, func, args, out, kind: str, owner: str) -> int:
+        """The host allocation of a Python number that autograd saves (``x * 0.5``, ``x / 3``): the C++ argument
+        parser makes it a 0-dim CPU tensor (a "wrapped number", 8 bytes) before the op, which a dispatch mode
+        sees as the number itself, and ``MulBackward0``/``DivBackward0`` keep it until they run. Each is small,
+        but a diffusers UNet keeps 47 (its LoRA scalings, the residuals' rescaling): the CPU estimate was 376 B low.
+        A real storage of the number's bytes stands for it, tied to the op's autograd node (once the op returned
+        to autograd: :meth:`_attach_saved_numbers`). On CUDA the number is host memory: not counted."""
+        if (self.device_type != "cpu" or self.phase != "forward" or func not in _SAVES_NUMBER or len(args) < 2
+                or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad
+                or not isinstance(args[1], (bool, int, float, complex)) or not torch.is_grad_enabled()):
+            return 0
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        n = 1 if isinstance(args[1], bool) else 16 if isinstance(args[1], complex) else 8
+        storage = torch.UntypedStorage(n)
+        ref = StorageWeakRef(storage)
+        self.live[ref.cdata] = [ref, n, kind, owner]
+        self.current += n
+        self.totals[kind] = self.totals.get(kind, 0) + n
+        self.wrapped.append((weakref.ref(out), storage))
+        return n
+
+    def _attach_saved_numbers(self) -> None:
+        """The last op's saved numbers live as long as its autograd node keeps them: until the node has run (its
+        post hook lets go, as the engine releases saved variables), or the node dies unrun."""
+        pending, self.wrapped = self.wrapped, []
+        for out_ref, storage in pending:
+            out = out_ref()
+            node = out.grad_fn if out is not None else None
+            if node is not None:
+                box = [storage]
+                node.register_hook(lambda grad_inputs, grad_outputs, box=box: box.clear())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.wrapped and func.namespace != "prim":  # (prim.device runs on the output before autograd has it)
+            self._attach_saved_numbers()
         self.sweep()
         if self.fake_mode is not None and _has_packed_param(args, kwargs):
             args, kwargs = _as_fake_params(self.fake_mode, args, kwargs)
@@ -367,6 +409,8 @@ class _Allocations(TorchDispatchMode):
         for t in _pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 new += self.add(t, kind, owner)
+        if func in _SAVES_NUMBER and isinstance(out, torch.Tensor):
+            new += self._count_saved_number(func, args, out, kind, owner)
         sig = None
         if _SCRATCH_OPS.search(func.__name__.split(".")[0]) or _mixed_dtypes(args):
             try:
