@@ -456,8 +456,11 @@ def _apply_rms(input, weight, eps, dims, style, impl):
     which is CUDA's (the core serves CPU tensors)."""
     if _is_compiling() or torch._C._are_functorch_transforms_active():
         return RMSNormFunction.apply(input, weight, eps, dims, style, impl)
-    return _C_APPLY(RMSNormFunction, _unwrap_if_dead(input), None if weight is None else _unwrap_if_dead(weight),
-                    eps, dims, style, impl)
+    return _C_APPLY(RMSNormFunction, _unwrap_if_dead(input), _unwrap(weight), eps, dims, style, impl)
+
+
+def _unwrap(t):
+    return t if t is None else _unwrap_if_dead(t)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -569,7 +572,11 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
     normalized_shape = list(normalized_shape)
     _check_trailing_shape("layer_norm", input, normalized_shape, (("weight", weight), ("bias", bias)))
     impl = _layer_norm_impl(input, weight, bias, _numel(normalized_shape))
-    return _first(LayerNormFunction.apply(input, normalized_shape, weight, bias, eps, impl))
+    if _is_compiling() or torch._C._are_functorch_transforms_active():
+        return _first(LayerNormFunction.apply(input, normalized_shape, weight, bias, eps, impl))
+    # eager: apply's eager branch called directly, as _apply_rms does
+    return _first(_C_APPLY(LayerNormFunction, _unwrap_if_dead(input), normalized_shape, _unwrap(weight),
+                           _unwrap(bias), eps, impl))
 
 
 def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
@@ -688,7 +695,10 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     n = input.shape[0]
     # (N, C, H*W, groups): native_group_norm's arguments, worked out once for forward and setup_context
     dims = (n, c, input.numel() // (n * c) if n * c else 1, num_groups)
-    out = GroupNormFunction.apply(input, weight, bias, dims, eps)
+    if _is_compiling() or torch._C._are_functorch_transforms_active():
+        out = GroupNormFunction.apply(input, weight, bias, dims, eps)
+    else:  # eager: apply's eager branch called directly, as _apply_rms does
+        out = _C_APPLY(GroupNormFunction, _unwrap_if_dead(input), _unwrap(weight), _unwrap(bias), dims, eps)
     return out[0] if type(out) is tuple else out
 
 
