@@ -208,14 +208,28 @@ def main() -> None:
     _CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     rows = measure(args.repeats, args.rounds, args.core == "on", only)
     if args.core == "off":
-        print(f"`OMP_NUM_THREADS=1 python benchmarks/call_overhead.py --core off --repeats {args.repeats} "
-              f"--rounds {args.rounds} --clock {args.clock}` — torch {torch.__version__}, {platform.machine()}, "
-              f"{torch.get_num_threads()} thread(s); median of {args.rounds} rounds of {args.repeats} interleaved "
-              f"calls. The Python path (core disabled), as CUDA runs it.\n")
-        print("| layer | stock µs | Python path µs | overhead µs |")
-        print("|---|---:|---:|---:|")
+        clock = "the thread's CPU time" if args.clock == "thread" else "wall time"
+        lines = [
+            "## Per-call overhead of the Python path",
+            "",
+            f"`OMP_NUM_THREADS=1 python benchmarks/call_overhead.py --core off --repeats {args.repeats} "
+            f"--rounds {args.rounds} --clock {args.clock}` — torch {torch.__version__}, {platform.machine()}, "
+            f"{torch.get_num_threads()} thread(s). One layer, forward + backward, on a tiny input (2x4x6x6, "
+            f"2x8x16), {clock}: median of {args.rounds} rounds' medians of {args.repeats} interleaved calls. The "
+            f"Python path (the core disabled) is what CUDA runs for these families (on CUDA the core serves only "
+            f"its aten-only families, see `python -m slimgrad kernels`); dropout and LoRA use the \"seed\" "
+            f"policy, CUDA's default. The kernels inside are the CPU ones, not Triton's, so their share differs on "
+            f"CUDA; the Python bookkeeping around them is the same.",
+            "",
+            "| layer | stock µs | Python path µs | overhead µs |",
+            "|---|---:|---:|---:|",
+        ]
         for name, s, _, p in rows:
-            print(f"| {name} | {s:.1f} | {p:.1f} | {p - s:+.1f} |")
+            lines.append(f"| {name} | {s:.1f} | {p:.1f} | {p - s:+.1f} |")
+        text = "\n".join(lines)
+        print(text)
+        if args.write:
+            write_section("call-overhead-python", text)
         return
     status = csrc.status()
     core_note = "loaded" if status["loaded"] else f"unavailable ({status['reason']})"
