@@ -50,8 +50,9 @@ core_ready() {
 
 if [ "$PHASE" != 2 ]; then
   export SLIMGRAD_CORE=0
-  step cuda-tests 110 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_exact.py \
-    tests/test_triton_max_pool.py --maxfail=25 -k "not slow"
+  step cuda-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_exact.py \
+    tests/test_triton_max_pool.py tests/test_triton_masks.py tests/test_triton_norms.py tests/test_triton_gated.py \
+    --maxfail=25 -k "not slow"
   step estimate-probe 50 $PY scripts/gpu_estimate_probe.py
   core_ready
   export SLIMGRAD_CORE=1

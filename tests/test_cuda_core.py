@@ -88,14 +88,18 @@ class _null:
         return False
 
 
-def _core_vs_python(stock: nn.Module, x: torch.Tensor, rx: bool, family: str, expect_core: bool):
-    """The converted module on two independent copies, core on and off: every tensor and byte count equal."""
+def _core_vs_python(stock: nn.Module, x: torch.Tensor, rx: bool, family: str, expect_core: bool,
+                    atomic_dx: bool = False):
+    """The converted module on two independent copies, core on and off: every tensor and byte count equal.
+    ``atomic_dx``: the input gradient goes through a kernel that accumulates with atomic adds (CUDA's reflection
+    and replication pad backward, which torch flags as nondeterministic: stock differs from itself run to run),
+    so it is compared within the dtype's rounding, not bit for bit."""
     core_m, py_m = slim_copy(stock), slim_copy(stock)
     o_c, dx_c, kept_c = _step(core_m, x, rx, True)
     o_p, dx_p, kept_p = _step(py_m, x, rx, False)
     assert_same(o_c, o_p, what="output core/python")
     assert o_c.stride() == o_p.stride(), "output strides core/python"
-    assert_same(dx_c, dx_p, what="input grad core/python")
+    assert_same(dx_c, dx_p, exact=not atomic_dx, what="input grad core/python")
     if dx_c is not None:
         assert dx_c.stride() == dx_p.stride(), "input grad strides core/python"
     for (name, a), b in zip(core_m.named_parameters(), py_m.parameters(), strict=True):
@@ -156,7 +160,8 @@ def _conv_case(cid, flags, dtype, layout=None, weight_layout=None):
     padded = kwargs.get("padding_mode", "zeros") != "zeros" or cid == "c2d_same_even"
     # the core serves a frozen weight, or any weight with an explicit pad; a trainable weight without one runs
     # stock's op (both paths: stock keeps what slimgrad would)
-    out = _core_vs_python(stock, x, rx, "Conv", expect_core=padded or not rw)
+    atomic = kwargs.get("padding_mode") in ("reflect", "replicate")  # (their CUDA backward adds atomically)
+    out = _core_vs_python(stock, x, rx, "Conv", expect_core=padded or not rw, atomic_dx=atomic)
     if layout is not None:
         assert out.is_contiguous(memory_format=layout) == stock(x).is_contiguous(memory_format=layout)
 

@@ -229,7 +229,7 @@ class BatchNormFunction(_common.Function):
         # lays dX out like x, but fed a zero-stride stand-in it would lay it out contiguously. Compute dX
         # directly there (same rounding when the parameters have dY's dtype) instead of restriding it.
         # On CUDA the stand-in would also turn stock's separate dX pass into the fused kernel where dB is
-        # requested: dX gets its own call there (the elementwise kernel stock runs), restrided.
+        # requested: dX gets its own call there (the elementwise kernel stock runs; contiguous, as stock's).
         direct_dx = (
             need_x and standin and not ctx.training and ctx.x_format is not None
             and not (ctx.x_dense and _dense(grad_out))
@@ -240,10 +240,12 @@ class BatchNormFunction(_common.Function):
             dx = _eval_grad_input(grad_out, weight, running_var, ctx.eps, ctx.x_shape, ctx.x_stride)
         elif direct_dx:
             empty = grad_out.new_empty(0, dtype=_stat_dtype(grad_out, running_mean))
+            # (not restrided: CUDA's evaluation kernel writes dX into a contiguous tensor whatever x's layout,
+            # ``at::empty(input.sizes())`` in batch_norm_elementwise_backward_eval, and so does stock's)
             dx = _aten.native_batch_norm_backward(
                 grad_out, _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense), weight,
                 running_mean, running_var, empty, empty, False, ctx.eps, [True, False, False],
-            )[0].contiguous(memory_format=ctx.x_format)
+            )[0]
         if need_w or need_b or (need_x and not direct_dx):
             if standin:
                 x = _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense)
@@ -273,8 +275,10 @@ class BatchNormFunction(_common.Function):
             )
             if need_x and not direct_dx:
                 dx = kdx
-                if standin and ctx.x_format is not None and dx.stride() != ctx.x_stride:
-                    # Mixed precision in the case above: restride (AccumulateGrad would copy anyway).
+                if (standin and ctx.x_format is not None and dx.stride() != ctx.x_stride
+                        and (grad_out.is_cpu or ctx.training)):
+                    # Mixed precision in the case above: restride (AccumulateGrad would copy anyway). Not CUDA's
+                    # evaluation: its kernel's dX is contiguous for any x, stock's too.
                     dx = dx.contiguous(memory_format=ctx.x_format)
         return (dx if need_x else None, dw if need_w else None, db if need_b else None,
                 None, None, None, None, None, None)
