@@ -522,10 +522,35 @@ def test_offload_is_planned_only_on_cuda():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="offload to pinned host memory needs CUDA"))])
 def test_offloaded_blocks_are_bitwise_the_plain_ones(device):
-    """An installed offload (save_on_cpu) keeps the numbers: the kept tensors come back as they went."""
+    """An installed offload keeps the numbers: the kept tensors come back as they went, strides included (with
+    torch's save_on_cpu(pin_memory=True) the H200 gave other weight-gradient bits: a kept ``weight.t()`` came
+    back contiguous and cuBLAS ran another kernel)."""
     model, x = _mlp()
     plain = slimgrad.convert(model).to(device)
     planned = apply_plan(slimgrad.convert(_mlp()[0]).to(device), {"1": "offload", "4": "offload"})
     assert planned_actions(planned) == {"1": "offload", "4": "offload"}
     x = x.to(device)
     _assert_bitwise(_two_steps(plain, x), _two_steps(planned, x))
+
+
+def test_offload_round_trip_keeps_strides():
+    """The offload hooks' round trip on CUDA-device tensors (fake ones: no GPU needed): each comes back with its
+    own size, strides and dtype on its device, a host copy in between; a tensor no copy can keep the strides of
+    (expanded) and a CPU tensor stay where they are, untouched."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from slimgrad.plan import _from_host, _to_host
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w = torch.empty(6, 4, device="cuda")
+        for t in (w, w.t(), torch.empty(2, 3, 4, 5, device="cuda").permute(0, 2, 3, 1),
+                  torch.empty(8, device="cuda", dtype=torch.bfloat16)):
+            packed = _to_host(t)
+            assert isinstance(packed, tuple) and packed[1].device.type == "cpu"
+            assert packed[1].stride() == t.stride()
+            back = _from_host(packed)
+            assert (back.device, back.shape, back.stride(), back.dtype) == (t.device, t.shape, t.stride(), t.dtype)
+        expanded = torch.empty(4, 1, device="cuda").expand(4, 5)
+        assert _to_host(expanded) is expanded and _from_host(expanded) is expanded
+    cpu = torch.randn(3, 2).t()
+    assert _to_host(cpu) is cpu

@@ -8,8 +8,8 @@ per block (a transformer layer, a ResNet stage, a UNet block; :func:`slimgrad.es
   restores the RNG state, so dropout draws the same masks and the numbers stay those of the run without it);
   costs one more forward of the block in backward;
 * ``offload``: the block's kept tensors go to pinned host memory during forward and come back in backward
-  (``torch.autograd.graph.save_on_cpu``); CUDA only (on CPU, host memory *is* the device memory); costs two
-  copies of the kept bytes over the host link.
+  (pinned, asynchronous copies that keep each tensor's strides: ``_to_host``); CUDA only (on CPU, host memory
+  *is* the device memory); costs two copies of the kept bytes over the host link.
 
 Every candidate plan is judged by :func:`slimgrad.estimate` (the step simulated on fake tensors), not by a
 model of it, so what the plan promises is what the allocator replay says. Blocks are taken in order of bytes
@@ -153,8 +153,37 @@ class _PlannedForward:
                 # running statistics are updated once, and dynamo takes no context_fn but its own
                 return checkpoint(self._inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(self._inner, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):
             return self._inner(*args, **kwargs)
+
+
+def _to_host(t: torch.Tensor):
+    """A kept CUDA tensor's copy in pinned host memory, asynchronous, with the tensor's own strides.
+
+    Not torch's ``save_on_cpu(pin_memory=True)``: that packs into a contiguous host tensor, so a kept transposed
+    view (linear's ``weight.t()``) came back contiguous, cuBLAS ran another kernel on it and the weight
+    gradients differed in their last bits from the same model's without offloading (tests/test_plan.py on an
+    H200). The copy is queued on the current stream: memory the forward frees after it is reused by later work
+    on that stream only, after the copy. A tensor whose strides a copy cannot keep (expanded, overlapping) and
+    a tensor not on CUDA stay where they are."""
+    if t.device.type != "cuda" or not _dense(t):
+        return t
+    host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t, non_blocking=True)
+    return t.device, host
+
+
+def _from_host(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, host = packed
+    return host.to(device, non_blocking=True)  # (preserve_format: the strides come back too)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return is_non_overlapping_and_dense_or_false(t)
 
 
 def _rng_state_stand_in():
