@@ -99,7 +99,12 @@ def _core_vs_python(stock: nn.Module, x: torch.Tensor, rx: bool, family: str, ex
     o_p, dx_p, kept_p = _step(py_m, x, rx, False)
     assert_same(o_c, o_p, what="output core/python")
     assert o_c.stride() == o_p.stride(), "output strides core/python"
-    assert_same(dx_c, dx_p, exact=not atomic_dx, what="input grad core/python")
+    if atomic_dx and dx_p is not None:
+        # each atomic add rounds in the gradient's dtype; a corner element takes up to 2**3 adds in 3-d
+        bound = 16 * torch.finfo(dx_p.dtype).eps * dx_p.abs().max().item()
+        assert_same(dx_c, dx_p, exact=False, rtol=0, atol=bound, what="input grad core/python")
+    else:
+        assert_same(dx_c, dx_p, what="input grad core/python")
     if dx_c is not None:
         assert dx_c.stride() == dx_p.stride(), "input grad strides core/python"
     for (name, a), b in zip(core_m.named_parameters(), py_m.parameters(), strict=True):
