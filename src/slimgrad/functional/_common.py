@@ -73,9 +73,13 @@ def once_differentiable(fn, cls=None):
 
     @functools.wraps(fn)
     def wrapper(ctx, *args):
+        if not torch.is_grad_enabled():
+            # A backward without create_graph, the common case: nothing to turn off, nothing to refuse (the
+            # no_grad context cost 1.6 us a backward on the host-bound CUDA path).
+            return fn(ctx, *args)
         with torch.no_grad():
             outputs = fn(ctx, *args)
-        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return outputs
         outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
         owner = cls if cls is not None else getattr(ctx, "_forward_cls", type(ctx))
@@ -350,6 +354,9 @@ def learn_from_use(producer, cell: UseCell) -> None:
         state["_slimgrad_uses_kept"] = True
 
 
+_KERNELS: list = [None]  # slimgrad.kernels, once imported (fast_kernel)
+
+
 def fast_kernel(family: str, tensor: torch.Tensor):
     """The non-torch implementation :mod:`slimgrad.kernels` chose for ``family`` on ``tensor`` (a Triton or
     numba kernel module/object), or None when the Function's own torch code should run: the torch backend
@@ -357,8 +364,11 @@ def fast_kernel(family: str, tensor: torch.Tensor):
     kernels from the torch code and cannot trace a deferred Triton launch)."""
     if torch.compiler.is_compiling():
         return None
-    from slimgrad import kernels
+    kernels = _KERNELS[0]
+    if kernels is None:  # imported on first use, not at this module's import
+        from slimgrad import kernels
 
+        _KERNELS[0] = kernels
     impl = kernels.choose(family, tensor)
     return None if impl is None or getattr(impl, "backend", "torch") == "torch" else impl
 
