@@ -20,6 +20,14 @@ bitwise equal to stock as well (the tests check every dtype bitwise).
 Kernels: on CUDA the registry's ``gated_activation`` family runs :mod:`slimgrad.kernels.triton.gated` (one
 kernel forward, one backward recomputing the activation; same tensors kept; within the dtype's rounding of
 stock). This torch code is the family's ``torch`` implementation and the fallback.
+
+Compiled core (:mod:`slimgrad.csrc`, ``csrc/gated.cpp``): an eager call on CPU tensors runs one C++ autograd Function
+instead of :class:`GatedFunction`, because on the small and mid-sized tensors of a LoRA step the Python Function's
+per-call cost was a visible share of the layer's time. It is this module's torch code op for op (same aten ops,
+order and dtypes, same tensors kept, same producer notes), so the bits and saved bytes are the Python path's (tested
+in tests/test_core_gated.py). The core declines (returns None, and GatedFunction runs) under autocast,
+torch.compile, torch.func, a TorchFunctionMode or a preferred Triton kernel, for tensor subclasses, CUDA tensors
+(Triton's kernels run there), dtypes other than fp32/fp64/bf16/fp16, and anything :func:`_check` would reject.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
+from slimgrad import csrc
 from slimgrad.functional import _common
+from slimgrad.kernels import registry as _registry
 
 __all__ = ["ACTIVATIONS", "GatedFunction", "activation_backward", "activation_forward", "gated_activation"]
 
@@ -168,6 +178,24 @@ def _kernel(gate, kind):
     return impl if impl is not None and impl.supports(gate, kind) else None
 
 
+#: ACTIVATIONS' codes in the compiled core (``gated``'s ``kind``).
+_KIND_CODE = {kind: i for i, kind in enumerate(ACTIVATIONS)}
+_is_compiling = torch.compiler.is_compiling
+_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+
+
+def _core(gate):
+    """The compiled core for an eager call on ``gate``, or None (see the module docstring): the core must be on,
+    built and fit ``gate`` (``csrc.for_eager``: CPU only), no Triton kernel be preferred (the Triton tests run under
+    the interpreter on CPU tensors, through GatedFunction) and no TorchFunctionMode be active."""
+    if _is_compiling():
+        return None  # before for_eager, which would load (build) the core inside the trace on a first call
+    core = csrc.for_eager(gate)
+    if core is None or _registry.get_preference() == _registry.TRITON or _torch_function_mode_enabled():
+        return None
+    return core
+
+
 def _check(gate, up, activation):
     fn = "gated_activation"
     _common.check_tensor(gate, "gate", fn=fn)
@@ -190,6 +218,11 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
     """
     if has_torch_function_variadic(gate, up):
         return handle_torch_function(gated_activation, (gate, up), gate, up, activation=activation)
+    core = _core(gate)
+    if core is not None and type(activation) is str and activation in _KIND_CODE:
+        out = core.gated(gate, up, _KIND_CODE[activation], _common.note_input_kept if _common._PRODUCERS else None)
+        if out is not None:
+            return out
     _check(gate, up, activation)
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return GatedFunction.apply(gate, up, activation, None)  # the torch code (see _kernel)
