@@ -75,6 +75,7 @@ def _cases():
     yield "[Function] RMSNorm frozen, X needs grad", nn.RMSNorm(16).requires_grad_(False), xs, True
     yield "[Function] LayerNorm frozen, X needs grad", nn.LayerNorm(16).requires_grad_(False), xs, True
     yield "[Function] GroupNorm frozen, X needs grad", nn.GroupNorm(2, 4).requires_grad_(False), x4, True
+    yield "[Function] gated silu(gate) * up", _Gated(False), xs, True
     lora = _peft_lora()
     if lora is not None:
         yield "[Function] peft LoRA Linear r=4, dropout 0.1", lora, xs, False
