@@ -70,6 +70,8 @@ def _layout(t, layout):
         wide = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)
         wide[..., 1:1 + t.shape[-1]] = t
         return wide[..., 1:1 + t.shape[-1]]
+    if layout == "expanded":  # stride 0 along the first dim (one row's storage)
+        return t[:1].clone().expand(t.shape)
     return t.clone()
 
 
@@ -144,7 +146,7 @@ def test_core_matches_python_and_stock(kind, dtype):
 
 
 LAYOUTS = [("transposed", "transposed"), ("sliced", "contiguous"), ("contiguous", "transposed"),
-           ("sliced", "sliced")]
+           ("sliced", "sliced"), ("contiguous", "expanded"), ("expanded", "transposed")]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
