@@ -111,13 +111,21 @@ def _draw_seed(device: torch.device) -> torch.Tensor:
 
 
 def _fill_noise(noise: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-    """Seeded noise with stock's ops (kept for callers of the earlier API)."""
+    """Seeded noise with stock's ops, drawn in the elements' logical (row-major) order whatever ``noise``'s layout.
+
+    Why that order: LoRA draws its forward noise like x (``empty_like``: a transposed or channels-last x gives a
+    permuted tensor, and ``bernoulli_`` draws in memory order) and backward rebuilds it for a contiguous gradient;
+    drawn in memory order, the two masks differed for such an x (the gradient used a mask the forward never
+    applied). A contiguous ``noise`` is filled in place as before (the same values); another one gets a copy."""
     if not kernels.has_values(seed):  # shapes only (meta, or slimgrad.estimate's fake tensors): no seed to read
         return noise
     generator = torch.Generator(device=noise.device)
     generator.manual_seed(int(seed.item()))
-    noise.bernoulli_(1 - p, generator=generator)
-    return noise.div_(1 - p)
+    if noise.is_contiguous():
+        noise.bernoulli_(1 - p, generator=generator)
+        return noise.div_(1 - p)
+    drawn = torch.empty(noise.shape, dtype=noise.dtype, device=noise.device).bernoulli_(1 - p, generator=generator)
+    return noise.copy_(drawn.div_(1 - p))
 
 
 def _apply_noise(input, noise, inplace):
@@ -280,9 +288,12 @@ class _DropoutFunction(_common.Function):
                 gi = bits_backward(grad, saved, ctx.perm, ctx.scale)
         else:
             g = _canonical(grad, ctx.perm)
-            # traced (compiled autograd over an eager forward): the registry's answer there, the torch reference
-            impl = kernels.choose_seed(g) if torch.compiler.is_compiling() else ctx.seed_impl
-            gi = impl.backward(g, ctx.p, saved)
+            if torch.compiler.is_compiling():
+                # compiled autograd over an eager forward: the forward's kernel by name, through an opaque op (the
+                # registry answers the torch reference while tracing: another generator, another mask)
+                gi = kernels.traced_seed_apply(g, ctx.p, saved, ctx.seed_impl.name)
+            else:
+                gi = ctx.seed_impl.backward(g, ctx.p, saved)
             gi = gi if ctx.perm is None else gi.permute(_inverse(ctx.perm))
         # Stock's gradient is ``grad * noise``: TensorIterator lays it out after grad first, then noise.
         gi = _layout.conform(gi, _layout.binary_strides(tuple(grad.shape), grad.stride(), ctx.noise_strides))

@@ -42,7 +42,7 @@ from slimgrad.functional.dropout import (
     check_policy,
     resolve_policy,
 )
-from slimgrad.kernels.dropout import noise_scale
+from slimgrad.kernels.dropout import noise_scale, traced_seed_apply
 
 __all__ = ["ConvOptions", "LoraConvAdapter", "LoraConvFunction", "lora_conv"]
 
@@ -268,6 +268,11 @@ class LoraConvFunction(_common.Function):
                 pass  # applied through the dropout_bits kernels below
             elif p > 0 and masks[i] is not None:
                 noise = masks[i].to(A.dtype).div_(1 - p)
+            elif p > 0 and torch.compiler.is_compiling():
+                # compiled autograd over an eager forward: the forward's generator (the torch reference, as
+                # _fill_noise) read inside an opaque op, not by a traced .item() (a graph break); 1 * noise is exact
+                noise = traced_seed_apply(torch.ones(x_shape, dtype=A.dtype, device=A.device), p,
+                                          seeds[seed_index[i]], "torch")
             elif p > 0:
                 noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p, seeds[seed_index[i]])
             if need_a:

@@ -52,7 +52,7 @@ import torch
 from . import registry
 
 __all__ = ["BITS", "SEED", "CoreDropoutBits", "has_values", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits",
-           "choose_seed", "noise_scale"]
+           "choose_seed", "noise_scale", "seed_kernel", "traced_seed_apply", "TracedSeed", "TRACED_SEED"]
 
 BITS, SEED = "dropout_bits", "dropout_seed"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -155,3 +155,73 @@ def choose_bits(x: torch.Tensor):
 
 def choose_seed(x: torch.Tensor):
     return registry.choose_or_reference(SEED, x, SEED_TORCH)
+
+
+def seed_kernel(backend: str, like: torch.Tensor):
+    """The ``dropout_seed`` implementation of ``backend`` ("torch", "triton"); ``""``: the one the registry
+    chooses for ``like`` now, as an eager call would (:func:`choose_seed` outside torch.compile)."""
+    if not backend:
+        return registry.choose(SEED, like) or SEED_TORCH
+    if backend == registry.TORCH:
+        return SEED_TORCH
+    for kernel in registry.implementations(SEED):
+        if kernel.backend == backend and kernel.available:
+            return kernel.implementation()
+    raise RuntimeError(f"slimgrad: the dropout_seed kernel {backend!r} drew a mask in forward but is unavailable "
+                       f"in backward (python -m slimgrad kernels says why)")
+
+
+@torch.library.custom_op("slimgrad::dropout_seed_apply", mutates_args=())
+def _seed_apply(t: torch.Tensor, p: float, seed: torch.Tensor, backend: str) -> torch.Tensor:
+    return seed_kernel(backend, t).backward(t, p, seed)
+
+
+@_seed_apply.register_fake
+def _seed_apply_fake(t, p, seed, backend):
+    return torch.empty_like(t)
+
+
+def _seed_apply_setup(ctx, inputs, output):
+    _, ctx.p, seed, ctx.backend = inputs
+    ctx.save_for_backward(seed)
+
+
+def _seed_apply_backward(ctx, grad):  # d(t * noise)/dt: the same noise (a double backward through the op)
+    (seed,) = ctx.saved_tensors
+    return _seed_apply(grad.contiguous(), ctx.p, seed, ctx.backend), None, None, None
+
+
+_seed_apply.register_autograd(_seed_apply_backward, setup_context=_seed_apply_setup)
+
+
+def traced_seed_apply(t: torch.Tensor, p: float, seed: torch.Tensor, backend: str) -> torch.Tensor:
+    """``t * noise`` with the noise of ``seed`` drawn by the ``backend`` kernel (``""``: the one the registry
+    chooses for ``t`` at run time), for a backward traced by torch.compile (compiled autograd over an eager
+    forward). ``t`` contiguous; a new contiguous tensor.
+
+    Why an opaque op: while tracing, :func:`choose_seed` answers with the torch reference (the fast backends are
+    eager-only), whose ``torch.Generator`` draws another mask than the counter-based Triton kernel an eager CUDA
+    forward ran, so the gradient would use a mask the forward never applied. The op runs the forward's kernel on
+    real tensors when the compiled graph runs (and reads the seed without a graph break for ``.item()``)."""
+    return _seed_apply(t, p, seed, backend)
+
+
+class TracedSeed:
+    """The ``dropout_seed`` contract (out of place) through :func:`traced_seed_apply` with the kernel the registry
+    chooses when the traced graph runs: for a traced backward that does not know which kernel its eager forward ran
+    (LoRA's asks the registry again, eager as well)."""
+
+    name = ""
+
+    @staticmethod
+    def forward(x, p, seed, inplace):
+        if inplace:
+            raise ValueError("slimgrad: TracedSeed.forward's argument 'inplace' must be False (an opaque op)")
+        return traced_seed_apply(x, p, seed, "")
+
+    @staticmethod
+    def backward(grad, p, seed):
+        return traced_seed_apply(grad, p, seed, "")
+
+
+TRACED_SEED = TracedSeed()
