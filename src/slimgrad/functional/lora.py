@@ -275,6 +275,9 @@ class LoraLinearFunction(_common.Function):
             elif p > 0:
                 if masks[i] is not None:
                     noise = masks[i].to(A.dtype).div_(1 - p)
+                elif torch.compiler.is_compiling():  # compiled autograd over an eager forward: choose_seed would
+                    # answer the torch reference (another mask than a Triton forward's); the op asks when it runs
+                    seeded = (dropout_kernels.TRACED_SEED, seeds[seed_index[i]])
                 elif (seed_impl := dropout_kernels.choose_seed(A)) is not dropout_kernels.SEED_TORCH:
                     seeded = (seed_impl, seeds[seed_index[i]])  # the forward's kernel regenerates the mask
                 else:
