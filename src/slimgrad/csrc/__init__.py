@@ -22,7 +22,8 @@ is built without nvcc, and aten dispatches on the tensors' device at run time, s
 the Python Function runs, in the same order, without the Python Function's per-call host cost (45-80 µs a layer
 call, which made host-bound CUDA steps 1.15-2.56x stock). ``SLIMGRAD_CORE_CUDA=0`` at start-up keeps CUDA tensors
 on the Python path (the core still serves CPU ones): the switch for a GPU problem, no code change needed. The
-families with their own CPU loops (masks, dropout bits, max-pool positions, the norms) serve CPU tensors only.
+families with their own CPU loops (masks, dropout bits, max-pool positions, the norms) serve CPU tensors only, and
+so do the gated activations, aten's ops only but served on CUDA by their Triton kernel.
 """
 
 from __future__ import annotations
