@@ -48,6 +48,7 @@ from slimgrad.functional import _common, _layout
 from slimgrad.functional._common import check_tensor
 from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import dropout as kernels
+from slimgrad.kernels import registry
 
 __all__ = ["dropout", "dropout1d", "dropout2d", "dropout3d", "POLICIES", "set_dropout_policy",
            "get_dropout_policy", "dropout_policy", "resolve_policy"]
@@ -165,12 +166,14 @@ def _finish(input, out, perm, inplace):
 
 def bits_forward(input: torch.Tensor, p: float, inplace: bool):
     """Draw stock's mask, apply it through the ``dropout_bits`` family; returns (out, packed, perm, scale)."""
-    keep = torch.empty_like(input, dtype=torch.uint8).bernoulli_(1 - p)
+    # simulating the core's own draw (slimgrad.estimate, core_draw_simulated): in x's dtype, as csrc/dropout.cpp's
+    # draw_and_apply draws it, so the simulated mask has its bytes
+    keep = torch.empty_like(input, dtype=None if _SIMULATED["core_draw"] else torch.uint8).bernoulli_(1 - p)
     perm = _memory_order(keep)
     keep = _canonical(keep, perm)
     scale = kernels.noise_scale(p, input.dtype)
     xc = _canonical(input, perm)
-    out, packed = kernels.choose_bits(xc).forward(xc, keep, scale, inplace)
+    out, packed = _bits_impl(xc).forward(xc, keep, scale, inplace)
     return _finish(input, out, perm, inplace), packed, perm, scale
 
 
@@ -190,8 +193,72 @@ def bits_backward(grad: torch.Tensor, packed: torch.Tensor, perm, scale: float, 
     g = _canonical(grad, perm)
     out = g if inplace and torch._C._is_alias_of(g, grad) else None  # a view of grad, not a copy (no data_ptr:
                                                                       # fake tensors have none)
-    gi = kernels.choose_bits(g).backward(g, packed, scale, out)
+    gi = _bits_impl(g).backward(g, packed, scale, out)
     return gi if perm is None else gi.permute(_inverse(perm))
+
+
+# --- slimgrad.estimate on CPU: what the compiled core allocates, on fake tensors ---------------------------------
+#
+# The core reads data in C++ and cannot run on fake tensors, so the simulated step runs the Python path, whose torch
+# reference allocates other transients than the core (a one-byte mask, float noise, packing temporaries): a plain
+# nn.Dropout's estimate was 8 KiB high at its backward peak. Where a real tensor's call would run the core, the
+# fake one now allocates what the core allocates, in its order: the mask drawn in x's dtype (the core's own draw,
+# _SIMULATED["core_draw"], set by the callers that stand in for its Functions), then the kernels' outputs.
+
+_SIMULATED = {"core_draw": False}
+
+
+def is_simulated_core(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake CPU tensor (``slimgrad.estimate``'s simulated step) whose real counterpart's eager
+    call would reach the compiled core: the core on and built, no compile trace or torch.func transform."""
+    if type(t) is torch.Tensor or t.device.type != "cpu":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not is_fake(t) or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return csrc.enabled() and csrc.core() is not None
+
+
+def _bits_impl(t: torch.Tensor):
+    """The ``dropout_bits`` kernel for ``t``; for a fake tensor whose real one would get the core's kernel, its
+    allocations' simulation."""
+    if is_simulated_core(t) and t.dtype in _CORE_DTYPES:
+        kernel = registry.choose_kernel(kernels.BITS, "cpu", t.dtype)
+        if kernel is not None and kernel.backend == registry.CORE:
+            return _CORE_SIM
+    return kernels.choose_bits(t)
+
+
+class _CoreBitsSimulation:
+    """The ``dropout_bits`` contract with the compiled core's allocations and no data (csrc/dropout.cpp): forward
+    makes its output (unless in place) then the packed bits, backward its gradient unless given ``out``."""
+
+    name = "core-simulation"
+
+    @staticmethod
+    def forward(x, keep, scale, inplace):
+        out = x if inplace else torch.empty_like(x)
+        return out, torch.empty(_bitmask.packed_numel(x.numel()), dtype=torch.uint8, device=x.device)
+
+    @staticmethod
+    def backward(grad, packed, scale, out=None):
+        return torch.empty_like(grad) if out is None else out
+
+
+_CORE_SIM = _CoreBitsSimulation()
+
+
+@contextlib.contextmanager
+def core_draw_simulated():
+    """Inside, :func:`bits_forward` draws its mask as the core's Functions draw it (in x's dtype): for the fake
+    branches that stand in for those Functions (dropout's here, LoRA's)."""
+    old = _SIMULATED["core_draw"]
+    _SIMULATED["core_draw"] = True
+    try:
+        yield
+    finally:
+        _SIMULATED["core_draw"] = old
 
 
 # An eager in-place call hands ``kept`` to setup_context through ``_common.EAGER_HANDOFF`` instead of as a second
@@ -375,6 +442,12 @@ def _core(input, p, policy):
     return core if input.numel() else None
 
 
+def _core_simulated(input, p, policy) -> bool:
+    """:func:`_core`'s answer for the real tensor a fake ``input`` stands for (slimgrad.estimate)."""
+    return ((_POLICY if policy is None else policy) in _CORE_POLICIES and type(p) is float and 0.0 < p <= 1.0
+            and input.dtype in _CORE_DTYPES and input.numel() > 0 and is_simulated_core(input))
+
+
 def _check(input, p, fn):
     check_tensor(input, "input", fn=fn)
     if p < 0.0 or p > 1.0:
@@ -390,6 +463,9 @@ def dropout(
     if training and (core := _core(input, p, policy)) is not None:
         return core.dropout_apply(input, p, inplace)
     _check(input, p, "dropout")
+    if training and _core_simulated(input, p, policy):
+        with core_draw_simulated():  # the C++ Function's allocations (slimgrad.estimate's fake tensors)
+            return _dropout_impl(input, p, training, inplace, policy=policy)
     return _dropout_impl(input, p, training, inplace, policy=policy)
 
 
