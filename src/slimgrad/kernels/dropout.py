@@ -36,6 +36,11 @@ slow; seed on CUDA, where a counter-based generator is nearly free).
   ``grad_input = grad * noise`` with ``noise = keep ? scale : 0`` as above. The mask differs from stock's
   (another generator), identically in forward and backward.
 
+A backward that torch.compile traces over an eager forward (compiled autograd) must not ask the registry for its
+``dropout_seed`` kernel: while tracing it answers the torch reference, whose mask is not the one a Triton forward
+applied. It calls :func:`traced_seed_apply`, an opaque op that runs the forward's kernel (by name, or the registry's
+eager choice) on the real tensors when the graph runs.
+
 The compiled core (:mod:`slimgrad.csrc`, ``csrc/dropout.cpp``) registers ``dropout_bits`` as backend ``core``
 (priority 20, above numba's 10): one parallel pass that applies the mask and packs it (bf16/fp16 in fp32,
 rounded once, as stock's ``mul``), for all four float dtypes, so the Python Function also runs it where the
