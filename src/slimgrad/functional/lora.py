@@ -39,13 +39,17 @@ import torch.nn.functional as F
 from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional.dropout import (
+    _SIMULATED,
     _fill_noise,
     bits_backward,
     bits_forward,
     bits_layout,
     check_policy,
+    core_draw_simulated,
+    is_simulated_core,
     resolve_policy,
 )
+from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import dropout as dropout_kernels
 
 __all__ = ["LoraAdapter", "LoraLinearFunction", "lora_linear"]
@@ -104,8 +108,12 @@ class LoraLinearFunction(_common.Function):
         policy = resolve_policy(policy, x.device)
         compiling = torch.compiler.is_compiling()
         xa = x
+        fuse = False
         if n and cast and x.dtype != adapters[0].dtype:
-            xa = x.to(adapters[0].dtype)
+            # simulating the core (slimgrad.estimate, _core_simulated): where its dropout fuses the cast, x is cast
+            # only for an adapter that does not drop
+            fuse = _SIMULATED["core_draw"] and _fuses_cast(x, adapters[0].dtype)
+            xa = None if fuse else x.to(adapters[0].dtype)
         seeds = None
         if not compiling and policy == "seed" and any(0 < p < 1 for p in ps):
             # One seed per dropping adapter from the default generator: reproducible under manual_seed, and
@@ -116,6 +124,8 @@ class LoraLinearFunction(_common.Function):
         for i in range(n):
             A, B, b_bias = adapters[3 * i: 3 * i + 3]
             p = ps[i]
+            if fuse and xa is None and not 0 < p < 1:
+                xa = x.to(adapters[0].dtype)
             dropped, mask = xa, None
             if p == 1:
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
@@ -127,7 +137,7 @@ class LoraLinearFunction(_common.Function):
                     noise = mask.to(xa.dtype).div_(1 - p)
                 elif policy == "bits":
                     # stock's draw (PEFT's nn.Dropout), kept as bits: the adapter sees PEFT's very mask
-                    dropped, mask, _, _ = bits_forward(xa, p, False)
+                    dropped, mask, _, _ = _draw_to_simulated(x, p, A.dtype) if fuse else bits_forward(xa, p, False)
                     noise = None
                 else:
                     seed_impl = dropout_kernels.choose_seed(xa)
@@ -181,6 +191,8 @@ class LoraLinearFunction(_common.Function):
                 if masks[i] is not None:
                     # the mask's layout is x's (x.to(dtype) keeps it), its scale that of the adapters' dtype
                     bits[i] = bits_layout(x, ps[i], adapters[0].dtype if cast else x.dtype)
+            if _SIMULATED["core_draw"]:
+                ctx.core_simulated = True  # backward allocates as the core's (slimgrad.estimate)
         keep_x = need_w or any(need_a)
         if keep_x:
             # stock's base layer keeps x itself only when its weight trains; the adapters' read a cast copy
@@ -286,13 +298,17 @@ class LoraLinearFunction(_common.Function):
             dt = g_u.mm(B)
             del g_u
             if need_a:
-                if xa is None:
+                fused = (i in bits and cast and x.dtype != A.dtype and bits[i][0] is None
+                         and getattr(ctx, "core_simulated", False) and _fuses_cast(x, A.dtype))
+                if xa is None and not fused:
                     xa = x
                     if cast and x.dtype != A.dtype:
                         # Under torch.compile, a cast of a view: a node CSE cannot merge with forward's cast,
                         # which the partitioner would then save (in the adapters' dtype: fp32 copies of x).
                         xa = _rows(x).to(A.dtype).view(x.shape) if torch.compiler.is_compiling() else x.to(A.dtype)
-                if seeded is not None:
+                if fused:  # simulated: the core's cast and dropout in one pass (apply_packed_to), no cast of x
+                    dropped = torch.empty_like(x, dtype=A.dtype)
+                elif seeded is not None:
                     dropped = seeded[0].forward(xa.contiguous(), p, seeded[1], False)
                 elif noise is None:
                     dropped = xa
@@ -313,7 +329,7 @@ class LoraLinearFunction(_common.Function):
                     dd.mul_(_rows(noise) if noise.dim() else noise)  # a fresh mm result: in place, same bits
                 dxa = dd if dxa is None else dxa.add_(dd)  # a fresh tensor of ours: in place, same bits
                 del dd
-            noise = None
+            noise = dt = None  # dt dies with the iteration, as in the core's loop (lora.cpp)
         xa = None
         dx = None
         if need_x and weight is not None:
@@ -331,6 +347,30 @@ class LoraLinearFunction(_common.Function):
                 del dxa
             grads[0] = dx.view(x_shape)
         return tuple(grads)
+
+
+def _fuses_cast(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """csrc/dropout.cpp's fuses_cast: where the core casts x to the adapters' dtype inside the dropout's pass."""
+    return dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous()
+
+
+def _draw_to_simulated(x: torch.Tensor, p: float, dtype: torch.dtype):
+    """What the core's draw_and_apply_to allocates (slimgrad.estimate, fake tensors): the mask drawn in ``dtype``,
+    the dropped cast of x, the packed bits; as bits_forward's result."""
+    keep = torch.empty_like(x, dtype=dtype)
+    out = torch.empty_like(keep)
+    packed = torch.empty(_bitmask.packed_numel(x.numel()), dtype=torch.uint8, device=x.device)
+    del keep
+    return out, packed, None, None
+
+
+def _core_simulated(x, tensors, ps, policy) -> bool:
+    """:func:`_core`'s answer for the real tensors the fake ones stand for (slimgrad.estimate on CPU)."""
+    if not is_simulated_core(x) or torch.is_autocast_enabled(x.device.type):
+        return False
+    if any(0 < p < 1 for p in ps) and resolve_policy(policy, x.device) != "bits":
+        return False
+    return all(t is None or (t.device == x.device and t.dtype in _CORE_DTYPES) for t in tensors)
 
 
 def _check(x, weight, bias, adapters):
@@ -449,6 +489,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 u = LoraLinearFunction.apply(xa, None, None, bool(fan_in_fan_out), bool(cast_input), (scaling,),
                                              (p,), dropout_policy, A, B, b_bias)[0]
             result = result + u
+    if _core_simulated(x, tensors, ps, dropout_policy):
+        with core_draw_simulated(), _common.autocast_off(x.device.type):  # the C++ Function's allocations
+            return LoraLinearFunction.apply(*tensors[:3], bool(fan_in_fan_out), bool(cast_input), scalings, ps,
+                                            dropout_policy, *tensors[3:])[0]
         return result
     tensors = list(_common.autocast_lower_precision(*tensors))
     flat = []
