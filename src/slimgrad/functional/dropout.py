@@ -355,9 +355,10 @@ class _DropoutFunction(_common.Function):
                 gi = bits_backward(grad, saved, ctx.perm, ctx.scale)
         else:
             g = _canonical(grad, ctx.perm)
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or grad.requires_grad:
                 # compiled autograd over an eager forward: the forward's kernel by name, through an opaque op (the
-                # registry answers the torch reference while tracing: another generator, another mask)
+                # registry answers the torch reference while tracing: another generator, another mask); double
+                # backward: the op is differentiable in grad, a Triton kernel's result was not (no graph, silently)
                 gi = kernels.traced_seed_apply(g, ctx.p, saved, ctx.seed_impl.name)
             else:
                 gi = ctx.seed_impl.backward(g, ctx.p, saved)
