@@ -158,10 +158,123 @@ def _rms_impl(input, weight, style, n):
     preferred or fits, torch.compile traces (fast_kernel), a torch.func transform is active (the Function then
     runs plain torch ops, which vmap batches: :meth:`RMSNormFunction.under_transform` drops it), or autocast is on
     in the torch style (it may run stock's rms_norm in fp32, CUDA's fp32 list: the torch code mirrors it)."""
+    if type(input) is not torch.Tensor and (sim := _CoreRmsSimulation.of(input, weight, style, n)) is not None:
+        return sim
     impl = _common.fast_kernel("rms_norm" if style == "torch" else "rms_norm_hf", input)
     if impl is None or (style == "torch" and _common.autocast_enabled(input.device.type)):
         return None
     return impl if impl.supports(input, weight, n) else None
+
+
+def _plain_contiguous(t: torch.Tensor) -> bool:
+    """csrc/norms.cpp's plain_contiguous: exactly the row-major strides, size-1 dimensions included."""
+    expected = 1
+    for d in range(t.dim() - 1, -1, -1):
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def _rms_fast_ok(x, weight, style) -> bool:
+    """csrc/norms.cpp's rms_fast_ok: where the core's RMSNorm runs its one-pass kernels."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.numel() == 0 or not _plain_contiguous(x):
+        return False
+    if weight is None:
+        return style == "torch"
+    return weight.dtype == x.dtype and weight.is_contiguous()
+
+
+class _CoreRmsSimulation:
+    """What the compiled core's one-pass RMSNorm allocates (csrc/norms.cpp: rms_forward_fast, rms_backward_fast), in
+    its order and without data, as a fast kernel of :class:`RMSNormFunction`, for fake tensors whose real ones the core
+    would serve (``slimgrad.estimate`` on CPU). The core reads data in C++ and cannot run on fakes; the torch code
+    that stood in allocates a temporary per op: a tiny nn.RMSNorm step was estimated 65920 B high. Where the core
+    runs aten's ops (rms_forward / rms_backward), the torch code does the same and stands in."""
+
+    name = "core-simulation"
+
+    def __init__(self, dims, style):
+        self.dims, self.style = dims, style
+
+    @classmethod
+    def of(cls, input, weight, style, n):
+        """The simulation for ``input`` where the core's one-pass path would serve its real tensor, else None."""
+        from slimgrad.functional.dropout import is_simulated_core
+
+        if (not is_simulated_core(input) or _registry.get_preference() == _registry.TRITON
+                or _torch_function_mode_enabled() or _common.autocast_enabled("cpu")
+                or (weight is not None and weight.device != input.device) or not _rms_fast_ok(input, weight, style)):
+            return None
+        if style != "torch":
+            ndim = 1
+        elif weight is not None:
+            ndim = weight.dim()
+        else:  # the trailing dims holding n elements (extra size-1 dims change no size the core allocates)
+            ndim, k = 0, 1
+            while k != n and ndim < input.dim():
+                ndim += 1
+                k *= input.shape[-ndim]
+        return cls(tuple(range(input.dim() - ndim, input.dim())), style)
+
+    def supports(self, input, weight, n) -> bool:
+        return True
+
+    @staticmethod
+    def normed_dtype(x_dtype, weight, style):
+        """rms_normed_dtype: the dtype of the normalised input as the weight multiplies it."""
+        if style == "torch":
+            return _opmath(x_dtype)
+        if style == "llama":
+            return x_dtype
+        if style == "t5":
+            return weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else \
+                torch.promote_types(x_dtype, torch.float32)
+        return torch.float32
+
+    def forward(self, input, weight, eps, style, n, normed=None):
+        sq = torch.empty(input.shape, dtype=torch.float32, device=input.device)
+        out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        h = None if normed is None else torch.empty(input.shape, dtype=normed, device=input.device)
+        if style == "torch":
+            rstd = torch.rsqrt(sq.mean(self.dims, keepdim=True).add_(eps))
+        else:  # C++ temporaries live to the end of the full expression: the mean's while rsqrt allocates
+            mean = sq.mean(-1, keepdim=True)
+            shifted = mean + eps
+            rstd = torch.rsqrt(shifted)
+            del mean, shifted
+        del sq
+        return (out, rstd) if h is None else (out, rstd, h)
+
+    def backward(self, grad_out, x, rstd, weight, style, n, need_x, need_w):
+        if weight is not None and not need_x:  # the core keeps the weight only for dX: a one-element stand-in
+            weight = torch.empty((), dtype=weight.dtype, device=grad_out.device).expand(weight.shape)
+        fast = (grad_out.dtype == x.dtype and _plain_contiguous(grad_out) and grad_out.shape == x.shape
+                and _rms_fast_ok(x, None, "torch")
+                and (weight.dtype == x.dtype and (not need_x or weight.is_contiguous()) if weight is not None
+                     else style == "torch"))
+        if not fast:  # the core's aten ops, the torch code's
+            return _rms_backward(grad_out, x, rstd, weight, self.dims, style, need_x, need_w, x.dtype)
+        p = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        q = torch.empty(x.shape, dtype=x.dtype if style in ("llama", "t5") else torch.float32,
+                        device=x.device) if need_w else None
+        dw = q.sum_to_size(weight.shape).to(weight.dtype) if need_w else None
+        if not need_x:
+            return None, dw
+        del q
+        d_rstd = p.sum(self.dims if style == "torch" else -1, keepdim=True)
+        del p
+        scaled, cubed = d_rstd * -0.5, rstd.pow(3)
+        product = scaled * cubed
+        c = product / n
+        del scaled, cubed, product
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        del c, d_rstd
+        return dx, dw
+
+    def weight_grad_from_normed(self, grad_out, normed, n, w_shape, w_dtype):
+        weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
+        return _weight_grad(_upstream_of_product(grad_out, self.style, weight, normed), normed, weight)
 
 
 def _fused_rms(input, weight, style) -> bool:
