@@ -26,9 +26,10 @@ from transformers.pytorch_utils import Conv1D
 
 from slimgrad import _notices, csrc
 from slimgrad._registry import ORIGINALS, register_forward
+from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_enabled, note_input_kept
-from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve_policy
-from slimgrad.functional.lora import LoraAdapter, _base_forward, lora_linear
+from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy, resolve_policy
+from slimgrad.functional.lora import LoraAdapter, LoraLinearFunction, _base_forward, lora_linear
 from slimgrad.integrations._fingerprint import Verified, unknown_reason
 
 __all__ = ["KNOWN", "SlimLinear"]
@@ -122,17 +123,24 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
 
 
-def _core_forward(self: LoraLinear, x: torch.Tensor):
-    """The compiled core's call (one C++ autograd Function, :mod:`slimgrad.functional.lora`) for an eager CPU
-    plain-LoRA forward, or a CUDA one whose adapters do not drop (the core's dropout is CPU loops), after the
-    checks of the path below read straight from the module's ``__dict__``; None where anything is unusual (the
-    checked path decides then). Whether the base layer is supported is cached in the module's ``__dict__`` per
-    base layer type."""
-    core = csrc.for_eager(x, cuda=True)
-    if core is None or torch.is_autocast_enabled(x.device.type):
+def _fast_forward(self: LoraLinear, x: torch.Tensor):
+    """An eager plain-LoRA forward after the checks of the path below, read straight from the module's
+    ``__dict__`` and its submodules' ``_modules``/``_parameters`` (nn.Module.__getattr__ cost ~5 us a call on the
+    Python path, CUDA's with dropout), or None where anything is unusual (the checked path decides then). Whether
+    the base layer is supported is cached in the module's ``__dict__`` per base layer type.
+
+    Then, as ``lora_linear`` would: stock's ops where no adapter drops and none casts x; the compiled core (one C++
+    autograd Function, :mod:`slimgrad.functional.lora`) for an eager CPU call, or a CUDA one whose adapters do not
+    drop (the core's dropout is CPU loops); else the Python Function through torch's C apply (CUDA's "seed"
+    policy, a core that is off), with ``lora_linear``'s argument checks."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or autocast_enabled("cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type)):  # (device.type: ~1 us)
         return None
     d = self.__dict__
     if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or not _CHECK.still_known():
+        return None
+    active = d.get("_active_adapter")
+    if active is None:
         return None
     modules = d["_modules"]
     base = modules["base_layer"]
@@ -147,7 +155,6 @@ def _core_forward(self: LoraLinear, x: torch.Tensor):
         return None
     lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
     scaling = d["scaling"]
-    active = d.get("_active_adapter")
     tensors, scalings, ps, adapters = [x, weight, bias], [], [], []
     dtype = None
     for name in (active,) if isinstance(active, str) else active:
@@ -172,8 +179,16 @@ def _core_forward(self: LoraLinear, x: torch.Tensor):
         ps.append(float(p))
         adapters.append((A, B, bb))
     cast = d.get("cast_input_dtype_enabled", True)
-    if any(0 < p < 1 for p in ps) and (not x.is_cpu or resolve_policy(d.get(POLICY_ATTRIBUTE), x.device) != "bits"):
-        return None
+    policy = d.get(POLICY_ATTRIBUTE)
+    dropping = any(0 < p < 1 for p in ps)
+    core = csrc.for_eager(x, cuda=True)
+    if core is None or (dropping and (not x.is_cpu or resolve_policy(policy, device) != "bits")):
+        # The Python Function's route (lora_linear's): its argument checks first, where it would raise
+        if (weight.dim() != 2 or (policy is not None and policy not in POLICIES)
+                or any(A.dim() != 2 or B.dim() != 2 or B.shape[1] != A.shape[0] for A, B, _ in adapters)
+                or not all(0.0 <= p <= 1.0 for p in ps)):
+            return None
+        core = None
     if not any(p > 0 for p in ps) and not (cast and adapters and x.dtype != dtype):
         # no dropout, no cast: stock's ops (what stock keeps is what we would keep), as lora_linear runs them
         if torch.is_grad_enabled() and (weight.requires_grad or any(A.requires_grad for A, _, _ in adapters)):
@@ -182,15 +197,25 @@ def _core_forward(self: LoraLinear, x: torch.Tensor):
         for (A, B, bb), s in zip(adapters, scalings):
             result = result + F.linear(F.linear(x, A), B, bb) * s
         return result
+    if core is None:
+        # _common.Function.apply's eager branch called directly (torch's C apply, tensors unwrapped as its
+        # unwrap_dead_wrappers does), without its generic argument handling (~2 us a call for LoRA's arguments)
+        return _C_APPLY(LoraLinearFunction, *[t if t is None else _unwrap_if_dead(t) for t in tensors[:3]], plan[2],
+                        bool(cast), tuple(scalings), tuple(ps), policy,
+                        *[t if t is None else _unwrap_if_dead(t) for t in tensors[3:]])[0]
     out, x_kept = core.lora_linear_apply(tensors, plan[2], bool(cast), scalings, ps)
     if x_kept:
         note_input_kept(x)
     return out
 
 
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere."""
-    if not args and not kwargs and type(x) is torch.Tensor and (out := _core_forward(self, x)) is not None:
+    if not args and not kwargs and type(x) is torch.Tensor and (out := _fast_forward(self, x)) is not None:
         return out
     base = self.base_layer
     adapters = None
