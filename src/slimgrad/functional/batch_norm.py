@@ -112,7 +112,7 @@ def _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, 
 def _cudnn_forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """``cudnn_batch_norm`` on the operands ``_batch_norm_impl_index`` hands it (the same copies, if any)."""
     memory_format = torch.contiguous_format if input.is_contiguous() else suggest_memory_format(input)
-    return _aten.cudnn_batch_norm(
+    return torch.cudnn_batch_norm(
         input.contiguous(memory_format=memory_format), weight.contiguous(), bias.contiguous(),
         None if running_mean is None else running_mean.contiguous(),
         None if running_var is None else running_var.contiguous(), training, momentum, eps,
@@ -124,7 +124,7 @@ def _cudnn_grad_bias(grad_out, ctx, _x, weight, _bias, running_mean, running_var
     does for stock). Its x operand is dY itself, laid out as stock lays x out for it: dB does not read x, and
     dX/dW, which do, are dropped."""
     grad_out = grad_out.contiguous(memory_format=ctx.cudnn_format)
-    return _aten.cudnn_batch_norm_backward(grad_out, grad_out, weight, running_mean, running_var, save_mean,
+    return _aten.cudnn_batch_norm_backward.default(grad_out, grad_out, weight, running_mean, running_var, save_mean,
                                            save_invstd, ctx.eps, reserve)[2]
 
 
@@ -150,15 +150,23 @@ class BatchNormFunction(_common.Function):
 
     @staticmethod
     def forward(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
-        if (input.is_cuda and not transformed and not torch.compiler.is_compiling()
-                and _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps)):
+        if input.is_cuda and not transformed and not torch.compiler.is_compiling():
+            # batch_norm() hands over the selector's answer where it asked already (the core's check, eager CUDA):
+            # asked once a call
+            pending = _PENDING.__dict__.pop("bn_cudnn", None)
+            cudnn = (pending[1] if pending is not None and pending[0] is input
+                     else _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps))
+        else:
+            cudnn = False
+        if cudnn:
             # Stock's kernel (cuDNN), so output, statistics and running statistics are stock's bits (traced, both
             # decompose to the same ops; under torch.func stock runs native too). Training
             # returns cuDNN's reserve as a fourth output: its backward (dB, the one gradient this Function
             # computes in training without keeping x) reads it.
             result = _cudnn_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
             return result if training else result[0]
-        result = _aten.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+        # torch's binding of aten's op: ~3 us a call less than torch.ops.aten's packet (its Python dispatch)
+        result = torch.native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
         return result if training else result[0]
 
     @staticmethod
@@ -242,7 +250,7 @@ class BatchNormFunction(_common.Function):
             empty = grad_out.new_empty(0, dtype=_stat_dtype(grad_out, running_mean))
             # (not restrided: CUDA's evaluation kernel writes dX into a contiguous tensor whatever x's layout,
             # ``at::empty(input.sizes())`` in batch_norm_elementwise_backward_eval, and so does stock's)
-            dx = _aten.native_batch_norm_backward(
+            dx = _aten.native_batch_norm_backward.default(
                 grad_out, _shape_only_input(grad_out, ctx.x_shape, ctx.x_stride, ctx.x_dense), weight,
                 running_mean, running_var, empty, empty, False, ctx.eps, [True, False, False],
             )[0]
@@ -261,7 +269,7 @@ class BatchNormFunction(_common.Function):
                 # CUDA's kernel and vmap's batching rule assert that the (unused in evaluation) batch statistics are
                 # defined (the CPU kernel takes None: one allocation less a call).
                 save_mean = save_invstd = grad_out.new_empty(0, dtype=_stat_dtype(grad_out, running_mean))
-            kdx, dw, db = _aten.native_batch_norm_backward(
+            kdx, dw, db = _aten.native_batch_norm_backward.default(
                 grad_out,
                 x,
                 weight,
@@ -326,12 +334,13 @@ def batch_norm(
     # the Python Function does, as stock does; so does evaluation on a channels-last x, whose direct dX the core
     # rounds as stock's CPU kernel does)
     core = csrc.for_eager(input, cuda=True)
+    cudnn = None  # the selector's answer, where asked here: handed to the Function's forward (one question a call)
     if (core is not None and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE
             and type(running_mean) in _PLAIN_OR_NONE and type(running_var) in _PLAIN_OR_NONE
             and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled(input.device.type)
             and not (input.is_cuda and ((not training and _channels_last_format(input) is not None)
-                                        or _stock_uses_cudnn(input, weight, bias, running_mean, running_var,
-                                                             training, eps)))):
+                                        or (cudnn := _stock_uses_cudnn(input, weight, bias, running_mean,
+                                                                       running_var, training, eps))))):
         _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
         return core.batch_norm_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
     if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
@@ -351,6 +360,8 @@ def batch_norm(
     else:
         # _common.Function.apply's eager branch, called directly: its generic argument handling cost ~2 µs a call on
         # the Python path (CUDA's where stock runs cuDNN). Tensors unwrapped as its unwrap_dead_wrappers does.
+        if cudnn is not None:
+            _PENDING.bn_cudnn = (input, cudnn)
         out = _C_APPLY(BatchNormFunction, _unwrap_if_dead(input), _unwrap(weight), _unwrap(bias),
                        _unwrap(running_mean), _unwrap(running_var), training, momentum, eps, False)
     return out[0] if training else out
@@ -358,6 +369,8 @@ def batch_norm(
 
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _C_APPLY = _common._C_APPLY
+# batch_norm() -> BatchNormFunction.forward, one eager CUDA call: (input, whether stock's selector picked cuDNN)
+_PENDING = _common.EAGER_HANDOFF
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
