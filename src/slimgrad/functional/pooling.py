@@ -213,7 +213,9 @@ class MaxPoolFunction(_common.Function):
         op = _MAX_BACKWARD[max(nd, 2)]
         buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
         if buffer is None:
-            grad = op(grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode, indices)
+            # (the op's overload itself: the packet's Python dispatch to it cost ~1 us a call)
+            grad = op.default(grad_out, standin(shape, grad_out), kernel, stride, padding, dilation, ceil_mode,
+                              indices)
         else:
             # The kernels pick their channels-last or contiguous loop from the *input* argument's suggested
             # format (CUDA's 2-d and 3-d, and CPU's), and a stand-in suggests contiguous: on CUDA a 2-d
@@ -345,10 +347,20 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
     if nd == 3:
         input = _fp32_under_autocast(input)
     kernel, stride, padding, dilation = _geometry(nd, kernel_size, stride, padding, dilation, cache=not compiling)
-    with autocast_off(input.device.type):
-        out, indices, _ = MaxPoolFunction.apply(input, nd, kernel, stride, padding, dilation, bool(ceil_mode),
-                                                bool(return_indices), False)
+    if compiling or torch._C._are_functorch_transforms_active() or _common.autocast_enabled(input.device.type):
+        with autocast_off(input.device.type):
+            out, indices, _ = MaxPoolFunction.apply(input, nd, kernel, stride, padding, dilation, bool(ceil_mode),
+                                                    bool(return_indices), False)
+    else:
+        # _common.Function.apply's eager branch called directly (torch's C apply, the input unwrapped as its
+        # unwrap_dead_wrappers does), without its generic argument handling (~2 us a call; CUDA's max pooling)
+        out, indices, _ = _C_APPLY(MaxPoolFunction, _unwrap_if_dead(input), nd, kernel, stride, padding, dilation,
+                                   bool(ceil_mode), bool(return_indices), False)
     return (out, indices) if return_indices else out
+
+
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
@@ -419,7 +431,7 @@ class AvgPoolFunction(_common.Function):
             # layout from its input argument, whose values it never reads: for channels_last, an empty
             # channels_last tensor carries that layout (one transient input-sized buffer, as stock's kept
             # input would be).
-            grad = op(grad_out, standin(shape, grad_out) if buffer is None else buffer)
+            grad = op.default(grad_out, standin(shape, grad_out) if buffer is None else buffer)
         else:
             kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.options
             if nd == 1:
@@ -429,7 +441,7 @@ class AvgPoolFunction(_common.Function):
             # kernels choose their loop from the input's suggested format, never reading its values.
             args = (grad_out, standin(shape, grad_out) if buffer is None else buffer, kernel, stride, padding,
                     ceil_mode, count_include_pad, divisor_override)
-            grad = op(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
+            grad = op.default(*args) if buffer is None else op.grad_input(*args, grad_input=buffer)
         if nd == 1:
             grad = grad.squeeze(-2)
         return grad, None, None, None, None
@@ -540,8 +552,15 @@ def _apply_avg(nd, input, adaptive, options):
         # cast like autocast does, outside our Function, so the cast's own backward (like stock's) turns the
         # gradient back into x's dtype
         input = input.to(dtype)
-    with autocast_off(input.device.type):
-        return AvgPoolFunction.apply(input, nd, adaptive, options, False)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        with autocast_off(input.device.type):
+            return AvgPoolFunction.apply(input, nd, adaptive, options, False)
+    device_type = input.device.type
+    if _common.autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return _C_APPLY(AvgPoolFunction, _unwrap_if_dead(input), nd, adaptive, options, False)
+    # _common.Function.apply's eager branch called directly (as max pooling's): no generic argument handling
+    return _C_APPLY(AvgPoolFunction, _unwrap_if_dead(input), nd, adaptive, options, False)
 
 
 def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
