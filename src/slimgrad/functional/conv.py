@@ -58,14 +58,14 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _PAD_BACKWARD = {
     "reflect": {
-        1: torch.ops.aten.reflection_pad1d_backward,
-        2: torch.ops.aten.reflection_pad2d_backward,
-        3: torch.ops.aten.reflection_pad3d_backward,
+        1: torch.ops.aten.reflection_pad1d_backward.default,
+        2: torch.ops.aten.reflection_pad2d_backward.default,
+        3: torch.ops.aten.reflection_pad3d_backward.default,
     },
     "replicate": {
-        1: torch.ops.aten.replication_pad1d_backward,
-        2: torch.ops.aten.replication_pad2d_backward,
-        3: torch.ops.aten.replication_pad3d_backward,
+        1: torch.ops.aten.replication_pad1d_backward.default,
+        2: torch.ops.aten.replication_pad2d_backward.default,
+        3: torch.ops.aten.replication_pad3d_backward.default,
     },
 }
 _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -378,7 +378,8 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
             xp = F.pad(xp, pad, mode=pad_mode)
     if xp.dtype != conv_dtype:
         xp = xp.to(conv_dtype)
-    return torch.ops.aten.convolution_backward(
+    # (the op's overload itself: the packet's Python dispatch to it cost ~1 us a call)
+    return torch.ops.aten.convolution_backward.default(
         grad,
         xp,
         weight if weight is not None else _common.standin(ctx.w_shape, grad),
@@ -471,13 +472,15 @@ def conv_nd(
     output_padding=0,
     padding_mode: str = "zeros",
     fn: str = "conv",
+    normalised=None,
 ):
     """Shared entry point: normalises options, handles unbatched inputs and autocast, then applies the
     Function. ``padding_mode`` other than zeros pads X explicitly (as stock ``nn.ConvNd`` does) with
     ``padding`` given in F.pad order (``_reversed_padding_repeated_twice``).
 
     Where stock keeps what we would keep (the weight trains, no explicit padding), stock's functional
-    runs directly: no Function, no bookkeeping beyond noting that X is kept."""
+    runs directly: no Function, no bookkeeping beyond noting that X is kept. ``normalised``: ``options``' answer
+    for these arguments, where the caller has it (a module's cache)."""
     core = csrc.for_eager(x, cuda=True)
     if core is not None:
         cfg = _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, groups, nd, transposed,
@@ -513,52 +516,15 @@ def conv_nd(
         )
     if weight.dim() != nd + 2:
         raise RuntimeError(f"{fn}: argument 'weight' must be {nd + 2}D, got size {list(weight.shape)}")
-    if padding_mode not in _PADDING_MODES:
-        raise ValueError(
-            f"{fn}: argument 'padding_mode' must be one of {_PADDING_MODES}, got {padding_mode!r}"
-        )
-
-    stride_t = _tuple(stride, nd, "stride", fn)
-    dilation_t = _tuple(dilation, nd, "dilation", fn)
-    pad_mode = None
-    pad = None
-    if padding_mode != "zeros":
-        if transposed:
-            raise ValueError(f"{fn}: Only `zeros` padding mode is supported for ConvTranspose{nd}d")
-        if not (isinstance(padding, (tuple, list)) and len(padding) == 2 * nd):
-            raise ValueError(f"{fn}: with padding_mode={padding_mode!r}, 'padding' must hold {2 * nd} ints")
-        pad_mode, pad = padding_mode, tuple(int(p) for p in padding)
-        padding_t = (0,) * nd
-    elif isinstance(padding, str):
-        if transposed:
-            raise ValueError(f"{fn}: argument 'padding' must be an int or a tuple of ints, got {padding!r}")
-        if padding == "valid":
-            padding_t = (0,) * nd
-        elif padding == "same":
-            if any(s != 1 for s in stride_t):
-                raise ValueError(f"{fn}: padding='same' is not supported for strided convolutions")
-            total = [dilation_t[i] * (weight.shape[2 + i] - 1) for i in range(nd)]
-            left = [t // 2 for t in total]
-            right = [t - t // 2 for t in total]
-            padding_t = tuple(left)
-            if left != right:
-                # As aten's _convolution_same: zero-pad the excess on the right, then symmetric padding.
-                pad_mode = "constant"
-                pad = [0] * (2 * nd)
-                for i in range(nd):
-                    pad[2 * (nd - 1 - i) + 1] = right[i] - left[i]
-                pad = tuple(pad)
-        else:
-            raise ValueError(
-                f"{fn}: Invalid padding string {padding!r}, argument 'padding' must be 'same' or 'valid'"
-            )
-    else:
-        padding_t = _tuple(padding, nd, "padding", fn)
-    output_padding_t = _tuple(output_padding, nd, "output_padding", fn) if transposed else (0,) * nd
+    if normalised is None:
+        normalised = options(nd, transposed, stride, padding, dilation, output_padding, padding_mode,
+                             tuple(weight.shape[2:]), fn)
+    stride_t, dilation_t, padding_t, output_padding_t, pad_mode, pad = normalised
 
     cast_dtype = pad_dtype = None
     device_type = x.device.type
-    if _common.autocast_dtype(device_type) is not None:
+    autocast = _common.autocast_dtype(device_type) is not None
+    if autocast:
         if pad_mode in ("reflect", "replicate", "circular"):
             # Stock pads X (in autocast's fp32 where the pad is on its fp32 list) and autocast casts the padded X
             # for the convolution: the Function does the same, and its backward reverses it in that order.
@@ -586,11 +552,72 @@ def conv_nd(
         cast_dtype if cast_dtype != x.dtype else None,
         pad_dtype,
     )
-    with _common.autocast_off(device_type):
-        out = _ConvFunction.apply(x, weight, bias, cfg, _input_copy(x, weight, cfg))
-        if cfg[8] is not None and type(out) is tuple:  # (the eager Function's padded X: dropped here)
-            out = out[0]
+    if autocast or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        with _common.autocast_off(device_type):
+            out = _ConvFunction.apply(x, weight, bias, cfg, _input_copy(x, weight, cfg))
+    else:
+        # _common.Function.apply's eager branch called directly (torch's C apply, tensors unwrapped as its
+        # unwrap_dead_wrappers does), without its generic argument handling (~1-2 us a call)
+        xc = _input_copy(x, weight, cfg)
+        out = _C_APPLY(_ConvFunction, _unwrap_if_dead(x), _unwrap_if_dead(weight),
+                       None if bias is None else _unwrap_if_dead(bias), cfg,
+                       None if xc is None else _unwrap_if_dead(xc))
+    if cfg[8] is not None and type(out) is tuple:  # (the eager Function's padded X: dropped here)
+        out = out[0]
     return out.squeeze(0) if unbatched else out
+
+
+_C_APPLY = _common._C_APPLY
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def options(nd, transposed, stride, padding, dilation, output_padding, padding_mode, kernel, fn):
+    """``conv_nd``'s options normalised: stride, dilation, padding and output padding as tuples of ``nd`` ints, the
+    explicit pad and its mode; raises where they are invalid. A module works them out once (``nn.conv``) and
+    hands them to ``conv_nd`` (~3 us a call on the Python path)."""
+    if padding_mode not in _PADDING_MODES:
+        raise ValueError(
+            f"{fn}: argument 'padding_mode' must be one of {_PADDING_MODES}, got {padding_mode!r}"
+        )
+
+    stride_t = _tuple(stride, nd, "stride", fn)
+    dilation_t = _tuple(dilation, nd, "dilation", fn)
+    pad_mode = None
+    pad = None
+    if padding_mode != "zeros":
+        if transposed:
+            raise ValueError(f"{fn}: Only `zeros` padding mode is supported for ConvTranspose{nd}d")
+        if not (isinstance(padding, (tuple, list)) and len(padding) == 2 * nd):
+            raise ValueError(f"{fn}: with padding_mode={padding_mode!r}, 'padding' must hold {2 * nd} ints")
+        pad_mode, pad = padding_mode, tuple(int(p) for p in padding)
+        padding_t = (0,) * nd
+    elif isinstance(padding, str):
+        if transposed:
+            raise ValueError(f"{fn}: argument 'padding' must be an int or a tuple of ints, got {padding!r}")
+        if padding == "valid":
+            padding_t = (0,) * nd
+        elif padding == "same":
+            if any(s != 1 for s in stride_t):
+                raise ValueError(f"{fn}: padding='same' is not supported for strided convolutions")
+            total = [dilation_t[i] * (kernel[i] - 1) for i in range(nd)]
+            left = [t // 2 for t in total]
+            right = [t - t // 2 for t in total]
+            padding_t = tuple(left)
+            if left != right:
+                # As aten's _convolution_same: zero-pad the excess on the right, then symmetric padding.
+                pad_mode = "constant"
+                pad = [0] * (2 * nd)
+                for i in range(nd):
+                    pad[2 * (nd - 1 - i) + 1] = right[i] - left[i]
+                pad = tuple(pad)
+        else:
+            raise ValueError(
+                f"{fn}: Invalid padding string {padding!r}, argument 'padding' must be 'same' or 'valid'"
+            )
+    else:
+        padding_t = _tuple(padding, nd, "padding", fn)
+    output_padding_t = _tuple(output_padding, nd, "output_padding", fn) if transposed else (0,) * nd
+    return stride_t, dilation_t, padding_t, output_padding_t, pad_mode, pad
 
 
 # (device type, autocast dtype, X's dtype, pad mode, nd) -> the dtype stock's F.pad runs in under autocast

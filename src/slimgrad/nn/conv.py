@@ -21,6 +21,7 @@ from slimgrad.functional.conv import (
     conv_nd,
     core_cfg,
     core_conv,
+    options,
     stock_keeps_weight_for_free,
 )
 
@@ -97,6 +98,32 @@ def _core_call(self, input, weight, bias, nd: int, transposed: bool):
                      self.output_padding, self.groups, self.dilation)
 
 
+def _options(self, weight, nd: int, name: str):
+    """``conv_nd``'s normalised options for this module (``functional.conv.options``, ~3 us a call), kept in its
+    ``__dict__`` with the option objects they were made from: remade where an attribute was replaced since (they are
+    immutable tuples and strings; a list, which could change in place, is never cached). None while traced (dynamo
+    would guard on the cache) or where the options are invalid: ``conv_nd`` then works them out, raising its errors
+    in its order."""
+    if torch.compiler.is_compiling():
+        return None
+    stride, padding, dilation, mode = self.stride, self.padding, self.dilation, self.padding_mode
+    # As stock's forward: with a padding mode, F.pad with the module's reversed padding, then padding 0.
+    pad_arg = padding if mode == "zeros" else self._reversed_padding_repeated_twice
+    try:
+        kernel = tuple(weight.shape[2:]) if type(padding) is str else None
+        d = self.__dict__
+        c = d.get("_slimgrad_conv_options")
+        if (c is not None and c[0] is stride and c[1] is pad_arg and c[2] is dilation and c[3] is mode
+                and c[4] == kernel):
+            return c[5]
+        normalised = options(nd, False, stride, pad_arg, dilation, 0, mode, tuple(weight.shape[2:]), name)
+    except Exception:  # noqa: BLE001 - conv_nd raises it, after the checks it makes first
+        return None
+    if all(type(v) in (tuple, str) for v in (stride, pad_arg, dilation, mode)):
+        d["_slimgrad_conv_options"] = (stride, pad_arg, dilation, mode, kernel, normalised)
+    return normalised
+
+
 def _conv_forward(self, input, nd: int):
     name = type(self).__name__
     weight, bias = self.weight, self.bias
@@ -107,6 +134,7 @@ def _conv_forward(self, input, nd: int):
         if input.requires_grad:  # only an output that requires grad can have a producer to tell
             _common.note_input_kept(input)
         return self._conv_forward(input, weight, bias)
+    normalised = _options(self, weight, nd, name)
     if self.padding_mode != "zeros":
         # As stock _conv_forward: F.pad with the module's reversed padding, then a conv with padding 0.
         return conv_nd(
@@ -120,8 +148,10 @@ def _conv_forward(self, input, nd: int):
             nd=nd,
             padding_mode=self.padding_mode,
             fn=name,
+            normalised=normalised,
         )
-    return conv_nd(input, weight, bias, self.stride, self.padding, self.dilation, self.groups, nd=nd, fn=name)
+    return conv_nd(input, weight, bias, self.stride, self.padding, self.dilation, self.groups, nd=nd, fn=name,
+                   normalised=normalised)
 
 
 def _conv_transpose_forward(self, input, output_size, nd: int):
