@@ -236,10 +236,14 @@ _SCRATCH_OPS = re.compile(r"conv|mkldnn|_scaled_dot_product|attention|^(mm|bmm|a
 
 
 def _mixed_dtypes(args) -> bool:
-    """Tensors of two floating dtypes in one op (bf16 + fp32): TensorIterator may cast one into a temporary
-    copy inside the op (an add of bf16 and fp32 on CPU holds twice its output)."""
-    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dim()}
-    return len(dtypes) > 1
+    """Tensors of two floating dtypes in one op (bf16 + fp32), or a bool tensor with one of another dtype (a gradient's
+    bits times a 0/1 mask): TensorIterator may cast one into a temporary copy inside the op (an add of bf16 and fp32
+    on CPU holds twice its output; ``int32 * bool`` casts the mask to int32 first: a ReLU6 step's peak, 12544 B
+    missed by the estimate)."""
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim()}
+    if len(dtypes) < 2:
+        return False
+    return torch.bool in dtypes or sum(1 for d in dtypes if d.is_floating_point) > 1
 
 
 def _spec_of(x):
