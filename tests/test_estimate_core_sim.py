@@ -129,6 +129,12 @@ NORMS = [
 ]
 
 
+class _PoolWithIndices(nn.Module):
+    def forward(self, x):
+        out, indices = nn.functional.max_pool2d(x, 2, return_indices=True)
+        return out + indices.to(out.dtype) * 0  # the indices are used: a step that keeps them alive a while
+
+
 def _bn_eval():
     m = _seq(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3))
     m[1].eval()
@@ -156,6 +162,15 @@ OTHERS = [
                                                   dtype=BF16, channels_last=True),
                                              _x(2, 3, 16, 16, dtype=BF16, channels_last=True))),
     ("max-pool", lambda: (_seq(nn.Conv2d(3, 8, 3), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 4, 3)), _x(2, 3, 17, 17))),
+    # the core takes a channels-last input as it is; the Python path ran stock's kernel with int64 indices there
+    # (1616 B high before the simulated Function)
+    ("max-pool-channels-last", lambda: (_seq(nn.Conv2d(3, 8, 3), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 4, 3),
+                                             channels_last=True), _x(2, 3, 17, 17, channels_last=True))),
+    ("max-pool-returning-indices", lambda: (_seq(nn.Conv2d(3, 8, 3), _PoolWithIndices(), nn.Conv2d(8, 4, 3)),
+                                           _x(2, 3, 16, 16))),
+    ("max-pool-3d-channels-last", lambda: (_seq(nn.Conv3d(3, 4, 3), nn.MaxPool3d(2), nn.Conv3d(4, 2, 1),
+                                                dtype=BF16), _x(1, 3, 8, 8, 8, dtype=BF16).to(
+                                               memory_format=torch.channels_last_3d).detach().requires_grad_())),
     ("max-pool-on-input", lambda: (_seq(nn.MaxPool2d(2), nn.Conv2d(3, 4, 3)), _x(2, 3, 16, 16))),
     ("max-pool-1d-bf16", lambda: (_seq(nn.Conv1d(3, 8, 3), nn.MaxPool1d(2), nn.Conv1d(8, 4, 3), dtype=BF16),
                                   _x(2, 3, 32, dtype=BF16))),

@@ -135,7 +135,13 @@ def _depthless_winners(out) -> bool:
     """Whether an all -inf window may have a winner no window position names: stock's 3-d channels_last kernel
     starts its scalar channels from the first in-bounds (h, w) of depth 0 (the depth term left out), so such a
     window reports, and backward feeds, that element. Then stock's indices are kept as they are (rare: only
-    windows of -inf give -inf outputs). The compiled core keeps a position for it (``csrc/max_pool.cpp``)."""
+    windows of -inf give -inf outputs). The compiled core keeps a position for it (``csrc/max_pool.cpp``).
+    A fake tensor (``slimgrad.estimate``) has no values to look at: the common case, none."""
+    if type(out) is not torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(out):
+            return False
     return bool(torch.isneginf(out).any())
 
 
@@ -339,6 +345,9 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
     if not _wants_grad(input):
         return stock(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                      return_indices=return_indices)
+    if not compiling and type(input) is not torch.Tensor and (out := _core_max_pool_simulated(
+            nd, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)) is not None:
+        return out
     if nd == 1 and not compiling:
         # Stock's max_pool1d validates its arguments with 1-d messages before running the 2-d kernel we
         # call; replay that validation on a data-less meta tensor so errors read the same.
@@ -361,6 +370,81 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
 
 _C_APPLY = _common._C_APPLY
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _pool_out_size(size, k, s, p, d, ceil_mode) -> int:
+    """csrc/max_pool.cpp's out_size (aten's pooling_output_shape)."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    return out - 1 if ceil_mode and (out - 1) * s >= size + p else out
+
+
+def _core_max_pool_simulated(nd, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices):
+    """For a fake tensor (``slimgrad.estimate`` on CPU) whose real one the core's max pooling would take (its
+    ``prepare``): a Function allocating what the core's MaxPoolFunction allocates, in order; else None. The
+    core takes a channels-last input as it is, where the Python Function runs stock's kernel with int64 indices
+    (a channels-last fp32 step was estimated 1616 B high); on a contiguous input both allocate alike."""
+    from slimgrad.functional.dropout import is_simulated_core
+
+    if not is_simulated_core(input) or input.dim() not in (nd + 1, nd + 2) or input.numel() == 0:
+        return None
+    if input.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return None
+    if nd == 3 and input.dtype not in (torch.float32, torch.float64) and _common.autocast_enabled("cpu"):
+        return None
+    if core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices) is None:
+        return None
+    kernel, stride_t, padding_t, dilation_t = _geometry(nd, kernel_size, stride, padding, dilation)
+    xi = input.unsqueeze(-2) if nd == 1 else input
+    fmt = torch.contiguous_format
+    if xi.dim() == 4 and nd <= 2:
+        if suggest_memory_format(xi) == torch.channels_last:
+            fmt = torch.channels_last
+    elif xi.dim() == 5:
+        if suggest_memory_format(xi) == torch.channels_last_3d:
+            fmt = torch.channels_last_3d
+    elif nd == 3 and not input.is_contiguous():
+        return None  # aten's unbatched 3-d layout workaround: the Python Function, for real too
+    kvol = math.prod(kernel)
+    if fmt != torch.contiguous_format and nd == 3 and kvol in (256, 2**15):
+        return None
+    spatial = [_pool_out_size(input.shape[input.dim() - nd + i], kernel[i], stride_t[i], padding_t[i],
+                              dilation_t[i], ceil_mode) for i in range(nd)]
+    if min(spatial) < 1:
+        return None
+    out_shape = tuple(input.shape[:input.dim() - nd]) + tuple(spatial)
+    return _CoreMaxPoolSimulation.apply(input, nd, fmt, out_shape, position_dtype(kvol), bool(return_indices))
+
+
+class _CoreMaxPoolSimulation(torch.autograd.Function):
+    """csrc/max_pool.cpp's MaxPoolFunction's allocations without data (fake tensors only): the input in the
+    kernels' layout where it is not already, then output, positions (and int64 indices where returned); backward:
+    the gradient in that layout where it is not, then the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, nd, fmt, out_shape, pos_dtype, return_indices):
+        xi = x.unsqueeze(-2) if nd == 1 else x
+        x4 = xi if xi.is_contiguous(memory_format=fmt) else xi.contiguous(memory_format=fmt)
+        shape = out_shape[:-1] + (1, out_shape[-1]) if nd == 1 else out_shape
+        outs = [torch.empty(shape, dtype=dtype, device=x.device, memory_format=fmt)
+                for dtype in (x.dtype, pos_dtype) + ((torch.int64,) if return_indices else ())]
+        del x4
+        if nd == 1:
+            outs = [t.squeeze(-2) for t in outs]
+        ctx.save_for_backward(outs[1])
+        ctx.nd, ctx.fmt, ctx.x_shape = nd, fmt, tuple(xi.shape)
+        if return_indices:
+            ctx.mark_non_differentiable(outs[2])
+            return outs[0], outs[2]
+        return outs[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, *_grad_indices):
+        g = grad.unsqueeze(-2) if ctx.nd == 1 and ctx.fmt != torch.contiguous_format else grad
+        gk = g.contiguous(memory_format=ctx.fmt)
+        gi = torch.empty(ctx.x_shape, dtype=grad.dtype, device=grad.device, memory_format=ctx.fmt)
+        del gk
+        return (gi.squeeze(-2) if ctx.nd == 1 else gi), None, None, None, None, None
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
