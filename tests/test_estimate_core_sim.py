@@ -111,7 +111,20 @@ LORA = [
     ("lora-bf16", lambda: _lora(BF16, 0.1, False, train_base=True)),
     ("lora-p1", lambda: _lora(torch.float32, 1.0, True)),
     ("llama-lora-dropout", lambda: bm.llama_lora(seq=32, dropout=0.1)),
+    # peft's LoRA conv (the Python Function with the core's dropout kernel) and a ReLU whose backward is the peak:
+    # the relu_mask/range_mask kernels' torch reference (unpacked mask cast to int32) was 14408 B high
+    ("lora-conv-channels-last", lambda: _lora_conv()),
 ]
+
+
+def _lora_conv():
+    import peft
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Conv2d(16, 4, 3))
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["2"], lora_dropout=0.1, init_lora_weights=False)
+    m = peft.get_peft_model(m, cfg).train().to(memory_format=CL)
+    return m, _x(2, 3, 24, 24, channels_last=True, grad=False)
 NORMS = [
     ("rmsnorm", lambda: (_seq(nn.Linear(64, 256), nn.RMSNorm(256), nn.Linear(256, 8)), _x(4, 8, 64))),
     ("rmsnorm-bf16", lambda: (_seq(nn.Linear(64, 256), nn.RMSNorm(256), nn.Linear(256, 8), dtype=BF16),

@@ -114,6 +114,28 @@ registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, prior
                   note="compiled core: one pass packing, one pass selecting")
 
 
+class CoreRangeMaskSimulation:
+    """What the core's kernels allocate (``range_mask_pack``: the packed mask; ``range_mask_select``: the
+    gradient), without data: for fake tensors (``slimgrad.estimate``) whose real ones would get the core
+    (:func:`registry.simulates_core`)."""
+
+    name = "core-simulation"
+
+    @staticmethod
+    def pack(x, rule, lo, hi):
+        return torch.empty(((x.numel() + 7) // 8,), dtype=torch.uint8, device=x.device)
+
+    @staticmethod
+    def select(grad, packed):
+        return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+CORE_SIMULATION = CoreRangeMaskSimulation()
+
+
 def choose(x: torch.Tensor):
-    """The implementation for ``x`` (the torch reference while compiling: fast backends are eager-only)."""
+    """The implementation for ``x`` (the torch reference while compiling: fast backends are eager-only; for the
+    estimate's fake tensors the core's allocations)."""
+    if type(x) is not torch.Tensor and registry.simulates_core(FAMILY, x):
+        return CORE_SIMULATION
     return registry.choose_or_reference(FAMILY, x, TORCH_IMPL)

@@ -281,6 +281,19 @@ def _choose_for_fake(family: str, tensor: torch.Tensor):
     return impl
 
 
+def simulates_core(family: str, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake CPU tensor (``slimgrad.estimate``'s simulated step) whose real counterpart would
+    get ``family``'s compiled-core kernel. That kernel reads data in C++ and cannot run on fakes, and the torch
+    reference allocates other transients (a one-byte mask, packing temporaries): such a family hands fakes a
+    stand-in that allocates what the core's kernel allocates."""
+    if type(tensor) is torch.Tensor or tensor.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if not _is_fake(tensor):
+        return False
+    kernel = choose_kernel(family, "cpu", tensor.dtype)
+    return kernel is not None and kernel.backend == CORE
+
+
 def choose_or_reference(family: str, tensor: torch.Tensor, reference):
     """The family's chosen implementation for ``tensor``, or ``reference`` (its torch implementation) while
     ``torch.compile`` traces (the fast backends are eager-only) or when nothing fits."""

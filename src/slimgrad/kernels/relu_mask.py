@@ -134,7 +134,29 @@ registry.register(FAMILY, registry.CORE, devices=("cpu",), dtypes=_FLOATS, prior
                   note="compiled core: one pass for output and mask")
 
 
+class CoreReluMaskSimulation:
+    """What the core's kernels allocate (``relu_mask_forward``: the packed mask, then the output unless in place;
+    ``relu_mask_backward``: the gradient), without data: for fake tensors (``slimgrad.estimate``) whose real ones
+    would get the core (:func:`registry.simulates_core`)."""
+
+    name = "core-simulation"
+
+    @staticmethod
+    def forward(x, negative_slope, inplace):
+        packed = torch.empty(((x.numel() + 7) // 8,), dtype=torch.uint8, device=x.device)
+        return (x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)), packed
+
+    @staticmethod
+    def backward(grad, packed, negative_slope):
+        return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+CORE_SIMULATION = CoreReluMaskSimulation()
+
+
 def choose(x: torch.Tensor):
     """The implementation for ``x`` (the registry's choice; the torch reference while compiling, since
-    the fast backends are eager-only)."""
+    the fast backends are eager-only; for the estimate's fake tensors the core's allocations)."""
+    if type(x) is not torch.Tensor and registry.simulates_core(FAMILY, x):
+        return CORE_SIMULATION
     return registry.choose_or_reference(FAMILY, x, TORCH_IMPL)
