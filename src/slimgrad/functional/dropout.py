@@ -223,10 +223,8 @@ def is_simulated_core(t: torch.Tensor) -> bool:
 def _bits_impl(t: torch.Tensor):
     """The ``dropout_bits`` kernel for ``t``; for a fake tensor whose real one would get the core's kernel, its
     allocations' simulation."""
-    if is_simulated_core(t) and t.dtype in _CORE_DTYPES:
-        kernel = registry.choose_kernel(kernels.BITS, "cpu", t.dtype)
-        if kernel is not None and kernel.backend == registry.CORE:
-            return _CORE_SIM
+    if type(t) is not torch.Tensor and registry.simulates_core(kernels.BITS, t):
+        return _CORE_SIM
     return kernels.choose_bits(t)
 
 
