@@ -108,6 +108,8 @@ def pack(flat: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
                          f"{flat.dtype} of shape {tuple(flat.shape)}")
     if impl == "numpy" or (impl == "auto" and use_numpy(flat)):
         return torch.from_numpy(np.packbits(flat.contiguous().numpy(), bitorder="little"))
+    if impl == "auto" and _stands_for_numpy(flat):
+        return torch.empty(flat.numel() // 8, dtype=torch.uint8, device=flat.device)  # packbits' result
     return _pack_torch(flat.contiguous())
 
 
@@ -120,7 +122,20 @@ def unpack(packed: torch.Tensor, shape, *, impl: str = "auto") -> torch.Tensor:
     if impl == "numpy" or (impl == "auto" and use_numpy(packed)):
         bits = np.unpackbits(packed.numpy(), count=numel, bitorder="little")
         return torch.from_numpy(bits).view(torch.bool).view(shape)
+    if impl == "auto" and _stands_for_numpy(packed):
+        return torch.empty(shape, dtype=torch.bool, device=packed.device)  # unpackbits' result
     return _unpack_torch(packed, numel).view(shape)
+
+
+def _stands_for_numpy(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake CPU tensor (``slimgrad.estimate``) whose real one numpy would pack or unpack: the
+    simulated step then allocates numpy's result alone (real memory, though outside torch's allocator), not the
+    torch code's int64 temporaries."""
+    if type(t) is torch.Tensor or t.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
