@@ -114,7 +114,28 @@ LORA = [
     # peft's LoRA conv (the Python Function with the core's dropout kernel) and a ReLU whose backward is the peak:
     # the relu_mask/range_mask kernels' torch reference (unpacked mask cast to int32) was 14408 B high
     ("lora-conv-channels-last", lambda: _lora_conv()),
+    # x a view of a wider output: the core keeps a compact copy (the Python path's _compact did not copy a fake x:
+    # 65528 B low)
+    ("lora-on-a-view", lambda: _lora_on_view()),
 ]
+
+
+class _ViewInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.q, self.z = nn.Linear(64, 4096), nn.Linear(256, 8), nn.Linear(8, 16384)
+        self.a.requires_grad_(False)
+
+    def forward(self, x):
+        return self.z(self.q(self.a(x)[:, :256]))
+
+
+def _lora_on_view():
+    import peft
+
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q"], lora_dropout=0.1, init_lora_weights=False)
+    return peft.get_peft_model(_ViewInput(), cfg).train(), _x(64, 64, grad=False)
 
 
 def _lora_conv():

@@ -352,11 +352,19 @@ class LoraLinearFunction(_common.Function):
 def _compact(x: torch.Tensor, compiling: bool) -> torch.Tensor:
     """``_common.compact(x)``, its storage read without its device read and compile check (~1 us a call less on
     the Python path, CUDA's with dropout): x, or a compact copy where x views a larger storage."""
-    if compiling or type(x) is not torch.Tensor or x.is_meta or torch._C._are_functorch_transforms_active():
+    if compiling or x.is_meta or torch._C._are_functorch_transforms_active():
         return x  # (no storage to read: what _common.storage_bytes answers None for)
+    if type(x) is not torch.Tensor and not _is_fake(x):
+        return x  # a subclass; a fake tensor (slimgrad.estimate) has its storage's size, and the real step copies
     if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
         return x
     return x.clone(memory_format=torch.preserve_format)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _fuses_cast(x: torch.Tensor, dtype: torch.dtype) -> bool:
