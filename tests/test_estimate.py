@@ -274,10 +274,10 @@ def test_dropout_policies_are_estimated(policy, model_kind):
     without a draw there, and the estimate equals the measured peak for the seed policy, for peft LoRA dropout
     and for a converted nn.Dropout.
 
-    The "bits" policy: the simulation runs the Python path (fake tensors never reach the compiled core), which
-    draws a one-byte-per-element mask before packing it to bits, where the core packs in the same pass. Where
-    that transient is at the peak (the plain Dropout here) the estimate is high by at most that mask, never low;
-    with the core off, the Python path packs through numpy, outside the allocator's records (high by a few KiB)."""
+    The "bits" policy: where the compiled core runs the real step, fake tensors take a branch that allocates what
+    its C++ allocates, in order, and the estimate equals the measured peak to the byte. With the core off, the
+    Python path packs the mask through numpy, outside the allocator's records: high by at most that mask, never
+    low."""
     if model_kind == "lora":
         model, example = bm.llama_lora(seq=32, dropout=0.1)
         mask_bytes = 2 * 32 * 64  # the adapters' input, batch x seq x hidden
@@ -289,8 +289,11 @@ def test_dropout_policies_are_estimated(policy, model_kind):
     model = slimgrad.convert(model, dropout=policy)
     measured = bm.measured_step_peak(model, example)
     e = _estimate(model, example)
+    core = slimgrad.csrc.for_eager(torch.empty(0)) is not None
     if policy == "seed":
         assert abs(bm.relative_error(e.step_peak_bytes, measured)) <= 0.001, (e.step_peak_bytes, measured)
+    elif core:
+        assert e.step_peak_bytes == measured
     else:
         # the mask, plus one small scalar's allocation (the Python path's scale factor: 40 B measured)
         assert measured <= e.step_peak_bytes <= measured + mask_bytes + 64, (e.step_peak_bytes, measured)
