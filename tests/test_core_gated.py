@@ -9,12 +9,11 @@ producer notes, and bad arguments reaching the Python path's errors.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tests._util import FLOAT_DTYPES, grad_combos
+from tests.test_gated import reference  # the stock formulas, written out independently of slimgrad
 
 from slimgrad import csrc
 from slimgrad.functional import _common
@@ -27,23 +26,6 @@ pytestmark = pytest.mark.skipif(csrc.core() is None,
 CORE_NODE = "GatedFn"
 PY_NODE = "GatedFunctionBackward"
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def reference(kind, x):
-    """The stock formulas, written out independently of slimgrad (transformers' expressions)."""
-    if kind == "silu":
-        return F.silu(x)
-    if kind == "gelu":
-        return F.gelu(x)
-    if kind == "gelu_pytorch_tanh":
-        return F.gelu(x, approximate="tanh")
-    if kind == "gelu_new":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-    if kind == "gelu_python":
-        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if kind == "quick_gelu":
-        return x * torch.sigmoid(1.702 * x)
-    raise AssertionError(kind)
 
 
 def assert_bitwise(actual, expected, what):
