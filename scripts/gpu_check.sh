@@ -12,14 +12,19 @@ PHASE=${1:-all}
 OUT=${OUT:-/tmp/gpu-check}
 REPO=$(pwd)
 mkdir -p "$OUT"
+# The device tool returns a limited number of files from $OUT (8 came back, the rest were left out): the logs
+# go to one archive, written on exit (also when a limit stops the script), with the summary and tables beside it.
+LOGS=$(mktemp -d)
+trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null' EXIT
+trap 'exit 143' TERM
 PY=${PYTHON:-python3}
 log() { echo "== $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
 step() {  # step <name> <seconds> <command...>
   local name=$1 limit=$2; shift 2
   log "$name: $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  tail -n 6 "$OUT/$name.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
+  tail -n 6 "$LOGS/$name.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
   log "$name: rc=$rc"
 }
 existing() { for f in "$@"; do [ -e "$f" ] && printf '%s ' "$f"; done; }
@@ -41,11 +46,11 @@ transformers.__version__, 'peft', peft.__version__)"; $PY -c "import bitsandbyte
   which g++ ninja; nproc; } 2>&1 | grep -v "kernels" | tee -a "$OUT/summary.txt"
 
 # the core's build, in the background (MAX_JOBS: leave cores to the checks); a warm machine keeps it
-( t0=$(date +%s); MAX_JOBS=10 SLIMGRAD_CORE=1 timeout 300 $PY -m slimgrad build > "$OUT/core-build.log" 2>&1;
-  echo "rc=$? in $(( $(date +%s) - t0 )) s" >> "$OUT/core-build.log" ) &
+( t0=$(date +%s); MAX_JOBS=10 SLIMGRAD_CORE=1 timeout 300 $PY -m slimgrad build > "$LOGS/core-build.log" 2>&1;
+  echo "rc=$? in $(( $(date +%s) - t0 )) s" >> "$LOGS/core-build.log" ) &
 BUILD=$!
 core_ready() {
-  log "waiting for the core's build"; wait $BUILD; tail -n 3 "$OUT/core-build.log" | tee -a "$OUT/summary.txt"
+  log "waiting for the core's build"; wait $BUILD; tail -n 3 "$LOGS/core-build.log" | tee -a "$OUT/summary.txt"
 }
 
 if [ "$PHASE" != 2 ]; then
@@ -63,7 +68,7 @@ if [ "$PHASE" != 1 ]; then
   core_ready
   export SLIMGRAD_CORE=1
   step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
-  step budget 100 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
+  step budget 200 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
   step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
   step estimate 60 $PY benchmarks/estimate_accuracy.py --device cuda --time-limit 35 --write \
     --out "$OUT/estimate_gpu.md"
