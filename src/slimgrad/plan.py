@@ -168,7 +168,11 @@ def _to_host(t: torch.Tensor):
     a tensor not on CUDA stay where they are."""
     if t.device.type != "cuda" or not _dense(t):
         return t
-    host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    # (a simulated step's fake tensor gets an unpinned host copy: pinning changes no device bytes)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    pin = torch.cuda.is_available() and not isinstance(t, FakeTensor)
+    host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=pin)
     host.copy_(t, non_blocking=True)
     return t.device, host
 
