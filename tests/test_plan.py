@@ -93,6 +93,9 @@ def pinned_times(monkeypatch):
     monkeypatch.setattr(module, "block_forward_seconds", lambda model, blocks, *a, **k: {b: 1e-3 for b in blocks})
 
 
+_CORE_OFF = slimgrad.csrc.for_eager(torch.empty(0)) is None  # SLIMGRAD_CORE=0, or no compiler: the Python path
+
+
 @pytest.fixture(scope="module")
 def extremes():
     """{name: (peak without a plan, smallest feasible)} of the converted model, planned once per model."""
@@ -164,7 +167,12 @@ def _check_budget_met(name, extremes, known_miss=0):
         assert chosen.peak_after <= budget
         counts.append(len(chosen.actions))
     # the fewest blocks: a budget just under the peak needs fewer than the smallest feasible budget
-    assert 1 <= counts[0] <= counts[1] <= counts[2] and counts[0] < counts[2], counts
+    assert 1 <= counts[0] <= counts[1] <= counts[2], counts
+    if not (name == "resnet" and _CORE_OFF):
+        assert counts[0] < counts[2], counts
+    # (with the core off the estimate counts the ReLU masks numpy unpacks in backward, real memory the profiler's
+    # records miss, and the stem ReLU's backward, that mask plus int32 * bool's cast, is then a floor one
+    # checkpointed block already reaches)
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", pytest.param("llama", marks=pytest.mark.slow)])
@@ -230,7 +238,9 @@ def _assert_bitwise(a, b):
 def test_planned_model_is_bitwise_the_unplanned_one(name, extremes):
     model, example = BUILDERS[name]()
     plain = slimgrad.convert(model)
-    if name == "llama":  # every layer checkpointed (what convert(budget=smallest) installs; planning it is slow)
+    if name == "llama" or (name == "resnet" and _CORE_OFF):
+        # every layer checkpointed (llama: what convert(budget=smallest) installs, planning it is slow; resnet with the
+        # core off: its smallest feasible plan is one block, see above, and this test wants several)
         planned = slimgrad.convert(BUILDERS[name]()[0])
         apply_plan(planned, {b: "checkpoint" for b in blocks_of(planned)})
     else:  # the whole path: planning (its timing forward included), then the installed plan
