@@ -70,7 +70,7 @@ if [ "$PHASE" != 1 ]; then
   step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
   step budget 200 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
   step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
-  step estimate 60 $PY benchmarks/estimate_accuracy.py --device cuda --time-limit 35 --write \
+  step estimate 120 $PY benchmarks/estimate_accuracy.py --device cuda --time-limit 90 --write \
     --out "$OUT/estimate_gpu.md"
   step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
 fi
