@@ -150,7 +150,6 @@ def set_preference(value: str) -> None:
     _check_preference(value, source="set_preference's argument 'value'")
     _PREFERENCE = value
     _CACHE.clear()
-    _FAKE_CACHE.clear()
 
 
 @contextlib.contextmanager
@@ -172,7 +171,6 @@ def register(family: str, backend: str, *, devices: Iterable[str], dtypes: Itera
     kernel = Kernel(family, backend, tuple(devices), tuple(dtypes), load, priority, note)
     _KERNELS.setdefault(family, []).append(kernel)
     _CACHE.clear()
-    _FAKE_CACHE.clear()
     return kernel
 
 
@@ -224,7 +222,6 @@ def core_loader(make: Callable[[object], object]) -> Callable[[], object]:
 def clear_cache() -> None:
     """Forget the per-(family, device, dtype) choices."""
     _CACHE.clear()
-    _FAKE_CACHE.clear()
 
 
 def choose_kernel(family: str, device_type: str, dtype: torch.dtype) -> Kernel | None:
@@ -243,41 +240,25 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 
 def choose(family: str, tensor: torch.Tensor):
     """The implementation object to use for ``family`` on ``tensor``'s device and dtype, or None when no
-    registered implementation fits (the caller then runs its own torch code)."""
-    if type(tensor) is not torch.Tensor and _is_fake(tensor):
-        return _choose_for_fake(family, tensor)
+    registered implementation fits (the caller then runs its own torch code).
+
+    A fake tensor (``slimgrad.estimate``'s simulated step) gets the Triton kernel the real tensor would get, else
+    None (the torch code). Why the Triton kernel: its wrapper allocates its outputs and scratch with torch ops,
+    which fake tensors simulate, and launches kernels, which are skipped for fake arguments
+    (:mod:`slimgrad.kernels.triton._jit`); so the estimate sees the very allocations of the real CUDA step. The
+    torch reference allocates other transients (max pooling's int64 indices: measured 5 % above a ResNet's CUDA
+    peak). A compiled core kernel reads its tensors' data in C++ and cannot run on fakes: the torch code stands in
+    for it (:func:`simulates_core` lets a family allocate what the core would)."""
+    fake = type(tensor) is not torch.Tensor and _is_fake(tensor)
     # the core's switch is part of the key: csrc.disabled() around one call does not cost the next a lookup
-    key = (family, tensor.device.type, tensor.dtype, _core_enabled())
+    key = (family, tensor.device.type, tensor.dtype, _core_enabled(), fake)
     try:
         return _CACHE[key]
     except KeyError:
         pass
     kernel = choose_kernel(family, key[1], key[2])
-    impl = kernel.implementation() if kernel is not None else None
+    impl = None if kernel is None or (fake and kernel.backend != TRITON) else kernel.implementation()
     _CACHE[key] = impl
-    return impl
-
-
-_FAKE_CACHE: dict = {}
-
-
-def _choose_for_fake(family: str, tensor: torch.Tensor):
-    """What a fake tensor (``slimgrad.estimate``'s simulated step) runs: the Triton kernel the real tensor would
-    run, else None (the torch code).
-
-    Why the Triton kernel: its wrapper allocates its outputs and scratch with torch ops, which fake tensors
-    simulate, and launches kernels, which are skipped for fake arguments (:mod:`slimgrad.kernels.triton._jit`);
-    so the estimate sees the very allocations of the real CUDA step. The torch reference allocates other
-    transients (max pooling's int64 indices: measured 5 % above a ResNet's CUDA peak). A compiled core kernel
-    reads its tensors' data in C++ and cannot run on fakes: the torch code stands in for it, as before."""
-    key = (family, tensor.device.type, tensor.dtype, _core_enabled())
-    try:
-        return _FAKE_CACHE[key]
-    except KeyError:
-        pass
-    kernel = choose_kernel(family, key[1], key[2])
-    impl = kernel.implementation() if kernel is not None and kernel.backend == TRITON else None
-    _FAKE_CACHE[key] = impl
     return impl
 
 
