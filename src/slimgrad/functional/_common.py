@@ -164,6 +164,16 @@ class Function(torch.autograd.Function):
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
+# One tensor, unwrapped where it is a functorch wrapper that outlived its transform (what unwrap_dead_wrappers does
+# to each argument): for the families whose eager calls go to _C_APPLY themselves (see eager()).
+unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def eager() -> bool:
+    """Whether ``Function.apply`` takes its eager branch (not traced, no torch.func transform). There a family's
+    hot path may call ``_C_APPLY(cls, unwrap_if_dead(x), ...)`` itself, as that branch does, without its generic
+    argument handling (~1-2 µs a call)."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
 
 
 # What an eager forward hands to its setup_context beside its outputs (a mask, a seed, the order it packed in):

@@ -170,15 +170,8 @@ def _outputs(input, out, packed, vmappable: bool):
 
 _traced_inplace_on_view = _common.traced_inplace_on_view
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-
-
-def _eager() -> bool:
-    """Whether ``_common.Function.apply`` takes its eager branch (not traced, no torch.func transform): there a
-    module's forward calls torch's C apply itself, as that branch does, without its generic argument handling
-    (~1 µs a call; the one tensor argument is unwrapped where it is a functorch wrapper that outlived its
-    transform, as ``unwrap_dead_wrappers`` does)."""
-    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active())
+_unwrap_if_dead = _common.unwrap_if_dead
+_eager = _common.eager
 
 
 def _keeps_mask(negative_slope, inplace: bool, keep_output: bool) -> bool:

@@ -371,7 +371,7 @@ _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _C_APPLY = _common._C_APPLY
 # batch_norm() -> BatchNormFunction.forward, one eager CUDA call: (input, whether stock's selector picked cuDNN)
 _PENDING = _common.EAGER_HANDOFF
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead
 
 
 def _unwrap(t):

@@ -568,7 +568,7 @@ def conv_nd(
 
 
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead
 
 
 def options(nd, transposed, stride, padding, dilation, output_padding, padding_mode, kernel, fn):

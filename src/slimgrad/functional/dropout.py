@@ -426,7 +426,7 @@ def _dropout_impl(input, p, training, inplace, policy=None):
 
 
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CORE_POLICIES = ("auto", "bits")  # on the CPU both are "bits"
 

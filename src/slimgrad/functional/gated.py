@@ -232,4 +232,4 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
 
 
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead

@@ -560,7 +560,7 @@ def rms_norm_hf(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, st
 
 
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead
 
 
 def _apply_rms(input, weight, eps, dims, style, impl):

@@ -369,7 +369,7 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
 
 
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead
 
 
 def _pool_out_size(size, k, s, p, d, ceil_mode) -> int:

@@ -210,7 +210,7 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
 
 
 _C_APPLY = _common._C_APPLY
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _common.unwrap_if_dead
 
 
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
