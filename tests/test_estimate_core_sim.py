@@ -163,6 +163,42 @@ NORMS = [
 ]
 
 
+class _OnAView(nn.Module):
+    """``layer`` fed a view of a wider tensor (``take`` of the model's input or of a frozen layer's output): where a
+    family keeps a compact copy of such a view rather than the view (which would pin its whole storage), its
+    decision reads the storage's size, which the simulated step must read on its fake tensors too."""
+
+    def __init__(self, layer, take, first=None):
+        super().__init__()
+        self.first, self.layer, self.take = first, layer, take
+
+    def forward(self, x):
+        return self.layer(self.take(x if self.first is None else self.first(x)))
+
+
+def _conv_on_view(take, channels_last=False):
+    first = nn.Conv2d(3, 16, 1).requires_grad_(False)
+    m = _seq(_OnAView(nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), take, first), nn.ReLU(),
+             nn.Conv2d(4, 2, 3), channels_last=channels_last)
+    return m, _x(2, 3, 16, 16, grad=False, channels_last=channels_last)
+
+
+def _rms_on_view(take, dtype=torch.float32):
+    return _seq(_OnAView(nn.RMSNorm(256), take), nn.Linear(256, 8), dtype=dtype), _x(32, 1024, dtype=dtype, grad=False)
+
+
+# the layer's input views a wider storage: the real step keeps a compact copy; before storage_bytes read a fake
+# tensor's storage, the simulated one kept the view (and took another branch)
+VIEWS = [
+    ("conv-reflect-on-a-channel-slice", lambda: _conv_on_view(lambda t: t[:, 4:8])),
+    ("conv-reflect-on-strided-channels", lambda: _conv_on_view(lambda t: t[:, ::4])),
+    ("conv-reflect-on-a-channel-slice-channels-last", lambda: _conv_on_view(lambda t: t[:, 4:8], True)),
+    ("rmsnorm-only-dw-on-a-slice", lambda: _rms_on_view(lambda t: t[:, 256:512])),
+    ("rmsnorm-only-dw-on-strided-columns", lambda: _rms_on_view(lambda t: t[:, ::4])),
+    ("rmsnorm-only-dw-on-a-slice-bf16", lambda: _rms_on_view(lambda t: t[:, :256], BF16)),
+]
+
+
 class _PoolWithIndices(nn.Module):
     def forward(self, x):
         out, indices = nn.functional.max_pool2d(x, 2, return_indices=True)
@@ -239,26 +275,26 @@ def _params(cases):
     return [pytest.param(c[1], id=c[0]) for c in cases]
 
 
-# The Python path's own gaps (core off: what the real step runs is that path, simulated as it is), not the core's:
-# RMSNorm's torch code is estimated 12 B low at its backward peak, T5's 4084 B high (0.8 %). Left as they are here.
-_CORE_OFF_GAPS = {"rmsnorm", "rmsnorm-bf16", "rmsnorm-no-affine", "rmsnorm-2d-shape", "t5-lora"}
+# Core off, the packed masks numpy holds at the peak (real memory the profiler's records miss, which the estimate
+# counts: see the module docstring): T5's four DenseReluDense ReLUs (2x32x128 each) keep theirs until the decoder's
+# final norm's backward, the peak. This difference was the 4084 B (0.8 %) T5 gap with RMSNorm's 12 B below it
+# (the Python numbers inside pow(x, 2) * number: estimate.py's _wrapped_numbers).
+_CORE_OFF_NUMPY = {"t5-lora": 4 * 2 * 32 * 128 // 8}
 
 
 def _with_core_switch(cases):
     out = []
     for name, build in cases:
-        out.append(pytest.param(build, True, id=f"{name}-core"))
-        marks = (pytest.mark.xfail(strict=True, reason="the Python path's own estimate gap, not the core's"),) \
-            if name in _CORE_OFF_GAPS else ()
-        out.append(pytest.param(build, False, id=f"{name}-core-off", marks=marks))
+        out.append(pytest.param(build, True, 0, id=f"{name}-core"))
+        out.append(pytest.param(build, False, _CORE_OFF_NUMPY.get(name, 0), id=f"{name}-core-off"))
     return out
 
 
-@pytest.mark.parametrize("build,core", _with_core_switch(NORMS + OTHERS))
-def test_estimate_equals_measured_peak(build, core):
+@pytest.mark.parametrize("build,core,numpy_bytes", _with_core_switch(NORMS + OTHERS + VIEWS))
+def test_estimate_equals_measured_peak(build, core, numpy_bytes):
     with contextlib.nullcontext() if core else csrc.disabled():
         e, measured = _peaks(build, core)
-    assert e.step_peak_bytes == measured, (e.step_peak_bytes, measured, e.peak_where)
+    assert e.step_peak_bytes - measured == numpy_bytes, (e.step_peak_bytes, measured, e.peak_where)
 
 
 @pytest.mark.parametrize("build", _params(LORA))
