@@ -269,11 +269,19 @@ def autocast_off(device_type: str):
 
 def storage_bytes(x: torch.Tensor) -> int | None:
     """Bytes of the storage behind ``x``, or None where there is none to read: meta tensors, tensor subclasses
-    (DTensor, wrappers), functorch's wrapped tensors under torch.func, and traced tensors."""
-    if (type(x) is not torch.Tensor or x.device.type == "meta" or torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()):
+    (DTensor, wrappers), functorch's wrapped tensors under torch.func, and traced tensors. A fake tensor
+    (``slimgrad.estimate``'s simulated step) has its real tensor's storage size: answered, so that the simulated
+    step takes the branch the real one takes (a compact copy of a view of a wider tensor)."""
+    if (x.device.type == "meta" or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or (type(x) is not torch.Tensor and not _is_fake_tensor(x))):
         return None
     return x.untyped_storage().nbytes()
+
+
+def _is_fake_tensor(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
 
 
 def compact(x: torch.Tensor) -> torch.Tensor:

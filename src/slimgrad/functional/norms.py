@@ -433,6 +433,14 @@ def _upstream_of_product(dy, style, weight, h):
 
 def _weight_grad(g, h, weight):
     """``Σ_rows g·h`` as autograd reduces a broadcast product's gradient (sum_to, then cast)."""
+    if not torch.compiler.is_compiling() and type(g) is not torch.Tensor:
+        from slimgrad.functional.dropout import is_simulated_core
+
+        if is_simulated_core(g):
+            # csrc's weight_grad, simulated (slimgrad.estimate): C++ frees the product, a temporary, at the end of
+            # its full expression, after the cast, where Python frees it before (512 B at a bf16 step's peak)
+            product = g * h
+            return product.sum_to_size(weight.shape).to(weight.dtype)
     return (g * h).sum_to_size(weight.shape).to(weight.dtype)
 
 
