@@ -329,6 +329,77 @@ def test_peft_bnb_lora_layer_keeps_x_once(bits, dropout):
     assert kept2.bytes - storage_bytes(state) <= kept1.bytes
 
 
+
+def _grad_fns(t):
+    """Names of the autograd nodes behind ``t``."""
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        todo.extend(f for f, _ in node.next_functions)
+    return names
+
+
+@peft_lora_wrappers
+@pytest.mark.parametrize("dropout", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lora_bias", [False, True], ids=["", "B-bias"])
+@pytest.mark.parametrize("combo", list(itertools.product([False, True], repeat=3)),
+                         ids=lambda c: "".join("xAB"[i] if f else "-" for i, f in enumerate(c)))
+def test_peft_bnb_lora_core_is_python_is_stock(combo, lora_bias, x_dtype, dropout):
+    """The adapters-only call of peft's bnb wrapper (no base term: the 4-bit base is its own layer) through the
+    compiled core, the Python Function and peft, for every requires_grad combination of x / A / B (and B's
+    bias): the same output and gradient bits, the same generator state after the forward (dropout: stock's
+    draw), the same bytes kept by core and Python path. A bf16 x is cast to the fp32 adapters (peft's default)."""
+    from slimgrad import csrc
+
+    if csrc.core() is None:
+        pytest.skip(f"the compiled core is unavailable here ({csrc.status()['reason']})")
+    peft, _ = _peft()
+    rg_x, rg_a, rg_b = combo
+    torch.manual_seed(3)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], init_lora_weights=False, lora_dropout=dropout,
+                          lora_bias=lora_bias)
+    model = _One(linear_4bit(compute_dtype=torch.bfloat16))
+    model.is_loaded_in_4bit = True  # what transformers sets; peft dispatches on it
+    stock = peft.get_peft_model(model, cfg)
+    for name, q in stock.named_parameters():
+        if "lora_A" in name:
+            q.requires_grad_(rg_a)
+        elif "lora_B" in name:
+            q.requires_grad_(rg_b)
+    slim = converted(copy.deepcopy(stock))
+    x0 = torch.randn(*ROWS, IN, generator=torch.Generator().manual_seed(4)).to(x_dtype)
+
+    def step(model, core=True):
+        for q in model.parameters():
+            q.grad = None
+        x = x0.clone().requires_grad_(rg_x)
+        torch.manual_seed(5)
+        with csrc.disabled() if not core else torch.enable_grad(), SavedTensors(exclude=[model]) as kept:
+            out = model(x)
+            state = torch.get_rng_state()
+            nodes = _grad_fns(out) if out.requires_grad else set()
+            if out.requires_grad:
+                out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).to(out.dtype))
+        grads = [q.grad for q in model.parameters()]
+        return out, x.grad, grads, state, kept.bytes, nodes
+
+    s, c, py = step(stock), step(slim), step(slim, core=False)
+    for name, got in (("core", c), ("python", py)):
+        assert_same(got[0], s[0], what=f"{name} output")
+        assert_same(got[1], s[1], what=f"{name} x.grad")
+        for k, (a, b) in enumerate(zip(got[2], s[2], strict=True)):
+            assert_same(a, b, what=f"{name} parameter grad {k}")
+        assert torch.equal(got[3], s[3]), f"{name}: generator state after the forward"
+    assert c[4] == py[4], "saved bytes, core vs python"
+    if any(combo):  # the adapter's Function ran: the core's C++ node, the Python one with the core off
+        assert any("CppNode" in n and "LoraLinearFunction" in n for n in c[5]), c[5]
+        assert "LoraLinearFunctionBackward" in py[5], py[5]
+
 def _tiny_llama_dir(tmp_path_factory):
     _, transformers = _peft()
     torch.manual_seed(0)

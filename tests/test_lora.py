@@ -264,6 +264,35 @@ def test_several_active_adapters(dtype, dropout):
                                        seeds=2 if dropout else 0)
 
 
+def test_seed_policy_asks_the_kernel_registry_once_per_call(monkeypatch):
+    """Policy "seed" with several dropping adapters: backward regenerates every mask with the kernel the call
+    chose (one registry lookup for forward, one for backward), not one lookup per adapter in each, and the
+    result is the one reached before (test_several_active_adapters checks it against peft)."""
+    from slimgrad.kernels import dropout as dropout_kernels
+
+    stock = _two_adapters(torch.float32, 0.1)
+    stock.add_adapter("third", LoraConfig(r=R, lora_alpha=2, target_modules=["proj"], lora_dropout=0.2,
+                                          init_lora_weights=False))
+    stock.base_model.set_adapter(["default", "second", "third"])
+    for m in lora_modules(stock):
+        for name in ("default", "second", "third"):
+            m.lora_A[name].weight.requires_grad_(True)
+            m.lora_B[name].weight.requires_grad_(True)
+    slim = slim_of(stock)
+    results, calls, choose = [], [], dropout_kernels.choose_seed
+    for counting in (False, True):
+        if counting:
+            monkeypatch.setattr(dropout_kernels, "choose_seed", lambda t: calls.append(t) or choose(t))
+        for p in slim.parameters():
+            p.grad = None
+        torch.manual_seed(5)
+        with dropout_policy("seed"):
+            results.append(step(slim, x_for(torch.float32)) + tuple(p.grad for p in slim.parameters()))
+        if counting:
+            assert len(calls) == 2, f"{len(calls)} registry lookups for 3 dropping adapters"
+    for a, b in zip(*results, strict=True):
+        assert_same(b, a, what="same seed, same result")
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_several_adapters_bits_policy_is_peft_bitwise(dtype):
     """Policy "bits" (CPU default) draws each adapter's mask as PEFT's nn.Dropout does, in PEFT's order."""

@@ -6,7 +6,8 @@
 // (dropout.cpp: the mask peft's nn.Dropout would draw) kept as bits; what is saved is what the Python Function
 // saves, in the same order (x, or a compact copy, only when dW or some dA is requested; each adapter's A(drop(x))
 // only when its B trains; the packed masks only where dX or that dA is requested). Double backward is refused
-// with the Python Function's message.
+// with the Python Function's message. An undefined weight is the Python Function's weight=None: the adapters alone
+// (peft's bnb LoRA wrappers add them to their own quantized base), their sum cast to x's dtype.
 #include "common.h"
 #include "dropout.h"
 
@@ -51,8 +52,8 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
                     bool fan_in_fan_out, bool cast, const std::vector<double>& scalings, const std::vector<double>& ps) {
   const at::Tensor &x = t[0], &weight = t[1], &bias = t[2];
   const size_t n = scalings.size();
-  at::Tensor result = base_forward(x, weight, bias, fan_in_fan_out);
-  const at::ScalarType base_dtype = result.scalar_type();
+  at::Tensor result = weight.defined() ? base_forward(x, weight, bias, fan_in_fan_out) : at::Tensor();
+  const at::ScalarType base_dtype = weight.defined() ? result.scalar_type() : x.scalar_type();
   const bool need_x = need[0], need_w = need[1];
   bool any_a = false;
   for (size_t i = 0; i < n; ++i) any_a = any_a || need[3 + 3 * i];
@@ -92,12 +93,12 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
     at::Tensor u = at::linear(ti, B, opt(b_bias));
     u_dtypes[i] = static_cast<int64_t>(u.scalar_type());
     u = u * scalings[i];
-    result = result + u;
+    result = result.defined() ? result + u : u;
     u.reset();
     if (need[4 + 3 * i]) kept_t[i] = ti;
     if (need_x || need[3 + 3 * i]) masks[i] = mask;
   }
-  const at::ScalarType sum_dtype = result.scalar_type();
+  const at::ScalarType sum_dtype = result.defined() ? result.scalar_type() : base_dtype;
   if (n) result = result.to(base_dtype);
   Result r;
   r.out = result;
@@ -187,7 +188,9 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     variable_list grads(n_in);
 
     at::Tensor g = grad.to(sum_dtype);
-    at::Tensor g_base = rows(g.to(base_dtype));
+    // the base's gradient (not made for adapters alone: weight is then undefined, and so are dW and the bias's)
+    at::Tensor g_base;
+    if ((need_x && weight.defined()) || need_w || need_bias) g_base = rows(g.to(base_dtype));
     int64_t last_g = -1;
     for (size_t i = 0; i < n && last_g < 0; ++i)
       if (need_x || need[3 + 3 * i] || need[4 + 3 * i] || need[5 + 3 * i]) last_g = static_cast<int64_t>(i);
@@ -288,7 +291,7 @@ std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Ten
   const at::Tensor& x = t[0];
   bool need_a = false;
   for (size_t i = 3; i < t.size(); i += 3) need_a = need_a || (t[i].defined() && t[i].requires_grad());
-  const bool need_w = t[1].requires_grad();
+  const bool need_w = t[1].defined() && t[1].requires_grad();
   const bool x_kept = need_w || (need_a && static_cast<int64_t>(x.storage().nbytes()) <=
                                                x.numel() * static_cast<int64_t>(x.element_size()));
   return {out[0], x_kept};

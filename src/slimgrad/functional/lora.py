@@ -121,6 +121,7 @@ class LoraLinearFunction(_common.Function):
             seeds = torch.empty(sum(1 for p in ps if 0 < p < 1), dtype=torch.int64, device=x.device).random_()
         kept_t, masks = [], []
         j = 0
+        seed_impl = None  # the "seed" policy's kernel, asked of the registry once per call (setup_context: the same)
         for i in range(n):
             A, B, b_bias = adapters[3 * i: 3 * i + 3]
             p = ps[i]
@@ -140,7 +141,8 @@ class LoraLinearFunction(_common.Function):
                     dropped, mask, _, _ = _draw_to_simulated(x, p, A.dtype) if fuse else bits_forward(xa, p, False)
                     noise = None
                 else:
-                    seed_impl = dropout_kernels.choose_seed(xa)
+                    if seed_impl is None:
+                        seed_impl = dropout_kernels.choose_seed(xa)
                     if seed_impl is dropout_kernels.SEED_TORCH:
                         noise = _fill_noise(torch.empty_like(xa), p, seeds[j])
                     else:  # a counter-based kernel (Triton on CUDA): x·noise in one pass, no host sync
@@ -202,8 +204,12 @@ class LoraLinearFunction(_common.Function):
         else:
             kept_x = None
         keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
+        # The kernel that drew the seeded masks (forward's one lookup, asked again here: forward cannot hand
+        # setup_context anything but its outputs), for backward to regenerate them with, once for all adapters.
+        # (A has the dtype and device of the tensor forward asked with.)
+        seed_impl = dropout_kernels.choose_seed(adapters[0]) if keep_seeds else None
         ctx.meta = (fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, tuple(x.shape), x.dtype,
-                    n, bits)
+                    n, bits, seed_impl)
         # weight is a parameter (not counted); it is only read when dX is requested.
         ctx.save_for_backward(kept_x, weight if need_x else None, seeds if keep_seeds else None,
                               *[t if nb else None for t, nb in zip(kept_t, need_b)],
@@ -234,7 +240,8 @@ class LoraLinearFunction(_common.Function):
     def backward(ctx, grad, *_grad_kept):
         if grad is None:  # undefined (not materialized: see setup_context)
             return (None,) * len(ctx.needs_input_grad)
-        fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n, bits = ctx.meta
+        fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, x_shape, x_dtype, n, bits, seed_impl = \
+            ctx.meta
         saved = ctx.saved_tensors
         x, weight, seeds = saved[:3]
         kept_t = saved[3: 3 + n]
@@ -245,7 +252,8 @@ class LoraLinearFunction(_common.Function):
         grads = [None] * (_ADAPTERS_AT + 3 * n)
 
         g = grad.to(sum_dtype)
-        g_base = _rows(g.to(base_dtype))
+        # the base's gradient: not made for adapters alone (weight None: no dW, no bias, no base term in dX)
+        g_base = _rows(g.to(base_dtype)) if (need_x and weight is not None) or need_w or need_bias else None
         # Temporaries are dropped as soon as they are used (del / None), and the base layer's gradients
         # come after the adapters' (the order stock's engine runs them in), so that the peak over backward
         # stays at or below stock's, whose engine frees each intermediate gradient after its last use.
@@ -290,7 +298,7 @@ class LoraLinearFunction(_common.Function):
                 elif torch.compiler.is_compiling():  # compiled autograd over an eager forward: choose_seed would
                     # answer the torch reference (another mask than a Triton forward's); the op asks when it runs
                     seeded = (dropout_kernels.TRACED_SEED, seeds[seed_index[i]])
-                elif (seed_impl := dropout_kernels.choose_seed(A)) is not dropout_kernels.SEED_TORCH:
+                elif seed_impl is not dropout_kernels.SEED_TORCH:
                     seeded = (seed_impl, seeds[seed_index[i]])  # the forward's kernel regenerates the mask
                 else:
                     noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p,
