@@ -147,6 +147,23 @@ def test_functional_form():
         layer_norm_2d(torch.randn(2, 3), (3,))
 
 
+@pytest.mark.parametrize("need_x,need_w,need_b", grad_combos(3))
+def test_stock_node_where_nothing_is_saved(need_x, need_w, need_b):
+    # x or the weight trains: slimgrad would keep what stock keeps, so stock's own node runs (no extra per-call
+    # cost); the bias alone: slimgrad's node, which keeps nothing.
+    x = torch.randn(N, C, H, W, requires_grad=need_x)
+    w, b = torch.randn(C, requires_grad=need_w), torch.randn(C, requires_grad=need_b)
+    y = layer_norm_2d(x, (C,), w, b, 1e-6)
+    if not (need_x or need_w or need_b):
+        assert y.grad_fn is None
+        return
+    node = type(y.grad_fn.next_functions[0][0]).__name__
+    if need_x or need_w:
+        assert node == "NativeLayerNormBackward0"
+    else:
+        assert node != "NativeLayerNormBackward0"
+
+
 def test_converted_in_a_model_and_by_source_only(monkeypatch):
     load_available()
     model = torch.nn.Sequential(ConvNextLayerNorm(C, data_format="channels_first"), EomtLayerNorm2d(C),
