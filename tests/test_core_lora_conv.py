@@ -7,16 +7,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests._triton_util import DEVICES
 from tests._util import assert_same, laid_out
 from torch import nn
 
 from slimgrad import csrc
+from slimgrad.functional import lora_conv as lora_conv_module
 from slimgrad.functional.dropout import dropout_policy
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
+from slimgrad.kernels.registry import triton_interpreting
 from slimgrad.measure import SavedTensors
 
 R = 4
@@ -25,8 +33,8 @@ _SPATIAL = {1: (13,), 2: (9, 7), 3: (5, 6, 4)}
 
 
 @pytest.fixture(autouse=True)
-def _need_core():
-    if csrc.core() is None:
+def _need_core(request):
+    if "triton" not in request.node.name and csrc.core() is None:
         pytest.skip("the compiled core is off or unavailable here")
 
 
@@ -195,6 +203,97 @@ def test_double_backward_refused_with_the_python_message():
             gx.sum().backward()
         messages.append(str(info.value))
     assert "LoraConvFunction" in messages[0] and messages[0] == messages[1]
+
+
+# --- the "seed" policy's Triton kernel (CUDA's default policy; checked on CPU under TRITON_INTERPRET=1) -----------
+
+
+def _seed_step(device, channels_last, compiled=False):
+    """One LoRA-conv step with the seed policy: (output, dX, dA, dB), x's layout as asked."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 6, device=device)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    W = torch.randn(4, 3, 3, 3, device=device)
+    A, B = torch.randn(2, 3, 3, 3, device=device) * 0.3, torch.randn(4, 2, 1, 1, device=device) * 0.3
+    x, A, B = (t.clone().requires_grad_() for t in (x, A, B))
+    g = torch.randn(2, 4, 6, 6, device=device)
+    same, point = ConvOptions((1, 1), (1, 1), (1, 1), 1), ConvOptions((1, 1), (0, 0), (1, 1), 1)
+    torch.manual_seed(5)
+    out = lora_conv(x, F.conv2d(x, W, padding=1), [LoraConvAdapter(A, B, same, point, 2.0, 0.25)],
+                    dropout_policy="seed")
+    if compiled:
+        from torch._dynamo import compiled_autograd
+
+        torch._dynamo.reset()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            out.backward(g)
+    else:
+        out.backward(g)
+    return (out.detach(), x.grad, A.grad, B.grad), (x.detach(), W, A.detach(), B.detach(), g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_triton_seed_kernel_runs_and_its_mask_is_the_gradients(device, channels_last, monkeypatch):
+    """The forward draws with the Triton kernel (no torch.Generator) in x's memory order, and backward applies the
+    same mask: plain torch's output and gradients given that kernel's noise for the seed the Function drew."""
+    from slimgrad import kernels
+    from slimgrad.functional.dropout import _canonical, _inverse, _memory_order
+    from slimgrad.kernels import dropout as dropout_kernels
+
+    pytest.importorskip("triton")
+    with kernels.preference("triton"):
+        impl = dropout_kernels.choose_seed(torch.ones(1, device=device))
+        assert impl.name == "triton"
+        calls = []
+        real = lora_conv_module._fill_noise
+        # the torch reference (a private torch.Generator and .item() per adapter) must not run
+        monkeypatch.setattr(lora_conv_module, "_fill_noise", lambda *a: calls.append(1) or real(*a))
+        (out, gx, ga, gb), (x, W, A, B, g) = _seed_step(device, channels_last)
+        assert not calls
+        torch.manual_seed(5)
+        seed = torch.empty(1, dtype=torch.int64, device=device).random_()[0]
+        perm = _memory_order(x)
+        noise = impl.forward(_canonical(torch.ones_like(x), perm), 0.25, seed, False)
+        noise = noise if perm is None else noise.permute(_inverse(perm))
+    assert 0 < int((noise == 0).sum()) < noise.numel()
+    x, A, B = (t.clone().requires_grad_() for t in (x, A, B))
+    ref = F.conv2d(x, W, padding=1) + F.conv2d(F.conv2d(x * noise, A, padding=1), B) * 2.0
+    ref.backward(g)
+    for a, b, name in zip((out, gx, ga, gb), (ref.detach(), x.grad, A.grad, B.grad), ("out", "dX", "dA", "dB")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_seed_kernel_under_compiled_autograd(device):
+    """Compiled autograd over the eager forward: the traced backward runs the forward's Triton kernel by name (the
+    registry answers the torch reference while tracing), in the same memory order: the eager backward's gradients."""
+    from slimgrad import kernels
+
+    pytest.importorskip("triton")
+    with kernels.preference("triton"):
+        eager, _ = _seed_step(device, True)
+        compiled, _ = _seed_step(device, True, compiled=True)
+    for a, b, name in zip(compiled, eager, ("out", "dX", "dA", "dB")):
+        assert_same(a, b, what=name)
+
+
+def test_triton_cases_under_interpreter():
+    """The Triton cases above on CPU tensors, in a pytest subprocess started with ``TRITON_INTERPRET=1``."""
+    if triton_interpreting():
+        pytest.skip("this process already runs under the interpreter: the Triton cases run here directly")
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", SLIMGRAD_KERNELS="auto")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "triton and not interpreter",
+           Path(__file__).relative_to(root).as_posix()]
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    tail = (result.stdout[-6000:] + "\n" + result.stderr[-3000:]).strip()
+    assert result.returncode == 0, tail
+    summary = re.search(r"(\d+) passed", result.stdout)
+    assert summary and int(summary.group(1)) >= 3, tail
+    assert "skipped" not in result.stdout.splitlines()[-1], tail
 
 
 peft = pytest.importorskip("peft")
