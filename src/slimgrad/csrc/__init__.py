@@ -247,11 +247,15 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
         return _finish(module)
 
 
+#: Python Functions the core also serves that _common._LAYERS does not name (their message is its default one)
+_MORE_FUNCTIONS = ("LoraConvFunction",)
+
+
 def _finish(module):
     """Hand the core what it takes from Python (the double-backward messages), once per load."""
     from slimgrad.functional import _common
 
-    for key in _common._LAYERS:
+    for key in (*_common._LAYERS, *_MORE_FUNCTIONS):
         module.set_double_backward_message(key, _common.double_backward_message(type(key, (), {})))
     return module
 

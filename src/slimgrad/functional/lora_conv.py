@@ -21,7 +21,16 @@ weight's gradient is requested, and the transposed convolution slimgrad's conv u
 gradient (bitwise equal too, see :mod:`slimgrad.functional.conv`). Several adapters' input gradients are
 summed in autograd's order (last adapter first). Dropout follows slimgrad's dropout policy: ``bits``
 (the CPU default) draws peft's very mask from the default generator and keeps it packed; ``seed`` keeps
-an 8-byte seed (the same distribution as peft's, not the same mask); under ``torch.compile`` a bool mask.
+an 8-byte seed (the same distribution as peft's, not the same mask) and draws with the registry's ``dropout_seed``
+kernel: Triton's counter-based kernel on CUDA (x'·noise in one pass, in x's memory order, no ``torch.Generator``
+and no ``.item()`` host sync per adapter, as LoRA linear's), the torch reference elsewhere; under ``torch.compile``
+a bool mask.
+
+Eager CPU calls (no autocast, dropout policy "bits" or no dropout) run the compiled core instead
+(``csrc/lora_conv.cpp``): one C++ autograd Function per call, this Function's forward and backward op for op (the
+same aten convolutions, casts and sums, so the same bits), saving exactly what this Function saves, without its
+per-call Python cost. This Function stays for torch.compile, torch.func, the "seed" policy, CUDA and a core that is
+off or unbuilt, and is the reference the core is tested against (tests/test_core_lora_conv.py).
 """
 
 from __future__ import annotations
@@ -32,16 +41,23 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional.conv import _format  # (torch's suggest_memory_format, without its ~25 µs of guards)
 from slimgrad.functional.dropout import (
+    _canonical,
+    _dense,
     _fill_noise,
+    _inverse,
     _memory_order,
     bits_backward,
     bits_forward,
     check_policy,
+    core_draw_simulated,
+    is_simulated_core,
     resolve_policy,
 )
+from slimgrad.kernels import dropout as dropout_kernels
 from slimgrad.kernels.dropout import noise_scale, traced_seed_apply
 
 __all__ = ["ConvOptions", "LoraConvAdapter", "LoraConvFunction", "lora_conv"]
@@ -101,12 +117,31 @@ def _backward(grad, x, w, o: ConvOptions, need_x, need_w, need_b, in_shape, in_f
 def _bits(x, xa_dtype, meta, policy) -> dict:
     """Adapter -> (layout permutation, scale) of the packed dropout mask ``bits_forward`` drew for it (policy
     "bits"), as it found them: the layout of a uint8 ``empty_like`` of x' (read off a meta tensor: x' is x or
-    its ``.to``, which keeps x's layout) and stock's noise value in x''s dtype."""
+    its ``.to``, which keeps x's layout) and stock's noise value in x's dtype."""
     if (torch.compiler.is_compiling() or not any(0 < m[3] < 1 for m in meta)
             or resolve_policy(policy, x.device) != "bits"):
         return {}
     perm = _memory_order(torch.empty_like(x, dtype=torch.uint8, device="meta"))
     return {i: (perm, noise_scale(m[3], xa_dtype)) for i, m in enumerate(meta) if 0 < m[3] < 1}
+
+
+def _seed_order(t: torch.Tensor):
+    """The memory order a counter-based seed kernel runs in on ``t`` (or on its cast, which keeps its layout):
+    x's own where dense (a channels-last x is read as it lies, no copy), else row-major."""
+    return _memory_order(t) if _dense(t) else None
+
+
+def _seeded(impl, t, p, seed, perm):
+    """``t * noise`` by the ``dropout_seed`` kernel ``impl`` run in the memory order ``perm`` (the forward's input's,
+    :func:`_seed_order`: the same mask element for element in forward and backward), in ``t``'s shape. Traced by
+    compiled autograd: through the opaque op that runs that kernel by name when the graph runs (while tracing, the
+    registry would answer the torch reference, another mask)."""
+    tc = _canonical(t, perm)
+    if torch.compiler.is_compiling():
+        out = traced_seed_apply(tc, p, seed, impl.name)
+    else:
+        out = impl.backward(tc, p, seed)  # (the contract's backward is its forward out of place: t * noise)
+    return out if perm is None else out.permute(_inverse(perm))
 
 
 #: LoraConvFunction's argument index of A_0 (x, base_out, cast, meta, policy first)
@@ -150,7 +185,11 @@ class LoraConvFunction(_common.Function):
                 # finds its layout and scale again: _bits)
                 dropped, mask, _, _ = bits_forward(xa, p, False)
             elif p > 0:
-                dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
+                seed_impl = dropout_kernels.choose_seed(xa)
+                if seed_impl is dropout_kernels.SEED_TORCH:
+                    dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
+                else:  # a counter-based kernel (Triton on CUDA): x'·noise in one pass, no generator, no host sync
+                    dropped = _seeded(seed_impl, xa, p, seeds[j], _seed_order(xa))
                 j += 1
             t = _conv(dropped, A, None, a)
             del dropped  # temporaries go as soon as they are read: the step's peak stays at peft's
@@ -190,7 +229,15 @@ class LoraConvFunction(_common.Function):
         if keep_x:
             _common.note_input_kept(x)
         keep_seeds = seeds is not None and (need_x or keep_x)
-        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(x.shape), x_format, x.dtype, bits)
+        seeded = None
+        if keep_seeds:
+            # the kernel forward drew with (the registry's choice for x's device and dtype, asked again: the same
+            # answer) and, for a counter-based one, the memory order it ran in
+            impl = dropout_kernels.choose_seed(adapters[0] if xa_dtype == a_dtype else x)
+            if impl is not dropout_kernels.SEED_TORCH:
+                seeded = (impl, _seed_order(x))
+        ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(x.shape), x_format, x.dtype, bits,
+                    seeded)
         ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None,
                               *[t if nb else None for t, nb in zip(ts, need_b)],
                               *[m if (need_x or na) else None for m, na in zip(masks, need_a)], *adapters)
@@ -216,7 +263,7 @@ class LoraConvFunction(_common.Function):
     def backward(ctx, grad, *_grad_extras):
         if grad is None:  # (an undefined output gradient, as gradcheck passes: grads are not materialized)
             return (None,) * len(ctx.needs_input_grad)
-        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype, bits = ctx.meta
+        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype, bits, seeded = ctx.meta
         n = len(meta)
         saved = ctx.saved_tensors
         x, seeds = saved[:2]
@@ -262,8 +309,12 @@ class LoraConvFunction(_common.Function):
             if not need_t:
                 continue
             noise = None
+            # the forward's counter-based kernel (Triton) regenerates its mask, in the order it ran in
+            kernel = seeded is not None and 0 < p < 1 and masks[i] is None and i not in bits
             if p == 1:
                 noise = torch.zeros((), dtype=A.dtype, device=A.device)
+            elif kernel:
+                pass  # applied through _seeded below
             elif p > 0 and i in bits:
                 pass  # applied through the dropout_bits kernels below
             elif p > 0 and masks[i] is not None:
@@ -281,6 +332,8 @@ class LoraConvFunction(_common.Function):
                 xa = x.to(A.dtype) if cast and x.dtype != A.dtype else x
                 if i in bits:
                     dropped = bits_backward(xa, masks[i], *bits[i])  # xa * noise, as in forward
+                elif kernel:
+                    dropped = _seeded(seeded[0], xa, p, seeds[seed_index[i]], seeded[1])  # xa * noise, as in forward
                 else:
                     dropped = xa if noise is None else xa * noise
                 del xa
@@ -290,6 +343,8 @@ class LoraConvFunction(_common.Function):
                 dd = _input_grad(dt, A, a, x_shape, x_format)
                 if i in bits:
                     dd = bits_backward(dd, masks[i], *bits[i], inplace=True)
+                elif kernel:
+                    dd = _seeded(seeded[0], dd, p, seeds[seed_index[i]], seeded[1])
                 elif noise is not None:
                     dd = dd.mul_(noise)
                 dxa = dd if dxa is None else dxa.add_(dd)
@@ -298,6 +353,46 @@ class LoraConvFunction(_common.Function):
             grads[0] = dxa.to(x_dtype)
             del dxa
         return tuple(grads)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _core_fits(x, base_out, flat, meta, policy) -> bool:
+    """What the C++ Function (csrc/lora_conv.cpp) serves besides eagerness: plain float tensors on x's device,
+    1-3 spatial dims with every option spelled out per dim, no autocast, and dropout (if any) kept as bits."""
+    nd = x.dim() - 2
+    if not 1 <= nd <= 3 or torch.is_autocast_enabled(x.device.type):
+        return False
+    if any(0 < m[3] < 1 for m in meta) and resolve_policy(policy, x.device) != "bits":
+        return False
+    for a, b, _, _ in meta:
+        for o in (a, b):
+            if not (len(o.stride) == len(o.padding) == len(o.dilation) == nd):
+                return False
+    device = x.device
+    for t in (x, base_out, *flat):
+        if t is not None and (t.device != device or t.dtype not in _CORE_DTYPES):
+            return False
+    return True
+
+
+def _core(x, base_out, flat, meta, policy):
+    """The compiled core when this call may run it: eager CPU (``csrc.for_eager``) and :func:`_core_fits`. CUDA
+    calls run the Python Function (its seed dropout is Triton's kernel there)."""
+    core = csrc.for_eager(x)
+    if core is None or not _core_fits(x, base_out, flat, meta, policy):
+        return None
+    if any(t is not None and type(t) not in _PLAIN for t in (base_out, *flat)):
+        return None
+    return core
+
+
+def _core_simulated(x, base_out, flat, meta, policy) -> bool:
+    """:func:`_core`'s answer for the real tensors the fake ones stand for (slimgrad.estimate on CPU): those run
+    the Python Function with the core's dropout draw (in x's dtype, not uint8)."""
+    return is_simulated_core(x) and _core_fits(x, base_out, flat, meta, policy)
 
 
 def _check(x, base_out, adapters):
@@ -337,5 +432,17 @@ def lora_conv(x: torch.Tensor, base_out: torch.Tensor, adapters: Sequence[LoraCo
     flat = []
     for ad in adapters:
         flat += [ad.A, ad.B, ad.bias]
+    if (core := _core(x, base_out, flat, meta, dropout_policy)) is not None:
+        opts = []
+        for a, b, _, _ in meta:
+            opts += [(*a.stride, *a.padding, *a.dilation, a.groups), (*b.stride, *b.padding, *b.dilation, b.groups)]
+        out, x_kept = core.lora_conv_apply([x, base_out, *flat], bool(cast_input), [m[2] for m in meta],
+                                           [m[3] for m in meta], opts)
+        if x_kept:
+            _common.note_input_kept(x)
+        return out
+    if _core_simulated(x, base_out, flat, meta, dropout_policy):
+        with core_draw_simulated():  # what the C++ Function allocates: its dropout draws the mask in x's dtype
+            return LoraConvFunction.apply(x, base_out, bool(cast_input), meta, dropout_policy, *flat)[0]
     out = LoraConvFunction.apply(x, base_out, bool(cast_input), meta, dropout_policy, *flat)
     return out[0] if type(out) is tuple else out  # (eager: the extra outputs dropped here)
