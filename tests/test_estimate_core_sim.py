@@ -217,6 +217,23 @@ def _frozen_conv():
     return m, _x(2, 3, 16, 16)
 
 
+class _Number(nn.Module):
+    """``op`` on a wide tensor that needs no gradient, the step's largest: where ``op`` takes a Python number, the
+    argument parser wraps it in a 0-dim host tensor, which the op casts to the tensor's dtype, both alive while its
+    output is made, the step's peak (estimate.py's _wrapped_numbers); ``op`` returns a one-element tensor."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.lin = op, nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.lin(x).sum() + self.op(x.repeat(1, 16))
+
+
+def _number(op, dtype=torch.float32):
+    return _seq(_Number(op), dtype=dtype), _x(32, 64, dtype=dtype, grad=False)
+
+
 OTHERS = [
     ("relu", lambda: (_seq(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)), _x(2, 3, 16, 16))),
     ("relu-inplace-channels-last", lambda: (_seq(nn.Conv2d(3, 8, 3), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3),
@@ -257,6 +274,14 @@ OTHERS = [
     ("conv-reflect-channels-last", lambda: (_seq(nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
                                                  nn.Conv2d(8, 4, 3), channels_last=True),
                                             _x(2, 3, 16, 16, channels_last=True))),
+    # a Python number inside the op at the peak: 8 B wrapped + its cast (4 B fp32, 2 B bf16): 12 B low before
+    ("number-times-x", lambda: _number(lambda x: (x * 0.5).sum())),
+    ("number-plus-x-bf16", lambda: _number(lambda x: (x + 1).sum(), BF16)),
+    ("x-eq-number", lambda: _number(lambda x: x.eq(0.5).any())),
+    ("x-mul-number-in-place", lambda: _number(lambda x: (x * x).mul_(3.0).sum())),
+    # a reduction to a wider dtype casts its whole input inside the op (estimate.py's _casts_to_reduce): 262144 B low
+    ("bool-sum", lambda: _number(lambda x: x.gt(0).sum())),
+    ("bf16-sum-in-fp32", lambda: _number(lambda x: x.sum(dtype=torch.float32), BF16)),
 ]
 
 
@@ -278,7 +303,7 @@ def _params(cases):
 # Core off, the packed masks numpy holds at the peak (real memory the profiler's records miss, which the estimate
 # counts: see the module docstring): T5's four DenseReluDense ReLUs (2x32x128 each) keep theirs until the decoder's
 # final norm's backward, the peak. This difference was the 4084 B (0.8 %) T5 gap with RMSNorm's 12 B below it
-# (the Python numbers inside pow(x, 2) * number: estimate.py's _wrapped_numbers).
+# (the Python number inside 2.0 * up.pow(1): estimate.py's _wrapped_numbers).
 _CORE_OFF_NUMPY = {"t5-lora": 4 * 2 * 32 * 128 // 8}
 
 

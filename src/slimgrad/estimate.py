@@ -256,6 +256,17 @@ def _mixed_dtypes(args) -> bool:
     return torch.bool in dtypes or sum(1 for d in dtypes if d.is_floating_point) > 1
 
 
+_REDUCTIONS = frozenset({"sum", "nansum", "prod", "mean", "cumsum", "cumprod"})
+
+
+def _casts_to_reduce(func, args, out) -> bool:
+    """A reduction whose output dtype is not its input's (a bool or int32 tensor summed to int64, ``sum(dtype=)``):
+    on CPU it first casts the whole input to the output's dtype, inside the op (a 32x1024 bool mask's ``sum()``
+    holds 262144 B there, a step's peak the estimate missed)."""
+    return (func.__name__.split(".")[0] in _REDUCTIONS and len(args) > 0 and isinstance(args[0], torch.Tensor)
+            and args[0].dim() > 0 and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype)
+
+
 def _spec_of(x):
     if isinstance(x, torch.Tensor):
         return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device.type)
@@ -311,20 +322,43 @@ _WRAPPED_BYTES = {bool: 1, int: 8, float: 8, complex: 16}
 _WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
+#: binary ops whose Scalar overloads (``eq.Scalar``, ``add_.Scalar``, ``remainder.Scalar_Tensor``) wrap the number in a
+#: 0-dim tensor inside the op and run the Tensor overload (measured on CPU; ``pow.Tensor_Scalar``, ``clamp``,
+#: ``lerp``, ``masked_fill``, the activations read the number itself)
+_WRAPS_SCALAR = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "rsub", "mul", "div", "true_divide",
+                           "floor_divide", "remainder", "fmod", "bitwise_and", "bitwise_or", "bitwise_xor",
+                           "bitwise_left_shift", "bitwise_right_shift", "xlogy", "special_xlogy", "special_xlog1py",
+                           "copysign"})
+
+
+def _wraps(func, arg, value) -> bool:
+    """Whether the Python number ``value`` passed as the schema argument ``arg`` becomes a 0-dim tensor."""
+    if type(value) not in _WRAPPED_BYTES:
+        return False
+    if isinstance(arg.type, torch.TensorType):  # wrapped by the argument parser, before the op
+        return True
+    if not isinstance(arg.type, torch.NumberType):
+        return False
+    name = func.__name__.split(".")[0]
+    base = name[:-1] if name.endswith("_") else name
+    return base in _WRAPS_SCALAR or (base == "pow" and func._overloadname == "Scalar")
+
+
 def _wrapped_numbers(func, args, kwargs) -> int:
     """The host bytes an op's Python numbers hold while it runs on CPU (``x * 0.5``, ``x.add(1)``, ``x.eq(0)``):
-    where the op's schema takes a Tensor, the argument parser wraps the number in a 0-dim tensor before the op
-    (8 bytes for an int or a float, 1 for a bool, 16 for a complex) and frees it after, and TensorIterator casts
-    that tensor to the op's common dtype inside the op (4 bytes for fp32, 2 for bf16; none where the dtypes agree).
+    where the op's schema takes a Tensor, the argument parser wraps the number in a 0-dim tensor before the op, and
+    a binary op's Scalar overload does so inside it (:data:`_WRAPS_SCALAR`): 8 bytes for an int or a float, 1 for a
+    bool, 16 for a complex; TensorIterator then casts that tensor to the op's common dtype inside the op (4 bytes for
+    fp32, 2 for bf16; none where the dtypes agree).
     Both are alive while the op's output is made: a dispatch mode sees the number itself, so they are counted here
-    (an RMSNorm step's backward peak, ``pow(x, 2) * number``, was 12 B above the estimate)."""
-    schema = func._schema.arguments
-    numbers = [a for i, a in enumerate(args)
-               if type(a) in _WRAPPED_BYTES and i < len(schema) and isinstance(schema[i].type, torch.TensorType)]
+    (an RMSNorm step's backward peak, ``2.0 * up.pow(1)``, was 12 B above the estimate)."""
+    schema = getattr(getattr(func, "_schema", None), "arguments", None)
+    if not schema:
+        return 0
+    numbers = [a for i, a in enumerate(args) if i < len(schema) and _wraps(func, schema[i], a)]
     if kwargs:
         by_name = {a.name: a for a in schema}
-        numbers += [v for k, v in kwargs.items()
-                    if type(v) in _WRAPPED_BYTES and k in by_name and isinstance(by_name[k].type, torch.TensorType)]
+        numbers += [v for k, v in kwargs.items() if k in by_name and _wraps(func, by_name[k], v)]
     if not numbers:
         return 0
     tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -332,7 +366,10 @@ def _wrapped_numbers(func, args, kwargs) -> int:
     for number in numbers:
         total += _WRAPPED_BYTES[type(number)]
         if tensor is not None:
-            common = torch.result_type(tensor, number)
+            try:
+                common = torch.result_type(tensor, number)
+            except (RuntimeError, TypeError):  # no common dtype: the op itself refuses them
+                continue
             if common != _WRAPPED_DTYPE[type(number)]:
                 total += common.itemsize
     return total
@@ -462,7 +499,7 @@ class _Allocations(TorchDispatchMode):
             new += saved
             transient -= saved  # the saved number is that wrapped tensor, counted as the op's new storage
         sig = None
-        if _SCRATCH_OPS.search(func.__name__.split(".")[0]) or _mixed_dtypes(args):
+        if _SCRATCH_OPS.search(func.__name__.split(".")[0]) or _mixed_dtypes(args) or _casts_to_reduce(func, args, out):
             try:
                 sig = (func, _spec_of(tuple(args)), tuple(sorted((k, _spec_of(v)) for k, v in kwargs.items())))
                 hash(sig)
