@@ -893,6 +893,13 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
                        style: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """``s = input + residual``; returns ``(RMSNorm(s), s)`` with ``style``'s casting (Llama by default),
     keeping s and one fp32 stat per row."""
+    core = _core(input)
+    if core is not None and style in _STYLE_CODE and style != "torch":
+        # one C++ Function (csrc/norms.cpp), the Function below op for op; None where it declines (then the
+        # checks below give the error, or the Python Function runs)
+        out = core.norms_fused_add_rms(input, residual, weight, eps, _STYLE_CODE[style])
+        if out is not None:
+            return out
     _common.check_tensor(residual, "residual", fn="fused_add_rms_norm")
     if style not in RMS_STYLES or style == "torch":
         raise ValueError(f"fused_add_rms_norm: argument 'style' must be one of {RMS_STYLES[1:]}, got {style!r}")
