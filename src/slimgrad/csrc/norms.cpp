@@ -55,24 +55,48 @@ struct RmsForward {
   Tensor out, rstd, normed;
 };
 
-// _rms_forward_impl
+// The mean of t² over `dims`, the square freed before the mean's caller allocates again (as the Python path's
+// temporaries go): a C++ temporary lives to the end of its full expression, one x-sized fp32 tensor more at the
+// next allocation (slimgrad.estimate, which simulates the Python path's ops on fake tensors, counts theirs).
+Tensor mean_of_square(const Tensor& t, at::IntArrayRef dims) {
+  Tensor sq = t.pow(2);
+  return sq.mean(dims, true);
+}
+
+// _rms_forward_impl (statement by statement where the Python expression frees a temporary before the next op
+// allocates: the same ops, values and allocations)
 RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndim, int64_t style) {
   if (style == kTorch) {
     auto up = x.to(opmath(x.scalar_type()));
-    auto rstd = at::rsqrt(up.pow(2).mean(trailing_dims(x, ndim), true).add_(eps));
+    auto rstd = at::rsqrt(mean_of_square(up, trailing_dims(x, ndim)).add_(eps));
     auto h = up * rstd;
     auto out = (w.defined() ? h * w : h).type_as(x);
     if (x.suggest_memory_format() == at::MemoryFormat::Contiguous) out = out.contiguous();
     return {out, rstd, h};
   }
   if (style == kT5) {
-    auto rstd = at::rsqrt(x.to(at::kFloat).pow(2).mean({-1}, true) + eps);
+    Tensor shifted;
+    {
+      Tensor sq = x.to(at::kFloat);
+      sq = sq.pow(2);  // (the fp32 copy freed as the square is made, as Python's chain frees it)
+      Tensor m = sq.mean({-1}, true);
+      sq.reset();
+      shifted = m + eps;
+    }
+    auto rstd = at::rsqrt(shifted);
+    shifted.reset();
     auto h = x * rstd;
     if (is_half(w.scalar_type())) h = h.to(w.scalar_type());
     return {w * h, rstd, h};
   }
   auto up = x.to(at::kFloat);
-  auto rstd = at::rsqrt(up.pow(2).mean({-1}, true) + eps);
+  Tensor shifted;
+  {
+    Tensor m = mean_of_square(up, {-1});
+    shifted = m + eps;
+  }
+  auto rstd = at::rsqrt(shifted);
+  shifted.reset();
   auto h = up * rstd;
   if (style == kLlama) {
     auto normed = h.to(x.scalar_type());
@@ -94,7 +118,9 @@ Tensor weight_grad(const Tensor& g, const Tensor& h, const Tensor& w) {
 
 Tensor variance_path_grad(const Tensor& d_rstd, const Tensor& rstd, const Tensor& up, int64_t n) {
   auto d_var = (d_rstd * -0.5) * rstd.pow(3);
-  return (d_var / n) * (up.pow(1) * 2.0);
+  auto scaled = d_var / n;
+  auto two_up = up.pow(1) * 2.0;  // (up.pow(1) freed here, as Python's 2.0 * up.pow(1) frees it)
+  return scaled * two_up;
 }
 
 std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w,
@@ -110,7 +136,11 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
     auto ht = is_half(w.scalar_type()) ? h.to(w.scalar_type()) : h;
     if (need_w) dw = weight_grad(dy, ht, w);
     if (!need_x) return {dx, dw};
-    auto dh = (dy * w).to(ht.scalar_type()).to(hd);
+    Tensor dh;
+    {
+      Tensor low = (dy * w).to(ht.scalar_type());  // dy * w freed before the next cast allocates (Python's order)
+      dh = low.to(hd);
+    }
     auto dx1 = (dh * rstd).to(x.scalar_type());
     auto d_rstd = (dh * x).sum({-1}, true).to(rstd.scalar_type());
     auto dx2 = variance_path_grad(d_rstd, rstd, xf, n).to(x.scalar_type());
@@ -123,7 +153,10 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
     g_h = dy.to(h.scalar_type());
   } else if (style == kLlama) {
     if (need_w) dw = weight_grad(dy, h.to(x_dtype), w);
-    if (need_x) g_h = (dy * w).to(x_dtype).to(h.scalar_type());
+    if (need_x) {
+      Tensor low = (dy * w).to(x_dtype);  // dy * w freed before the next cast allocates (Python's order)
+      g_h = low.to(h.scalar_type());
+    }
   } else if (style == kTorch || style == kOlmo2) {
     auto g = upstream_of_product(dy, style, w, h);
     if (need_w) dw = weight_grad(g, h, w);
@@ -136,7 +169,9 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
   if (need_x) {
     h.reset();
     auto d_rstd = (g_h * up).sum(trailing_dims(x, ndim), true);
-    dx = (g_h * rstd).add_(variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype);
+    Tensor sum = g_h * rstd;
+    sum.add_(variance_path_grad(d_rstd, rstd, up, n));  // the variance path's term freed before the cast
+    dx = sum.to(x_dtype);
   }
   return {dx, dw};
 }
