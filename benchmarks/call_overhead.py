@@ -76,9 +76,14 @@ def _cases():
     yield "[Function] LayerNorm frozen, X needs grad", nn.LayerNorm(16).requires_grad_(False), xs, True
     yield "[Function] GroupNorm frozen, X needs grad", nn.GroupNorm(2, 4).requires_grad_(False), x4, True
     yield "[Function] gated silu(gate) * up", _Gated(False), xs, True
+    yield "[Function] FusedAddRMSNorm, weight trains, X needs grad", _FusedAdd(False), xs, True
     lora = _peft_lora()
     if lora is not None:
         yield "[Function] peft LoRA Linear r=4, dropout 0.1", lora, xs, False
+        yield "[Function] peft LoRA Conv2d r=4, dropout 0.1", _peft_lora_conv(0.1), x4, False
+        yield "[Function] peft LoRA Conv2d r=4, dropout 0.1, X needs grad", _peft_lora_conv(0.1), x4, True
+        yield ("[Function] peft LoRA Conv2d r=4, bf16 model, fp32 adapters", _peft_lora_conv(0.0, torch.bfloat16),
+               lambda: x4().bfloat16(), False)
 
 
 def _python_path_cases():
@@ -90,6 +95,7 @@ def _python_path_cases():
     if lora is not None:
         yield "peft LoRA Linear r=4, dropout 0.1 (seed)", lora, xs, False, "seed"
         yield "peft LoRA Linear r=4, dropout 0.1, X needs grad (seed)", _peft_lora(), xs, True, "seed"
+        yield "peft LoRA Conv2d r=4, dropout 0.1 (seed)", _peft_lora_conv(0.1), x4, False, "seed"
     yield "Dropout(0.1) fp32 (seed)", nn.Dropout(0.1), x4, True, "seed"
     yield "ReLU, 1-bit mask", nn.ReLU(), x4, True, None
     yield "ReLU(inplace), 1-bit mask", nn.ReLU(inplace=True), x4, True, None
@@ -107,6 +113,7 @@ def _python_path_cases():
     if llama is not None:
         yield "LlamaRMSNorm, weight trains, X needs grad", llama, xs, True, None
     yield "gated silu(gate) * up", _Gated(False), xs, True, None
+    yield "FusedAddRMSNorm, weight trains, X needs grad", _FusedAdd(False), xs, True, None
 
 
 class _Gated(nn.Module):
@@ -121,6 +128,24 @@ class _Gated(nn.Module):
         if self.slim:
             return slimgrad.functional.gated_activation(gate, up, "silu")
         return torch.nn.functional.silu(gate) * up
+
+
+class _FusedAdd(nn.Module):
+    """``(norm(x + r), x + r)`` with r = x / 2 (hidden 16, Llama's casting): stock's formula differentiated by autograd
+    (FusedAddRMSNormFunction.stock), or slimgrad's fused_add_rms_norm (``slim``). Returns the sum of both outputs."""
+
+    def __init__(self, slim: bool):
+        super().__init__()
+        self.slim = slim
+        self.weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        from slimgrad.functional.norms import FusedAddRMSNormFunction, fused_add_rms_norm
+
+        r = x * 0.5
+        fn = fused_add_rms_norm if self.slim else FusedAddRMSNormFunction.stock
+        y, s = fn(x, r, self.weight, 1e-6, "llama")
+        return y + s
 
 
 def _llama_rms_norm():
@@ -143,6 +168,21 @@ def _peft_lora():
     return model.base_model.model[0]
 
 
+def _peft_lora_conv(dropout, dtype=None):
+    """A peft LoRA Conv2d 4->4, 3x3 (frozen base, trainable adapters r=4); ``dtype``: the model's, with fp32
+    adapters (diffusers' mixed precision); None without peft."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        return None
+    net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1))
+    model = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0"]))
+    layer = model.base_model.model[0]
+    if dtype is not None:
+        layer.base_layer.to(dtype)
+    return layer
+
+
 def _step(module, x, keep):
     h = x * 1.0 if x.requires_grad else x
     out = module(h)
@@ -154,6 +194,10 @@ def _step(module, x, keep):
 def _convert(stock, policy):
     if isinstance(stock, _Gated):
         return _Gated(True)
+    if isinstance(stock, _FusedAdd):
+        slim = _FusedAdd(True)
+        slim.load_state_dict(stock.state_dict())
+        return slim
     return slimgrad.convert(copy.deepcopy(stock), **({} if policy is None else {"dropout": policy}))
 
 

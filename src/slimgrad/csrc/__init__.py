@@ -23,7 +23,8 @@ the Python Function runs, in the same order, without the Python Function's per-c
 call, which made host-bound CUDA steps 1.15-2.56x stock). ``SLIMGRAD_CORE_CUDA=0`` at start-up keeps CUDA tensors
 on the Python path (the core still serves CPU ones): the switch for a GPU problem, no code change needed. The
 families with their own CPU loops (masks, dropout bits, max-pool positions, the norms) serve CPU tensors only, and
-so do the gated activations, aten's ops only but served on CUDA by their Triton kernel.
+so do the gated activations, aten's ops only but served on CUDA by their Triton kernel, and LoRA on convolutions
+(its CUDA default, the "seed" dropout policy, is the Python Function's Triton kernel).
 """
 
 from __future__ import annotations

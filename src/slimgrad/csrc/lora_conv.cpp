@@ -259,7 +259,8 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
       const bool need_a = need[kAt + 3 * i], need_b = need[kAt + 1 + 3 * i], need_bb = need[kAt + 2 + 3 * i];
       if (!(need_x || need_a || need_b || need_bb)) continue;
       const auto u_dtype = static_cast<at::ScalarType>(t_dtypes[i]);
-      const Opts a = unpack(opt_list.get(2 * i).toIntVector(), nd), b = unpack(opt_list.get(2 * i + 1).toIntVector(), nd);
+      const Opts a = unpack(opt_list.get(2 * i).toIntVector(), nd);
+      const Opts b = unpack(opt_list.get(2 * i + 1).toIntVector(), nd);
       at::Tensor g_u = (i == last && g_own && g.scalar_type() == u_dtype) ? g.mul_(scalings[i])
                                                                           : g.to(u_dtype) * scalings[i];
       if (i == last) g.reset();

@@ -1,6 +1,6 @@
-// The norms' eager CPU path: RMSNorm (torch.rms_norm and the Hugging Face casting styles), LayerNorm and GroupNorm
-// as one C++ torch::autograd::Function each, called once from the module's forward (issue 22: a Python Function
-// cost more per call than stock's whole op on small tensors).
+// The norms' eager CPU path: RMSNorm (torch.rms_norm and the Hugging Face casting styles), FusedAddRMSNorm,
+// LayerNorm and GroupNorm as one C++ torch::autograd::Function each, called once from the module's forward (issue 22:
+// a Python Function cost more per call than stock's whole op on small tensors).
 //
 // Each Function takes its Python Function's decisions (slimgrad/functional/norms.py: what to keep per
 // requires_grad combination, so the same saved bytes) and computes what it computes, bit for bit and with the same
@@ -55,24 +55,48 @@ struct RmsForward {
   Tensor out, rstd, normed;
 };
 
-// _rms_forward_impl
+// The mean of t² over `dims`, the square freed before the mean's caller allocates again (as the Python path's
+// temporaries go): a C++ temporary lives to the end of its full expression, one x-sized fp32 tensor more at the
+// next allocation (slimgrad.estimate, which simulates the Python path's ops on fake tensors, counts theirs).
+Tensor mean_of_square(const Tensor& t, at::IntArrayRef dims) {
+  Tensor sq = t.pow(2);
+  return sq.mean(dims, true);
+}
+
+// _rms_forward_impl (statement by statement where the Python expression frees a temporary before the next op
+// allocates: the same ops, values and allocations)
 RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndim, int64_t style) {
   if (style == kTorch) {
     auto up = x.to(opmath(x.scalar_type()));
-    auto rstd = at::rsqrt(up.pow(2).mean(trailing_dims(x, ndim), true).add_(eps));
+    auto rstd = at::rsqrt(mean_of_square(up, trailing_dims(x, ndim)).add_(eps));
     auto h = up * rstd;
     auto out = (w.defined() ? h * w : h).type_as(x);
     if (x.suggest_memory_format() == at::MemoryFormat::Contiguous) out = out.contiguous();
     return {out, rstd, h};
   }
   if (style == kT5) {
-    auto rstd = at::rsqrt(x.to(at::kFloat).pow(2).mean({-1}, true) + eps);
+    Tensor shifted;
+    {
+      Tensor sq = x.to(at::kFloat);
+      sq = sq.pow(2);  // (the fp32 copy freed as the square is made, as Python's chain frees it)
+      Tensor m = sq.mean({-1}, true);
+      sq.reset();
+      shifted = m + eps;
+    }
+    auto rstd = at::rsqrt(shifted);
+    shifted.reset();
     auto h = x * rstd;
     if (is_half(w.scalar_type())) h = h.to(w.scalar_type());
     return {w * h, rstd, h};
   }
   auto up = x.to(at::kFloat);
-  auto rstd = at::rsqrt(up.pow(2).mean({-1}, true) + eps);
+  Tensor shifted;
+  {
+    Tensor m = mean_of_square(up, {-1});
+    shifted = m + eps;
+  }
+  auto rstd = at::rsqrt(shifted);
+  shifted.reset();
   auto h = up * rstd;
   if (style == kLlama) {
     auto normed = h.to(x.scalar_type());
@@ -94,7 +118,9 @@ Tensor weight_grad(const Tensor& g, const Tensor& h, const Tensor& w) {
 
 Tensor variance_path_grad(const Tensor& d_rstd, const Tensor& rstd, const Tensor& up, int64_t n) {
   auto d_var = (d_rstd * -0.5) * rstd.pow(3);
-  return (d_var / n) * (up.pow(1) * 2.0);
+  auto scaled = d_var / n;
+  auto two_up = up.pow(1) * 2.0;  // (up.pow(1) freed here, as Python's 2.0 * up.pow(1) frees it)
+  return scaled * two_up;
 }
 
 std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w,
@@ -110,7 +136,11 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
     auto ht = is_half(w.scalar_type()) ? h.to(w.scalar_type()) : h;
     if (need_w) dw = weight_grad(dy, ht, w);
     if (!need_x) return {dx, dw};
-    auto dh = (dy * w).to(ht.scalar_type()).to(hd);
+    Tensor dh;
+    {
+      Tensor low = (dy * w).to(ht.scalar_type());  // dy * w freed before the next cast allocates (Python's order)
+      dh = low.to(hd);
+    }
     auto dx1 = (dh * rstd).to(x.scalar_type());
     auto d_rstd = (dh * x).sum({-1}, true).to(rstd.scalar_type());
     auto dx2 = variance_path_grad(d_rstd, rstd, xf, n).to(x.scalar_type());
@@ -123,7 +153,10 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
     g_h = dy.to(h.scalar_type());
   } else if (style == kLlama) {
     if (need_w) dw = weight_grad(dy, h.to(x_dtype), w);
-    if (need_x) g_h = (dy * w).to(x_dtype).to(h.scalar_type());
+    if (need_x) {
+      Tensor low = (dy * w).to(x_dtype);  // dy * w freed before the next cast allocates (Python's order)
+      g_h = low.to(h.scalar_type());
+    }
   } else if (style == kTorch || style == kOlmo2) {
     auto g = upstream_of_product(dy, style, w, h);
     if (need_w) dw = weight_grad(g, h, w);
@@ -136,7 +169,9 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
   if (need_x) {
     h.reset();
     auto d_rstd = (g_h * up).sum(trailing_dims(x, ndim), true);
-    dx = (g_h * rstd).add_(variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype);
+    Tensor sum = g_h * rstd;
+    sum.add_(variance_path_grad(d_rstd, rstd, up, n));  // the variance path's term freed before the cast
+    dx = sum.to(x_dtype);
   }
   return {dx, dw};
 }
@@ -453,6 +488,58 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   }
 };
 
+// ------------------------------------------------------------------------------------------- FusedAddRMSNorm
+// FusedAddRMSNormFunction (functional/norms.py): s = x + r, (rms_norm_hf(s), s); keeps s and rstd (and the weight),
+// dX = dR = dRMSNorm(s) + dS cast to each input's dtype. The RMSNorm steps are RMSNormFn's (the one-pass kernels
+// where they apply: the same bits as the aten sequence the Python Function runs).
+struct FusedAddRMSNormFn : public torch::autograd::Function<FusedAddRMSNormFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& w, double eps,
+                               int64_t style) {
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined (no dW from zeros)
+    auto s = x + r;
+    auto f = rms_fast_ok(s, w, style) ? rms_forward_fast(s, w, eps, 1, style, false, at::kFloat)
+                                      : rms_forward(s, w, eps, 1, style);
+    ctx->saved_data["style"] = style;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["r_dtype"] = static_cast<int64_t>(r.scalar_type());
+    ctx->save_for_backward({s, f.rstd, w});
+    return {f.out, s};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool need_x = ctx->needs_input_grad(0), need_r = ctx->needs_input_grad(1), need_w = ctx->needs_input_grad(2);
+    variable_list result(5);
+    if (!(need_x || need_r || need_w)) return result;
+    const bool need_s = need_x || need_r;
+    Tensor ds, dw;
+    {
+      at::NoGradGuard no_grad;
+      auto saved = ctx->get_saved_variables();
+      const Tensor &s = saved[0], &rstd = saved[1], &w = saved[2];
+      const Tensor &dy = grads[0], &grad_s = grads[1];
+      const int64_t style = ctx->saved_data["style"].toInt();
+      if (dy.defined()) {
+        const auto s_dtype = s.scalar_type();
+        // RMSNormFn's conditions for the one-pass backward, on s
+        const bool fast = dy.scalar_type() == s_dtype && plain_contiguous(dy) && dy.sizes() == s.sizes() &&
+                          rms_fast_ok(s, Tensor(), kTorch) && w.scalar_type() == s_dtype &&
+                          (!need_s || w.is_contiguous());
+        if (fast) {
+          std::tie(ds, dw) = rms_backward_fast(dy, s, rstd, w, 1, style, need_s, need_w);
+        } else {
+          std::tie(ds, dw) = rms_backward(dy, s, rstd, w, 1, style, need_s, need_w, s_dtype);
+        }
+      }
+      if (need_s && grad_s.defined()) ds = ds.defined() ? ds + grad_s : grad_s;
+      if (need_s && !ds.defined()) ds = at::zeros_like(s);
+    }
+    if (need_x) result[0] = ds.to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    if (need_r) result[1] = ds.to(static_cast<at::ScalarType>(ctx->saved_data["r_dtype"].toInt()));
+    if (need_w) result[2] = dw;
+    return once_differentiable(std::move(result), grads, "FusedAddRMSNormFunction");
+  }
+};
+
 // ------------------------------------------------------------------------------------- LayerNorm / GroupNorm
 struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& w_opt,
@@ -654,6 +741,30 @@ py::object rms(py::handle x_obj, py::handle w_obj, py::handle eps_obj, py::handl
   return wrap(RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w), x_obj, note);
 }
 
+// fused_add_rms_norm (styles 1-4): (out, s), or None.
+py::object fused_add_rms(py::handle x_obj, py::handle r_obj, py::handle w_obj, py::handle eps_obj, int64_t style) {
+  if (at::autocast::is_autocast_enabled(at::kCPU) || style <= kTorch || style > kT5) return py::none();
+  auto x = cpu_tensor(x_obj, false);
+  auto r = cpu_tensor(r_obj, false);
+  auto w = cpu_tensor(w_obj, false);
+  auto eps = nonnegative(eps_obj);
+  if (!x || !r || !w || !eps || !x->is_floating_point() || !r->is_floating_point() || !w->is_floating_point())
+    return py::none();
+  if (x->dim() < 1 || r->sizes() != x->sizes() || w->dim() != 1 || w->size(0) != x->size(-1)) return py::none();
+  variable_list out;
+  const bool grad = at::GradMode::is_enabled() && (x->requires_grad() || r->requires_grad() || w->requires_grad());
+  if (!grad) {
+    auto s = *x + *r;
+    auto f = rms_fast_ok(s, *w, style) ? rms_forward_fast(s, *w, *eps, 1, style, false, at::kFloat)
+                                       : rms_forward(s, *w, *eps, 1, style);
+    out = {f.out, s};
+  } else {
+    out = FusedAddRMSNormFn::apply(*x, *r, *w, *eps, style);
+  }
+  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[0]))),
+                        py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[1]))));
+}
+
 py::object layer(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::handle b_obj, py::handle eps_obj,
                  py::handle note) {
   last_kept_x = false;
@@ -707,6 +818,9 @@ static Register reg_norms([](py::module_& m) {
   m.def("norms_rms", &rms, "RMSNorm (style 0: torch.rms_norm; 1-4: llama, olmo2, gemma, t5), or None",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("normalized_shape"), py::arg("style"),
         py::arg("note"));
+  m.def("norms_fused_add_rms", &fused_add_rms,
+        "FusedAddRMSNorm (styles 1-4: llama, olmo2, gemma, t5): (out, input + residual), or None", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("style"));
   m.def("norms_layer", &layer, "LayerNorm (native_layer_norm), or None", py::arg("x"), py::arg("normalized_shape"),
         py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("note"));
   m.def("norms_group", &group, "GroupNorm (native_group_norm), or None", py::arg("x"), py::arg("num_groups"),

@@ -27,12 +27,13 @@ from peft.tuners.lora.layer import Conv2d as LoraConv2d
 from peft.tuners.lora.layer import Conv3d as LoraConv3d
 from torch import nn
 
+from slimgrad import csrc
 from slimgrad._registry import register_forward
-from slimgrad.functional._common import autocast_enabled
-from slimgrad.functional.dropout import module_policy
+from slimgrad.functional._common import autocast_enabled, note_input_kept
+from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve_policy
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.integrations._fingerprint import Verified
-from slimgrad.integrations.peft_lora import _dropout_p, _has_hooks, _stock_type
+from slimgrad.integrations.peft_lora import _FLOATS, _PLAIN, _dropout_p, _has_hooks, _hooked, _stock_type
 
 __all__ = ["KNOWN"]
 
@@ -98,8 +99,88 @@ def _adapters(self, x: torch.Tensor):
     return adapters
 
 
+def _core_options(conv: nn.Module, nd: int):
+    """``conv``'s options as the core takes them (stride, padding, dilation, groups: one flat tuple), read from its
+    ``__dict__``; None where :func:`_options` would refuse them or they are not spelled out per dim."""
+    d = conv.__dict__
+    padding = d["padding"]
+    if isinstance(padding, str) or d["padding_mode"] != "zeros":
+        return None
+    stride, dilation = d["stride"], d["dilation"]
+    if not len(stride) == len(padding) == len(dilation) == nd:
+        return None
+    return (*stride, *padding, *dilation, d["groups"])
+
+
+def _fast_forward(self, x: torch.Tensor):
+    """An eager CPU call that the compiled core serves (csrc/lora_conv.cpp), after the checks of the path below,
+    read straight from the module's ``__dict__`` and its submodules' ``_modules``/``_parameters``; None where
+    anything is unusual or the core does not serve the call (the checked path decides then). Why: the checked path's
+    attribute lookups and per-call tuples cost ~25 us a call, a tenth of a small LoRA conv's forward and backward.
+    Whether the layer is supported is cached in its ``__dict__`` per base layer type."""
+    core = csrc.for_eager(x)  # (None under torch.compile and torch.func transforms, for non-CPU tensors)
+    if core is None or x.dtype not in _FLOATS or autocast_enabled("cpu"):
+        return None
+    d = self.__dict__
+    if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant"):
+        return None
+    active = d.get("_active_adapter")
+    cls = _lora_class(self)
+    if active is None or not _CHECKS[cls].still_known():
+        return None
+    modules = d["_modules"]
+    base = modules["base_layer"]
+    plan = d.get("_slimgrad_core_plan")
+    if plan is None or plan[0] is not type(base):
+        plan = d["_slimgrad_core_plan"] = (type(base), _unsupported_layer(self) is None, _STOCK[cls])
+    nd = x.dim() - 2
+    if not plan[1] or _hooked(base) or nd != base._parameters["weight"].dim() - 2:
+        return None
+    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
+    scaling = d["scaling"]
+    tensors, scalings, ps, opts = [x, None], [], [], []
+    dtype, device, worth_it = None, x.device, False
+    cast = d.get("cast_input_dtype_enabled", True)
+    for name in (active,) if isinstance(active, str) else active:
+        a = lora_a.get(name)
+        if a is None:
+            continue
+        b, drop = lora_b[name], drops[name]
+        if _stock_type(a) is not plan[2] or _stock_type(b) is not plan[2] or a._parameters.get("bias") is not None:
+            return None
+        if _hooked(a) or _hooked(b) or _hooked(drop):
+            return None
+        p = _dropout_p(drop)
+        A, B, bb = a._parameters["weight"], b._parameters["weight"], b._parameters.get("bias")
+        oa, ob = _core_options(a, nd), _core_options(b, nd)
+        if p is None or oa is None or ob is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
+            return None
+        dtype = A.dtype if dtype is None else dtype
+        if A.dtype != dtype or B.dtype != dtype or dtype not in _FLOATS or A.device != device or B.device != device:
+            return None
+        if bb is not None and (type(bb) not in _PLAIN or bb.device != device or bb.dtype not in _FLOATS):
+            return None
+        worth_it = worth_it or p > 0 or (cast and x.dtype != dtype)
+        tensors += [A, B, bb]
+        scalings.append(float(scaling[name]))
+        ps.append(float(p))
+        opts += [oa, ob]
+    if not worth_it or (any(0 < p < 1 for p in ps) and resolve_policy(d.get(POLICY_ATTRIBUTE), device) != "bits"):
+        return None  # (peft's own ops keep the minimum; the "seed" policy is the Python Function's)
+    tensors[1] = base_out = base(x)
+    if type(base_out) is not torch.Tensor or base_out.device != device or base_out.dtype not in _FLOATS:
+        return None  # (the checked path runs the base layer again: a plain module, the same result)
+    out, x_kept = core.lora_conv_apply(tensors, bool(cast), scalings, ps, opts)
+    if x_kept:
+        note_input_kept(x)
+    return out
+
+
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less."""
+    if not args and not kwargs and type(x) is torch.Tensor and x.dim() >= 3 and (out := _fast_forward(self, x)) \
+            is not None:
+        return out
     cls = _lora_class(self)
     stock = cls.forward
     if (args or kwargs or self.disable_adapters or self.merged or not isinstance(x, torch.Tensor)
