@@ -139,6 +139,9 @@ MODULE_CASES = [
     (nn.MaxPool2d(3, 2, 1, ceil_mode=True), (5, 8, 9)),  # unbatched
     (nn.MaxPool2d(3, 2, 1), (2, 40, 7, 6)),  # channels past one vector (channels_last NaN bits)
     (nn.MaxPool2d(3, 2, 1), (1, 24, 5, 6)),  # 16 bf16 lanes (stock's AVX2 kernel) and 8 scalar channels
+    (nn.MaxPool2d(3, 2, 1), (2, 64, 9, 10)),  # four 16-channel blocks (channels_last: the next window prefetched)
+    (nn.MaxPool2d(17, 3, 8), (1, 32, 20, 19)),  # int16 positions, vector-packed (channels_last)
+    (nn.MaxPool2d((33, 32), 8, 16), (1, 16, 40, 36)),  # windows too large to list: walked per channel block
     (nn.MaxPool3d(2, 2), (1, 6, 4, 4, 5)),  # 3-d channels_last: vector and scalar channels
     (nn.MaxPool3d(3, 2, 1), (2, 3, 5, 6, 7)),
     (nn.MaxPool3d((2, 3, 1), (1, 2, 1), (1, 1, 0), dilation=(1, 2, 1), ceil_mode=True, return_indices=True),

@@ -104,6 +104,7 @@ bool hardtanh_fp32(const float* x, float* out, uint8_t* m, int64_t nb, int64_t n
 #if defined(__AVX2__)
     const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), zero = _mm256_setzero_ps();
     const __m256i vz = _mm256_set1_epi32(zbits);
+    __m256 seen_v = zero;  // special lanes seen, folded once at the end
     for (; b < full; ++b) {
       const __m256 v = _mm256_loadu_ps(x + 8 * b);
       const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GT_OQ), _mm256_cmp_ps(v, vhi, _CMP_LT_OQ));
@@ -113,8 +114,9 @@ bool hardtanh_fp32(const float* x, float* out, uint8_t* m, int64_t nb, int64_t n
       if (zmode == 2) sp = _mm256_or_ps(sp, _mm256_cmp_ps(v, zero, _CMP_EQ_OQ));
       const __m256 o = _mm256_min_ps(_mm256_max_ps(v, vlo), vhi);
       _mm256_storeu_ps(out + 8 * b, _mm256_blendv_ps(o, v, sp));
-      seen |= _mm256_movemask_ps(sp);
+      seen_v = _mm256_or_ps(seen_v, sp);
     }
+    seen |= _mm256_movemask_ps(seen_v);
 #endif
     for (; b < b1; ++b) {
       const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);
@@ -153,19 +155,32 @@ bool hardsigmoid_fwd(const T* x, T* out, uint8_t* m, int64_t nb, int64_t n) {
     const int64_t full = std::min(b1, n / 8);
 #if defined(__AVX2__)
     if constexpr (!std::is_same_v<T, double>) {
-      const __m256 three = _mm256_set1_ps(3.0f), mthree = _mm256_set1_ps(-3.0f), zero = _mm256_setzero_ps(),
-                   six = _mm256_set1_ps(6.0f);
-      for (; b < full; ++b) {
-        __m256 v;
-        if constexpr (std::is_same_v<T, float>) v = _mm256_loadu_ps(x + 8 * b); else v = load8f(x + 8 * b);
-        const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(v, mthree, _CMP_GT_OQ), _mm256_cmp_ps(v, three, _CMP_LT_OQ));
-        m[b] = static_cast<uint8_t>(_mm256_movemask_ps(inside));
+      const __m256 three = _mm256_set1_ps(3.0f), zero = _mm256_setzero_ps(), six = _mm256_set1_ps(6.0f),
+                   sign = _mm256_set1_ps(-0.0f);
+      __m256 nans = zero;  // NaN lanes seen, folded once at the end
+      // out and the bit -3 < x < 3 (as |x| < 3: the same for every value, NaN included) for 8 lanes
+      auto eight = [&](__m256 v, int64_t j) {
+        m[j] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), three, _CMP_LT_OQ)));
         const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-        nan |= _mm256_movemask_ps(isnan);
-        __m256 o = _mm256_div_ps(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, three), zero), six), six);
-        o = _mm256_blendv_ps(o, v, isnan);
-        if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(out + 8 * b, o); else store8f(out + 8 * b, o);
+        nans = _mm256_or_ps(nans, isnan);
+        const __m256 o = _mm256_div_ps(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, three), zero), six), six);
+        return _mm256_blendv_ps(o, v, isnan);
+      };
+      if constexpr (!std::is_same_v<T, float>) {
+        for (; b + 1 < full; b += 2) {  // 16 elements: one pack and one store for the output
+          const __m256 o0 = eight(load8f(x + 8 * b), b);
+          const __m256 o1 = eight(load8f(x + 8 * b + 8), b + 1);
+          simd::store16f(out + 8 * b, o0, o1);
+        }
       }
+      for (; b < full; ++b) {
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(out + 8 * b, eight(_mm256_loadu_ps(x + 8 * b), b));
+        } else {
+          store8f(out + 8 * b, eight(load8f(x + 8 * b), b));
+        }
+      }
+      nan |= _mm256_movemask_ps(nans);
     }
 #endif
     for (; b < b1; ++b) {

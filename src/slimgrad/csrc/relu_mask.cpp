@@ -363,13 +363,24 @@ bool leaky_block(const T* x, T* out, uint8_t* m, int64_t b0, int64_t b1, int64_t
     const float slope = static_cast<float>(slope_);
 #if defined(__AVX2__)
     const __m256 zero = _mm256_setzero_ps(), s = _mm256_set1_ps(slope);
+    __m256 nans = zero;  // NaN lanes seen, folded once at the end (not a mask extraction per step)
+    for (; b + 1 < full; b += 2) {  // 16 elements: one pack and one store for the output (as aten's 16 lanes)
+      const __m256 v0 = load8f(x + 8 * b), v1 = load8f(x + 8 * b + 8);
+      const __m256 p0 = _mm256_cmp_ps(v0, zero, _CMP_GT_OQ), p1 = _mm256_cmp_ps(v1, zero, _CMP_GT_OQ);
+      simd::store16f(out + 8 * b, _mm256_blendv_ps(_mm256_mul_ps(v0, s), v0, p0),
+                     _mm256_blendv_ps(_mm256_mul_ps(v1, s), v1, p1));
+      m[b] = static_cast<uint8_t>(_mm256_movemask_ps(p0));
+      m[b + 1] = static_cast<uint8_t>(_mm256_movemask_ps(p1));
+      nans = _mm256_or_ps(nans, _mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)));
+    }
     for (; b < full; ++b) {
       const __m256 v = load8f(x + 8 * b);
       const __m256 pos = _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
       store8f(out + 8 * b, _mm256_blendv_ps(_mm256_mul_ps(v, s), v, pos));
       m[b] = static_cast<uint8_t>(_mm256_movemask_ps(pos));
-      nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
+    nan |= _mm256_movemask_ps(nans);
 #endif
     for (; b < b1; ++b) {
       const int64_t base = 8 * b, cnt = std::min<int64_t>(8, n - base);

@@ -745,7 +745,8 @@ def _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, group
     """``conv_nd``'s core route: the cached ``conv_Cfg`` where the core serves this call, else None (the Python
     path then runs, and raises where the arguments are wrong)."""
     if (type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN) or x.dim() != nd + 2
-            or weight.dim() != nd + 2 or torch.is_autocast_enabled(x.device.type)):
+            or weight.dim() != nd + 2
+            or (torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type))):
         return None
     try:
         key = (nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode,

@@ -42,9 +42,9 @@ def _stock_keeps_what_we_keep(input, weight) -> bool:
     stock's backward, too, skips a frozen weight's gradient): then stock's op runs directly, without the extra
     autograd node (5-8 us a call on ConvNeXt's shapes, measured). Only a bias-only call keeps less. Eager CPU only:
     elsewhere the Function may run a faster kernel than stock's (Triton on CUDA) or cast under autocast."""
-    return (input.device.type == "cpu" and torch.is_grad_enabled()
+    return (input.is_cpu and torch.is_grad_enabled()
             and (input.requires_grad or (weight is not None and weight.requires_grad))
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+            and not torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling())
 
 
 def _formula(x, weight, bias, eps):

@@ -84,11 +84,17 @@ def _core_cfg(self, core, weight, nd: int, transposed: bool):
     return cfg
 
 
+def _autocast_on(input) -> bool:
+    """``torch.is_autocast_enabled(input.device.type)``, asked only where some autocast is on: reading
+    ``input.device`` costs about 1 us a call (a third of the core route's Python overhead, measured)."""
+    return torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(input.device.type)
+
+
 def _core_call(self, input, weight, bias, nd: int, transposed: bool):
     """The core's convolution where it serves this call (else None)."""
     core = csrc.for_eager(input, cuda=True)
     if (core is None or input.dim() != nd + 2 or type(weight) not in _PLAIN
-            or (bias is not None and type(bias) not in _PLAIN) or torch.is_autocast_enabled(input.device.type)):
+            or (bias is not None and type(bias) not in _PLAIN) or _autocast_on(input)):
         return None
     cfg = _core_cfg(self, core, weight, nd, transposed)
     if cfg is None:
