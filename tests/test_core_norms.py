@@ -92,7 +92,10 @@ def _same(a, b, what):
 
 
 def check_three_ways(stock, slim, x0, rg, *, grad_layout=None, core_name, stock_bytes_at_least=True):
-    """stock vs core vs Python path, every tensor bitwise, saved bytes core == Python <= stock."""
+    """stock vs core vs Python path, every tensor bitwise, saved bytes core == Python <= stock. ``core_name``: the
+    node the core's call must make (or a function of ``rg`` giving it)."""
+    if callable(core_name):
+        core_name = core_name(rg)
     rg_x, *rg_p = rg
     params = [n for n, _ in stock.named_parameters()]
     for m in (stock, slim):
@@ -255,7 +258,8 @@ def test_producer_consumer_note_on_the_core_path():
         cell = _common.UseCell()
         _common.mark_producer(h, cell)
         y = m(h)
-        assert "CppNode" in y.grad_fn.name()
+        # RMSNorm: the core's Function; layer/group norm keep what stock keeps here, so stock's node runs
+        assert ("CppNode" if isinstance(m, nn.RMSNorm) else "Native") in y.grad_fn.name()
         assert cell.kept
         # only the bias trains (LayerNorm/GroupNorm): x is not kept, the cell stays unmarked
         if not isinstance(m, nn.RMSNorm):
@@ -301,7 +305,19 @@ def test_layer_norm(opt, dtype, param_dtype, layout):
     combos = [c for c in grad_combos(3) if (n_params or not (c[1] or c[2])) and (has_b or not c[2])]
     for rg in combos:
         rg = rg[:1 + n_params]
-        check_three_ways(stock, slim, _x(shape, dtype, layout), rg, core_name="LayerNormFn")
+        check_three_ways(stock, slim, _x(shape, dtype, layout), rg, core_name=_layer_node)
+
+
+def _layer_node(rg):
+    """Where x or the weight needs a gradient stock keeps what slimgrad would (x, mean, rstd): the core runs stock's
+    op and node there, its own Function only for a bias-only backward."""
+    return "NativeLayerNormBackward0" if rg[0] or (len(rg) > 1 and rg[1]) else "LayerNormFn"
+
+
+def _group_node(rg):
+    """As :func:`_layer_node`; every x here is plain contiguous (a dW-only call on channels-last keeps the Function:
+    see test_group_norm_channels_last)."""
+    return "NativeGroupNormBackward0" if rg[0] or (len(rg) > 1 and rg[1]) else "GroupNormFn"
 
 
 GN = {"group": ((2, 8), (3, 8, 5, 4)), "group-1d": ((4, 4), (3, 4)), "group-3d": ((3, 6), (2, 6, 3, 2, 2)),
@@ -319,7 +335,7 @@ def test_group_norm(opt, dtype, param_dtype, affine):
     _randomize(stock)
     slim = slim_copy(stock)
     for rg in grad_combos(3 if affine else 1):
-        check_three_ways(stock, slim, _x(shape, dtype), rg, core_name="GroupNormFn")
+        check_three_ways(stock, slim, _x(shape, dtype), rg, core_name=_group_node)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -332,7 +348,7 @@ def test_group_norm_channels_last(dtype):
     x0 = _x((2, 8, 3, 3), dtype, "channels_last")
     for rg in grad_combos(3):
         if rg[0]:
-            check_three_ways(stock, slim, x0, rg, core_name="GroupNormFn")
+            check_three_ways(stock, slim, x0, rg, core_name="NativeGroupNormBackward0")
             continue
         for m in (slim,):
             m.weight.requires_grad_(rg[1])
@@ -351,14 +367,17 @@ def test_group_norm_batch_one_small_batch_stride():
     slim = slim_copy(stock)
     x0 = torch.randn(1, 64, 32).transpose(1, 2).view(1, 32, 8, 8)
     for rg in [(True, True, True), (True, False, False)]:
-        check_three_ways(stock, slim, x0, rg, core_name="GroupNormFn")
+        check_three_ways(stock, slim, x0, rg, core_name=_group_node)
 
 
 def test_functional_layer_group_norm_run_the_core():
     x = torch.randn(2, 4, 6, requires_grad=True)
     w, b = torch.randn(6, requires_grad=True), torch.randn(6)
-    assert "LayerNormFn" in layer_norm(x, (6,), w, b).grad_fn.name()
-    assert "GroupNormFn" in group_norm(x, 2, torch.randn(4), None).grad_fn.name()
+    assert "NativeLayerNormBackward0" in layer_norm(x, (6,), w, b).grad_fn.name()
+    assert "NativeGroupNormBackward0" in group_norm(x, 2, torch.randn(4), None).grad_fn.name()
+    b.requires_grad_(True)  # bias only: the core's Function, which keeps nothing input-sized
+    assert "LayerNormFn" in layer_norm(x.detach(), (6,), w.detach(), b).grad_fn.name()
+    assert "GroupNormFn" in group_norm(x.detach(), 2, None, torch.randn(4, requires_grad=True)).grad_fn.name()
     with pytest.raises(RuntimeError, match="slimgrad: group_norm: argument 'input' has 4 channels"):
         group_norm(x, 3)
 

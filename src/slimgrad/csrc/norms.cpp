@@ -780,6 +780,10 @@ py::object layer(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::h
   bool need_x = grad && x->requires_grad(), need_w = grad && grad_on(*w), need_b = grad && grad_on(*b);
   if (!(need_x || need_w || need_b))
     return wrap(std::get<0>(at::native_layer_norm(*x, *shape, *w, *b, *eps)), x_obj, note);
+  if (need_x || need_w) {  // stock keeps x, mean and rstd here too: its own op and node, no Function's cost
+    last_kept_x = true;
+    return wrap(at::layer_norm(*x, *shape, *w, *b, *eps), x_obj, note);
+  }
   auto out = LayerNormFn::apply(*x, std::optional<Tensor>(*w), std::optional<Tensor>(*b), *shape, *eps, need_x,
                                 need_w, need_b);
   return wrap(std::move(out), x_obj, note);
@@ -806,6 +810,12 @@ py::object group(py::handle x_obj, py::handle groups_obj, py::handle w_obj, py::
     auto xc = x->contiguous(group_norm_format(*x));
     return wrap(std::get<0>(at::native_group_norm(xc, *w, *b, n, c, n * c ? x->numel() / (n * c) : 1, groups, *eps)),
                 x_obj, note);
+  }
+  // Where stock keeps what GroupNormFn would (x's copy, mean, rstd), stock's op and node run. Not for a dW-only
+  // call on a channels-last x: torch 2.13's channels-last CPU backward then writes an unrequested dX and crashes.
+  if (need_x || (need_w && x->suggest_memory_format() == at::MemoryFormat::Contiguous)) {
+    last_kept_x = true;
+    return wrap(at::group_norm(*x, groups, *w, *b, *eps), x_obj, note);
   }
   auto out = GroupNormFn::apply(*x, std::optional<Tensor>(*w), std::optional<Tensor>(*b), groups, *eps, need_x,
                                 need_w, need_b);
