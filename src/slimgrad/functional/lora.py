@@ -353,7 +353,10 @@ class LoraLinearFunction(_common.Function):
                 dxa = dxa.to(x_dtype)
                 dx = dxa if dx is None else dx.add_(dxa)  # dx is a fresh mm result: in place, same bits
                 del dxa
-            grads[0] = dx.view(x_shape)
+            if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+                grads[0] = dx.view(x_shape)
+            else:  # not a view, as the core's (lora.cpp says why: autograd can then add into it in place)
+                grads[0] = _UNSAFE_VIEW(dx, x_shape)
         return tuple(grads)
 
 
@@ -538,3 +541,4 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 _C_APPLY = _common._C_APPLY
 _unwrap_if_dead = _common.unwrap_if_dead
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
