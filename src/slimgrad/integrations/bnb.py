@@ -9,8 +9,9 @@ would not reproduce goes through bitsandbytes' own forward: no gradient wanted, 
 repacking, weights not yet quantized, empty inputs.
 
 peft's ``lora.bnb.Linear4bit`` / ``Linear8bitLt`` call their (converted) base layer as a module, then each
-plain adapter through slimgrad's LoRA Function with no base term, in peft's order (base, then each adapter's
-output cast to the base result's dtype and added). That needs ``LoraLinearFunction`` to accept
+plain adapter through slimgrad's LoRA Function with no base term (the compiled core's on eager CPU calls, as
+``lora_linear`` routes them), in peft's order (base, then each adapter's output cast to the base result's dtype
+and added). That needs ``LoraLinearFunction`` to accept
 ``weight=None``; with a ``lora.py`` that does not, the wrappers are not registered and run peft's forward
 (over a converted base layer, which already keeps no input).
 
