@@ -400,6 +400,44 @@ def test_peft_bnb_lora_core_is_python_is_stock(combo, lora_bias, x_dtype, dropou
         assert any("CppNode" in n and "LoraLinearFunction" in n for n in c[5]), c[5]
         assert "LoraLinearFunctionBackward" in py[5], py[5]
 
+
+@peft_lora_wrappers
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_peft_bnb_lora_fast_path_is_the_checked_path(monkeypatch, x_dtype):
+    """The wrapper's fast forward (read from __dict__) and the checked one (peft's properties, ``_adapters``) give
+    the same bits and keep the same bytes, two active adapters with dropout; a hook on an adapter's module sends
+    both to peft's own forward."""
+    peft, _ = _peft()
+    torch.manual_seed(3)
+    model = _One(linear_4bit(compute_dtype=torch.bfloat16))
+    model.is_loaded_in_4bit = True
+    stock = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"],
+                                                       init_lora_weights=False, lora_dropout=0.1))
+    stock.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=3, target_modules=["proj"], init_lora_weights=False,
+                                                lora_dropout=0.2))
+    stock.base_model.set_adapter(["default", "second"])
+    slim = converted(copy.deepcopy(stock))
+    x0 = torch.randn(*ROWS, IN, generator=torch.Generator().manual_seed(4)).to(x_dtype)
+    results = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(slim_bnb, "_fast_lora_forward", lambda self, x: None)
+        for q in slim.parameters():
+            q.grad = None
+        torch.manual_seed(5)
+        results.append(run(slim, x0, True) + (tuple(q.grad for q in slim.parameters()),))
+    (out1, dx1, kept1, g1), (out2, dx2, kept2, g2) = results
+    assert_same(out1, out2, what="output")
+    assert_same(dx1, dx2, what="x.grad")
+    for a, b in zip(g1, g2, strict=True):
+        assert_same(a, b, what="parameter grad")
+    assert kept1.bytes == kept2.bytes
+    monkeypatch.undo()
+    layer = slim.base_model.model.proj
+    assert slim_bnb._fast_lora_forward(layer, x0) is not None
+    layer.lora_A["second"].register_forward_hook(lambda *a: None)
+    assert slim_bnb._fast_lora_forward(layer, x0) is None
+
 def _tiny_llama_dir(tmp_path_factory):
     _, transformers = _peft()
     torch.manual_seed(0)

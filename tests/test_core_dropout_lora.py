@@ -315,6 +315,36 @@ def test_lora_functional_core_and_errors():
         assert "CppNode" not in lora_linear(x, w, None, [a._replace(dropout=0.0)]).grad_fn.name()
 
 
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("weight", [True, False], ids=["base", "adapters-only"])
+def test_lora_input_gradient_is_not_a_view(weight, core):
+    """x's gradient goes to autograd as a tensor of its own, not a view of the 2-D product: a view keeps its base,
+    and autograd adds another consumer's gradient of x (a QLoRA wrapper's 4-bit base) into the first one it gets
+    in place only when that is its storage's sole user; else it allocates an x-sized sum (stock's dropout hands
+    it a fresh tensor there). The values are the view's."""
+    from slimgrad.functional.lora import LoraLinearFunction
+
+    x = torch.randn(3, 2, IN, requires_grad=True)
+    w = torch.randn(OUT, IN) if weight else None
+    A, B = torch.randn(R, IN, requires_grad=True), torch.randn(OUT, R, requires_grad=True)
+    grads = []
+    for p in (0.0, 0.3):
+        torch.manual_seed(0)
+        if core:
+            out = csrc.core().lora_linear_apply([x, w, None, A, B, None], False, True, [0.5], [p])[0]
+            assert "CppNode" in out.grad_fn.name()
+        else:
+            out = LoraLinearFunction.apply(x, w, None, False, True, (0.5,), (p,), None, A, B, None)[0]
+        node = out.grad_fn  # the C++ node is callable, the Python Function's node has apply (its backward)
+        gx = (node(torch.ones_like(out)) if callable(node) else node.apply(torch.ones_like(out)))[0]
+        assert gx.shape == x.shape and gx.is_contiguous() and not gx._is_view(), p
+        grads.append(gx)
+    torch.manual_seed(0)  # the Python Function's view, through autograd, for the values
+    out = LoraLinearFunction.apply(x, w, None, False, True, (0.5,), (0.3,), None, A, B, None)[0]
+    out.backward(torch.ones_like(out))
+    same(grads[1], x.grad, "x.grad")
+
+
 def test_lora_no_grad_and_eval():
     stock = peft_model(torch.bfloat16, dropout=0.3)
     slim = slimgrad.convert(copy.deepcopy(stock), include=[LoraLinear])

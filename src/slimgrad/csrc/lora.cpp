@@ -258,7 +258,11 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
         dxa = dxa.to(x_dtype);
         dx = dx.defined() ? dx.add_(dxa) : dxa;
       }
-      grads[0] = dx.view(x_shape);
+      // not a view (matmul's own _unsafe_view): a view keeps its base, so autograd could not add another
+      // consumer's gradient of x into this one in place (InputBuffer: the storage's only user) and allocated a
+      // third x-sized tensor for the sum, as QLoRA's base + adapter on one x did (peft's dropout mul hands
+      // autograd a fresh tensor there)
+      grads[0] = at::_unsafe_view(dx, x_shape);
     }
     return grads;
   }

@@ -121,7 +121,7 @@ class LoraLinearFunction(_common.Function):
             seeds = torch.empty(sum(1 for p in ps if 0 < p < 1), dtype=torch.int64, device=x.device).random_()
         kept_t, masks = [], []
         j = 0
-        seed_impl = None  # the "seed" policy's kernel, asked of the registry once per call (setup_context: the same)
+        seed_impl = None  # the "seed" policy's kernel, asked of the registry once per call, handed to backward
         for i in range(n):
             A, B, b_bias = adapters[3 * i: 3 * i + 3]
             p = ps[i]
@@ -161,6 +161,8 @@ class LoraLinearFunction(_common.Function):
             masks.append(mask)
         if n:
             result = result.to(base_dtype)
+        if seeds is not None:  # (seeds: eager only) for setup_context, which keeps it for backward
+            _common.EAGER_HANDOFF.lora_seed_kernel = seed_impl
         return (result, seeds, *kept_t, *masks)
 
     @staticmethod
@@ -204,10 +206,14 @@ class LoraLinearFunction(_common.Function):
         else:
             kept_x = None
         keep_seeds = seeds is not None and (need_x or any(a for a, p in zip(need_a, ps) if 0 < p < 1))
-        # The kernel that drew the seeded masks (forward's one lookup, asked again here: forward cannot hand
-        # setup_context anything but its outputs), for backward to regenerate them with, once for all adapters.
-        # (A has the dtype and device of the tensor forward asked with.)
-        seed_impl = dropout_kernels.choose_seed(adapters[0]) if keep_seeds else None
+        # The kernel that drew the seeded masks (forward's one lookup), for backward to regenerate them with, for
+        # every adapter, without asking the registry again.
+        seed_impl = None
+        if seeds is not None:
+            seed_impl = _common.EAGER_HANDOFF.lora_seed_kernel
+            _common.EAGER_HANDOFF.lora_seed_kernel = None
+            if not keep_seeds:
+                seed_impl = None
         ctx.meta = (fan_in_fan_out, cast, scalings, ps, base_dtype, sum_dtype, u_dtypes, tuple(x.shape), x.dtype,
                     n, bits, seed_impl)
         # weight is a parameter (not counted); it is only read when dX is requested.
@@ -353,7 +359,10 @@ class LoraLinearFunction(_common.Function):
                 dxa = dxa.to(x_dtype)
                 dx = dxa if dx is None else dx.add_(dxa)  # dx is a fresh mm result: in place, same bits
                 del dxa
-            grads[0] = dx.view(x_shape)
+            if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+                grads[0] = dx.view(x_shape)
+            else:  # not a view, as the core's (lora.cpp says why: autograd can then add into it in place)
+                grads[0] = _UNSAFE_VIEW(dx, x_shape)
         return tuple(grads)
 
 
@@ -538,3 +547,4 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 _C_APPLY = _common._C_APPLY
 _unwrap_if_dead = _common.unwrap_if_dead
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default

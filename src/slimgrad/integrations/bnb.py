@@ -9,8 +9,9 @@ would not reproduce goes through bitsandbytes' own forward: no gradient wanted, 
 repacking, weights not yet quantized, empty inputs.
 
 peft's ``lora.bnb.Linear4bit`` / ``Linear8bitLt`` call their (converted) base layer as a module, then each
-plain adapter through slimgrad's LoRA Function with no base term, in peft's order (base, then each adapter's
-output cast to the base result's dtype and added). That needs ``LoraLinearFunction`` to accept
+plain adapter through slimgrad's LoRA Function with no base term (the compiled core's on eager CPU calls, as
+``lora_linear`` routes them), in peft's order (base, then each adapter's output cast to the base result's dtype
+and added). That needs ``LoraLinearFunction`` to accept
 ``weight=None``; with a ``lora.py`` that does not, the wrappers are not registered and run peft's forward
 (over a converted base layer, which already keeps no input).
 
@@ -27,10 +28,11 @@ from __future__ import annotations
 import importlib
 
 import torch
+from torch import nn
 
 from slimgrad._registry import ORIGINALS, register, register_forward
-from slimgrad.functional._common import note_input_kept
-from slimgrad.functional.dropout import core_draw_simulated, module_policy
+from slimgrad.functional._common import autocast_enabled, note_input_kept
+from slimgrad.functional.dropout import POLICY_ATTRIBUTE, core_draw_simulated, module_policy
 from slimgrad.functional.lora import LoraLinearFunction, _core, _core_simulated
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
 from slimgrad.integrations._fingerprint import Verified
@@ -185,6 +187,8 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     LoRA (see :mod:`slimgrad.integrations.peft_lora`) or under autocast (peft then skips its casts)."""
     from slimgrad.integrations.peft_lora import _adapters, _stock_type
 
+    if not args and not kwargs and type(x) is torch.Tensor and (out := _fast_lora_forward(self, x)) is not None:
+        return out
     stock = _stock_type(self).forward
     adapters = None
     if (not args and not kwargs and not self.disable_adapters and not self.merged and isinstance(x, torch.Tensor)
@@ -197,6 +201,50 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     policy = module_policy(self)
     for a in adapters:
         out = _adapter_forward(x, cast, float(a.scaling), float(a.dropout), policy, a.A, a.B, a.bias)
+        result = result + out.to(result.dtype)
+    return result
+
+
+def _fast_lora_forward(self, x: torch.Tensor):
+    """:func:`_lora_forward`'s plain-LoRA branch after the same checks, read straight from the module's ``__dict__``
+    and its submodules' ``_modules``/``_parameters`` (``_adapters`` through peft's properties and
+    nn.Module.__getattr__ cost ~10 us a layer more), or None where anything is unusual (the checked path decides
+    then)."""
+    from slimgrad.integrations.peft_lora import _dropout_p, _hooked, _stock_type
+
+    d = self.__dict__
+    if (d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or torch.is_autocast_enabled()
+            or not _known_now(self)):
+        return None
+    active = d.get("_active_adapter")
+    if active is None:
+        return None
+    modules = d["_modules"]
+    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
+    scaling = d["scaling"]
+    adapters, dtype = [], None
+    for name in (active,) if isinstance(active, str) else active:
+        a = lora_a.get(name)
+        if a is None:
+            continue
+        b, drop = lora_b[name], drops[name]
+        if _stock_type(a) is not nn.Linear or _stock_type(b) is not nn.Linear or a._parameters.get("bias") is not None:
+            return None
+        if _hooked(a) or _hooked(b) or _hooked(drop):
+            return None
+        p = _dropout_p(drop)
+        if p is None or (p > 0 and autocast_enabled(x.device.type)):
+            return None
+        A, B = a._parameters["weight"], b._parameters["weight"]
+        dtype = A.dtype if dtype is None else dtype
+        if A.dtype != dtype or B.dtype != dtype:
+            return None
+        adapters.append((A, B, b._parameters.get("bias"), float(scaling[name]), float(p)))
+    result = modules["base_layer"](x)
+    cast = bool(d.get("cast_input_dtype_enabled", True))
+    policy = d.get(POLICY_ATTRIBUTE)
+    for A, B, bias, s, p in adapters:
+        out = _adapter_forward(x, cast, s, p, policy, A, B, bias)
         result = result + out.to(result.dtype)
     return result
 
