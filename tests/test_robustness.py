@@ -3,6 +3,7 @@ sharing modules, converting twice, saving and loading, copying."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 
@@ -191,8 +192,6 @@ def _double_backward_cases():
         "batch norm": (nn.BatchNorm2d(3).eval().requires_grad_(False), (2, 3, 4, 4), "exclude=[nn.BatchNorm2d]"),
         "max pooling": (nn.MaxPool2d(2), (2, 3, 4, 4), "exclude=[nn.MaxPool2d]"),
         "average pooling": (nn.AvgPool2d(2), (2, 3, 4, 4), "exclude=[nn.AvgPool2d"),
-        "LayerNorm": (nn.LayerNorm(4), (2, 3, 4), "exclude=[nn.LayerNorm]"),
-        "GroupNorm": (nn.GroupNorm(1, 3), (2, 3, 4), "exclude=[nn.GroupNorm]"),
         "RMSNorm": (nn.RMSNorm(4), (2, 3, 4), "exclude=[nn.RMSNorm]"),
         "gated MLP activation": (lambda x: gated_activation(x, x * 2), (2, 8), "LlamaMLP"),
         "LoRA linear": (lora, (2, 8), "lora.Linear"),
@@ -220,6 +219,39 @@ def test_double_backward_error_names_the_layer_and_the_way_out(layer):
         message = str(err.value)
         assert message.startswith(f"slimgrad: {layer} (") and "double backward" in message, message
         assert how in message and "slimgrad.revert(model)" in message, message
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(4), lambda: nn.GroupNorm(1, 3)], ids=["LayerNorm", "GroupNorm"])
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+def test_layer_group_norm_double_backward_where_x_needs_grad(make, core):
+    """Where x needs a gradient, layer and group norm keep what stock keeps (x, mean, rstd): the core runs stock's
+    own op there, so a gradient penalty differentiates through it as stock's does (bitwise); the Python path's
+    Function refuses with slimgrad's message instead."""
+    from slimgrad import csrc
+
+    stock = make()
+    torch.nn.init.normal_(stock.weight)
+    slim = slimgrad.convert(stock)
+    x0 = torch.randn(2, 3, 4)
+    ctx = contextlib.nullcontext() if core else csrc.disabled()
+
+    def penalty(m):
+        x = x0.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(m(x).pow(3).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+        return x.grad, m.weight.grad
+
+    want = penalty(stock)
+    if core and csrc.core() is None:
+        pytest.skip("the compiled core is unavailable here")
+    with ctx:
+        if not core:
+            with pytest.raises(RuntimeError, match="double backward"):
+                penalty(slim)
+            return
+        got = penalty(slim)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 class _ModifiedAfterActivation(nn.Module):
