@@ -51,6 +51,11 @@ class _KeepInput(torch.autograd.Function):
         return g
 
 
+def _bias_only(norm: nn.Module) -> nn.Module:
+    norm.weight.requires_grad_(False)
+    return norm
+
+
 def _cases():
     x4 = lambda: torch.randn(2, 4, 6, 6)  # noqa: E731
     yield "Conv2d, weight trains", nn.Conv2d(4, 4, 3, padding=1), x4, False
@@ -60,6 +65,9 @@ def _cases():
     yield "BatchNorm2d eval, weight trains", bn, x4, True
     yield "ReLU, consumer keeps output", nn.Sequential(nn.ReLU()), x4, True
     yield "ReLU(inplace), consumer keeps output", nn.Sequential(nn.ReLU(inplace=True)), x4, True
+    # layer/group norm keep x, mean and rstd wherever x or the weight needs grad, as stock does: stock's op runs
+    yield "LayerNorm frozen, X needs grad", nn.LayerNorm(16).requires_grad_(False), lambda: torch.randn(2, 8, 16), True
+    yield "GroupNorm frozen, X needs grad", nn.GroupNorm(2, 4).requires_grad_(False), x4, True
     # Where slimgrad saves (its Function runs): the per-call price of the saving on a tiny tensor.
     frozen = nn.Conv2d(4, 4, 3, padding=1).requires_grad_(False)
     yield "[Function] Conv2d frozen, X needs grad", frozen, x4, True
@@ -73,8 +81,8 @@ def _cases():
     yield "[Function] Dropout(0.1) bf16", nn.Dropout(0.1), lambda: x4().bfloat16(), True
     xs = lambda: torch.randn(2, 8, 16)  # noqa: E731
     yield "[Function] RMSNorm frozen, X needs grad", nn.RMSNorm(16).requires_grad_(False), xs, True
-    yield "[Function] LayerNorm frozen, X needs grad", nn.LayerNorm(16).requires_grad_(False), xs, True
-    yield "[Function] GroupNorm frozen, X needs grad", nn.GroupNorm(2, 4).requires_grad_(False), x4, True
+    yield "[Function] LayerNorm, bias trains only", _bias_only(nn.LayerNorm(16)), xs, False
+    yield "[Function] GroupNorm, bias trains only", _bias_only(nn.GroupNorm(2, 4)), x4, False
     yield "[Function] gated silu(gate) * up", _Gated(False), xs, True
     yield "[Function] FusedAddRMSNorm, weight trains, X needs grad", _FusedAdd(False), xs, True
     lora = _peft_lora()
