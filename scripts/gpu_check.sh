@@ -59,6 +59,10 @@ if [ "$PHASE" != 2 ]; then
     tests/test_triton_max_pool.py tests/test_triton_masks.py tests/test_triton_norms.py tests/test_triton_gated.py \
     --maxfail=25 -k "not slow"
   step estimate-probe 50 $PY scripts/gpu_estimate_probe.py
+  # the seed kernel under compiled autograd, and LoRA conv's seed dropout through the Triton kernel (CPU-interpreted
+  # only so far)
+  step seed-cuda 60 $PY -m pytest -q -p no:cacheprovider tests/test_seed_compiled_autograd.py \
+    tests/test_core_lora_conv.py -k cuda --maxfail=20
   core_ready
   export SLIMGRAD_CORE=1
   step cuda-core 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py --maxfail=30
