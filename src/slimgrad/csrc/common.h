@@ -36,4 +36,30 @@ torch::autograd::variable_list once_differentiable(torch::autograd::variable_lis
                                                    const torch::autograd::variable_list& grads_in,
                                                    const std::string& key);
 
+// Backward of the LoRA Functions, whose optional tensor inputs are passed only where present (the
+// `saved_data["present"]` flags, one per slot): `compute(need)` gives one gradient per slot (need: a present
+// slot's needs_input_grad), only where dY is defined; the present slots' gradients go out in order through
+// once_differentiable (key), then `extra` undefined entries for the Function's non-tensor arguments.
+template <class Compute>
+torch::autograd::variable_list present_backward(torch::autograd::AutogradContext* ctx,
+                                                const torch::autograd::variable_list& grads_in,
+                                                const std::string& key, size_t extra, Compute&& compute) {
+  const auto present = ctx->saved_data["present"].toIntVector();
+  std::vector<bool> need(present.size(), false);
+  size_t k = 0;
+  for (size_t i = 0; i < present.size(); ++i)
+    if (present[i]) need[i] = ctx->needs_input_grad(k++);
+  torch::autograd::variable_list full(present.size());
+  if (grads_in[0].defined()) {
+    at::NoGradGuard no_grad;
+    full = compute(need);
+  }
+  torch::autograd::variable_list grads;
+  for (size_t i = 0; i < present.size(); ++i)
+    if (present[i]) grads.push_back(full[i]);
+  auto out = once_differentiable(std::move(grads), grads_in, key);
+  out.resize(out.size() + extra);
+  return out;
+}
+
 }  // namespace slimgrad

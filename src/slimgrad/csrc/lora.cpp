@@ -146,22 +146,9 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads_in) {
-    const auto present = ctx->saved_data["present"].toIntVector();
-    std::vector<bool> need(present.size(), false);
-    size_t k = 0;
-    for (size_t i = 0; i < present.size(); ++i)
-      if (present[i]) need[i] = ctx->needs_input_grad(k++);
-    variable_list full;
-    {
-      at::NoGradGuard no_grad;
-      full = compute(ctx, grads_in[0], need);
-    }
-    variable_list grads;
-    for (size_t i = 0; i < present.size(); ++i)
-      if (present[i]) grads.push_back(full[i]);
-    auto out = once_differentiable(std::move(grads), grads_in, "LoraLinearFunction");
-    out.resize(out.size() + 5);  // present, fan_in_fan_out, cast, scalings, ps
-    return out;
+    // 5 non-tensor arguments: present, fan_in_fan_out, cast, scalings, ps
+    return present_backward(ctx, grads_in, "LoraLinearFunction", 5,
+                            [&](const std::vector<bool>& need) { return compute(ctx, grads_in[0], need); });
   }
 
   static variable_list compute(AutogradContext* ctx, const at::Tensor& grad, const std::vector<bool>& need) {

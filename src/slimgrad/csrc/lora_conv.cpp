@@ -200,22 +200,9 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads_in) {
-    const auto present = ctx->saved_data["present"].toIntVector();
-    std::vector<bool> need(present.size(), false);
-    size_t k = 0;
-    for (size_t i = 0; i < present.size(); ++i)
-      if (present[i]) need[i] = ctx->needs_input_grad(k++);
-    variable_list full(present.size());
-    if (grads_in[0].defined()) {
-      at::NoGradGuard no_grad;
-      full = compute(ctx, grads_in[0], need);
-    }
-    variable_list grads;
-    for (size_t i = 0; i < present.size(); ++i)
-      if (present[i]) grads.push_back(full[i]);
-    auto out = once_differentiable(std::move(grads), grads_in, "LoraConvFunction");
-    out.resize(out.size() + 5);  // present, cast, scalings, ps, opts
-    return out;
+    // 5 non-tensor arguments: present, cast, scalings, ps, opts
+    return present_backward(ctx, grads_in, "LoraConvFunction", 5,
+                            [&](const std::vector<bool>& need) { return compute(ctx, grads_in[0], need); });
   }
 
   // LoraConvFunction.backward (functional/lora_conv.py), op for op.
