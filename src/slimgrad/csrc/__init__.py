@@ -173,7 +173,7 @@ class _Progress:
 
     def __enter__(self):
         if not self.quiet:
-            print("slimgrad: building its compiled core (once per torch version and machine, about a minute; "
+            print("slimgrad: building its compiled core (once per torch version and machine, a few minutes; "
                   "`python -m slimgrad build` does it ahead of time) ...", file=sys.stderr, flush=True)
             if sys.stderr.isatty():
                 self._thread = threading.Thread(target=self._tick, daemon=True)
