@@ -36,6 +36,21 @@ torch::autograd::variable_list once_differentiable(torch::autograd::variable_lis
                                                    const torch::autograd::variable_list& grads_in,
                                                    const std::string& key);
 
+// The LoRA Functions' tensor inputs by slot: `tensors` holds only the defined ones, `present` flags which slots
+// they fill; returns every slot (undefined where absent) and whether each requires grad.
+inline std::pair<std::vector<at::Tensor>, std::vector<bool>> present_slots(at::TensorList tensors,
+                                                                           const std::vector<int64_t>& present) {
+  std::vector<at::Tensor> t(present.size());
+  std::vector<bool> need(present.size(), false);
+  size_t k = 0;
+  for (size_t i = 0; i < present.size(); ++i)
+    if (present[i]) {
+      t[i] = tensors[k++];
+      need[i] = t[i].requires_grad();
+    }
+  return {std::move(t), std::move(need)};
+}
+
 // Backward of the LoRA Functions, whose optional tensor inputs are passed only where present (the
 // `saved_data["present"]` flags, one per slot): `compute(need)` gives one gradient per slot (need: a present
 // slot's needs_input_grad), only where dY is defined; the present slots' gradients go out in order through

@@ -133,14 +133,7 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
   // tensors: the defined ones of (x, weight, bias, A_0, B_0, bias_0, ...); present: which of those slots are.
   static variable_list forward(AutogradContext* ctx, at::TensorList tensors, std::vector<int64_t> present,
                                bool fan_in_fan_out, bool cast, std::vector<double> scalings, std::vector<double> ps) {
-    std::vector<at::Tensor> t(present.size());
-    std::vector<bool> need(present.size(), false);
-    size_t k = 0;
-    for (size_t i = 0; i < present.size(); ++i)
-      if (present[i]) {
-        t[i] = tensors[k++];
-        need[i] = t[i].requires_grad();
-      }
+    auto [t, need] = present_slots(tensors, present);
     ctx->saved_data["present"] = present;
     return {lora_forward(ctx, t, need, fan_in_fan_out, cast, scalings, ps).out};
   }

@@ -187,14 +187,7 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
   static variable_list forward(AutogradContext* ctx, at::TensorList tensors, std::vector<int64_t> present, bool cast,
                                std::vector<double> scalings, std::vector<double> ps,
                                std::vector<std::vector<int64_t>> opts) {
-    std::vector<at::Tensor> t(present.size());
-    std::vector<bool> need(present.size(), false);
-    size_t k = 0;
-    for (size_t i = 0; i < present.size(); ++i)
-      if (present[i]) {
-        t[i] = tensors[k++];
-        need[i] = t[i].requires_grad();
-      }
+    auto [t, need] = present_slots(tensors, present);
     ctx->saved_data["present"] = present;
     return {lora_conv_forward(ctx, t, need, cast, scalings, ps, opts)};
   }
