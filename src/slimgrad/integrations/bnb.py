@@ -210,40 +210,20 @@ def _fast_lora_forward(self, x: torch.Tensor):
     and its submodules' ``_modules``/``_parameters`` (``_adapters`` through peft's properties and
     nn.Module.__getattr__ cost ~10 us a layer more), or None where anything is unusual (the checked path decides
     then)."""
-    from slimgrad.integrations.peft_lora import _dropout_p, _hooked, _stock_type
+    from slimgrad.integrations.peft_lora import _active_plain_adapters
 
     d = self.__dict__
     if (d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or torch.is_autocast_enabled()
             or not _known_now(self)):
         return None
-    active = d.get("_active_adapter")
-    if active is None:
+    found = _active_plain_adapters(d, nn.Linear)
+    if found is None or (autocast_enabled(x.device.type) and any(p > 0 for *_, p in found)):
         return None
     modules = d["_modules"]
-    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
-    scaling = d["scaling"]
-    adapters, dtype = [], None
-    for name in (active,) if isinstance(active, str) else active:
-        a = lora_a.get(name)
-        if a is None:
-            continue
-        b, drop = lora_b[name], drops[name]
-        if _stock_type(a) is not nn.Linear or _stock_type(b) is not nn.Linear or a._parameters.get("bias") is not None:
-            return None
-        if _hooked(a) or _hooked(b) or _hooked(drop):
-            return None
-        p = _dropout_p(drop)
-        if p is None or (p > 0 and autocast_enabled(x.device.type)):
-            return None
-        A, B = a._parameters["weight"], b._parameters["weight"]
-        dtype = A.dtype if dtype is None else dtype
-        if A.dtype != dtype or B.dtype != dtype:
-            return None
-        adapters.append((A, B, b._parameters.get("bias"), float(scaling[name]), float(p)))
     result = modules["base_layer"](x)
     cast = bool(d.get("cast_input_dtype_enabled", True))
     policy = d.get(POLICY_ATTRIBUTE)
-    for A, B, bias, s, p in adapters:
+    for _, _, A, B, bias, s, p in found:
         out = _adapter_forward(x, cast, s, p, policy, A, B, bias)
         result = result + out.to(result.dtype)
     return result

@@ -123,6 +123,41 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
 
 
+def _active_plain_adapters(d: dict, layer_type: type):
+    """The active adapters of a peft LoRA layer read straight from its ``__dict__`` and its submodules'
+    ``_modules``/``_parameters`` (peft's properties and nn.Module.__getattr__ cost ~10 us a layer more), for the fast
+    forwards (LoRA linear, LoRA conv, bitsandbytes' LoRA layers): ``(a, b, A, B, B's bias, scaling, p)`` each, or
+    None where one is not plain — A or B not a stock ``layer_type``, a bias on A, a hook on A, B or the dropout, a
+    dropout slimgrad does not reproduce, tensor-subclass weights, or adapters of different dtypes (the checked path
+    decides then)."""
+    active = d.get("_active_adapter")
+    if active is None:
+        return None
+    modules = d["_modules"]
+    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
+    scaling = d["scaling"]
+    adapters, dtype = [], None
+    for name in (active,) if isinstance(active, str) else active:
+        a = lora_a.get(name)
+        if a is None:
+            continue
+        b, drop = lora_b[name], drops[name]
+        if (_stock_type(a) is not layer_type or _stock_type(b) is not layer_type
+                or a._parameters.get("bias") is not None):
+            return None
+        if _hooked(a) or _hooked(b) or _hooked(drop):
+            return None
+        p = _dropout_p(drop)
+        A, B = a._parameters["weight"], b._parameters["weight"]
+        if p is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
+            return None
+        dtype = A.dtype if dtype is None else dtype
+        if A.dtype != dtype or B.dtype != dtype:
+            return None
+        adapters.append((a, b, A, B, b._parameters.get("bias"), float(scaling[name]), float(p)))
+    return adapters
+
+
 def _fast_forward(self: LoraLinear, x: torch.Tensor):
     """An eager plain-LoRA forward after the checks of the path below, read straight from the module's
     ``__dict__`` and its submodules' ``_modules``/``_parameters`` (nn.Module.__getattr__ cost ~5 us a call on the
@@ -139,9 +174,6 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
     d = self.__dict__
     if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or not _CHECK.still_known():
         return None
-    active = d.get("_active_adapter")
-    if active is None:
-        return None
     modules = d["_modules"]
     base = modules["base_layer"]
     plan = d.get("_slimgrad_core_plan")
@@ -153,30 +185,17 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
     device = x.device
     if type(weight) not in _PLAIN or weight.device != device or weight.dtype not in _FLOATS:
         return None
-    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
-    scaling = d["scaling"]
+    found = _active_plain_adapters(d, nn.Linear)
+    if found is None:
+        return None
     tensors, scalings, ps, adapters = [x, weight, bias], [], [], []
-    dtype = None
-    for name in (active,) if isinstance(active, str) else active:
-        a = lora_a.get(name)
-        if a is None:
-            continue
-        b, drop = lora_b[name], drops[name]
-        if _stock_type(a) is not nn.Linear or _stock_type(b) is not nn.Linear or a._parameters.get("bias") is not None:
+    dtype = found[0][2].dtype if found else None
+    for _, _, A, B, bb, s, p in found:
+        if A.device != device or B.device != device:
             return None
-        if _hooked(a) or _hooked(b) or _hooked(drop):
-            return None
-        p = _dropout_p(drop)
-        A, B = a._parameters["weight"], b._parameters["weight"]
-        if p is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
-            return None
-        dtype = A.dtype if dtype is None else dtype
-        if A.dtype != dtype or B.dtype != dtype or A.device != device or B.device != device:
-            return None
-        bb = b._parameters.get("bias")
         tensors += [A, B, bb]
-        scalings.append(float(scaling[name]))
-        ps.append(float(p))
+        scalings.append(s)
+        ps.append(p)
         adapters.append((A, B, bb))
     cast = d.get("cast_input_dtype_enabled", True)
     policy = d.get(POLICY_ATTRIBUTE)

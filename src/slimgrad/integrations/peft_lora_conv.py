@@ -33,7 +33,15 @@ from slimgrad.functional._common import autocast_enabled, note_input_kept
 from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve_policy
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.integrations._fingerprint import Verified
-from slimgrad.integrations.peft_lora import _FLOATS, _PLAIN, _dropout_p, _has_hooks, _hooked, _stock_type
+from slimgrad.integrations.peft_lora import (
+    _FLOATS,
+    _PLAIN,
+    _active_plain_adapters,
+    _dropout_p,
+    _has_hooks,
+    _hooked,
+    _stock_type,
+)
 
 __all__ = ["KNOWN"]
 
@@ -124,9 +132,8 @@ def _fast_forward(self, x: torch.Tensor):
     d = self.__dict__
     if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant"):
         return None
-    active = d.get("_active_adapter")
     cls = _lora_class(self)
-    if active is None or not _CHECKS[cls].still_known():
+    if d.get("_active_adapter") is None or not _CHECKS[cls].still_known():
         return None
     modules = d["_modules"]
     base = modules["base_layer"]
@@ -136,34 +143,22 @@ def _fast_forward(self, x: torch.Tensor):
     nd = x.dim() - 2
     if not plan[1] or _hooked(base) or nd != base._parameters["weight"].dim() - 2:
         return None
-    lora_a, lora_b, drops = modules["lora_A"]._modules, modules["lora_B"]._modules, modules["lora_dropout"]._modules
-    scaling = d["scaling"]
+    found = _active_plain_adapters(d, plan[2])
+    if found is None:
+        return None
     tensors, scalings, ps, opts = [x, None], [], [], []
-    dtype, device, worth_it = None, x.device, False
+    dtype, device, worth_it = found[0][2].dtype if found else None, x.device, False
     cast = d.get("cast_input_dtype_enabled", True)
-    for name in (active,) if isinstance(active, str) else active:
-        a = lora_a.get(name)
-        if a is None:
-            continue
-        b, drop = lora_b[name], drops[name]
-        if _stock_type(a) is not plan[2] or _stock_type(b) is not plan[2] or a._parameters.get("bias") is not None:
-            return None
-        if _hooked(a) or _hooked(b) or _hooked(drop):
-            return None
-        p = _dropout_p(drop)
-        A, B, bb = a._parameters["weight"], b._parameters["weight"], b._parameters.get("bias")
+    for a, b, A, B, bb, s, p in found:
         oa, ob = _core_options(a, nd), _core_options(b, nd)
-        if p is None or oa is None or ob is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
-            return None
-        dtype = A.dtype if dtype is None else dtype
-        if A.dtype != dtype or B.dtype != dtype or dtype not in _FLOATS or A.device != device or B.device != device:
+        if oa is None or ob is None or dtype not in _FLOATS or A.device != device or B.device != device:
             return None
         if bb is not None and (type(bb) not in _PLAIN or bb.device != device or bb.dtype not in _FLOATS):
             return None
         worth_it = worth_it or p > 0 or (cast and x.dtype != dtype)
         tensors += [A, B, bb]
-        scalings.append(float(scaling[name]))
-        ps.append(float(p))
+        scalings.append(s)
+        ps.append(p)
         opts += [oa, ob]
     if not worth_it or (any(0 < p < 1 for p in ps) and resolve_policy(d.get(POLICY_ATTRIBUTE), device) != "bits"):
         return None  # (peft's own ops keep the minimum; the "seed" policy is the Python Function's)
