@@ -154,6 +154,7 @@ class BlockEstimate:
     kept_bytes: int = 0
     peak_bytes: int = 0
     forward_flops: int = 0
+    input_bytes: int = 0  # the block's tensor inputs (first call): what checkpointing it keeps instead
 
 
 @dataclasses.dataclass
@@ -693,9 +694,12 @@ def _nodes_from(outputs, seen: set, owner: str, owners: dict) -> None:
 
 
 @contextlib.contextmanager
-def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str], flops: dict[str, int]):
+def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str], flops: dict[str, int],
+                      input_bytes: dict[str, int] | None = None):
     """Wrap every module's forward (as the audit does: hooks would make slimgrad's layers take stock's path)
-    to know which module runs each op and which autograd nodes each module created."""
+    to know which module runs each op and which autograd nodes each module created. ``input_bytes``: {path: 0}
+    of the modules whose tensor inputs' bytes (unique storages, first call) to record: what a checkpoint of the
+    module keeps instead of its activations."""
     seen: set = set()
 
     def wrap(module):
@@ -703,6 +707,15 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
         path = paths[id(module)]
 
         def forward(*args, **kwargs):
+            if input_bytes is not None and input_bytes.get(path) == 0:
+                from torch.multiprocessing.reductions import StorageWeakRef
+
+                storages = {}
+                for t in _pytree.tree_leaves((args, kwargs)):
+                    s = _storage(t) if isinstance(t, torch.Tensor) else None
+                    if s is not None:
+                        storages[StorageWeakRef(s).cdata] = sim._bytes(s, t.device.type)
+                input_bytes[path] = sum(storages.values()) or -1
             sim.module_stack.append(path)
             try:
                 out = inner(*args, **kwargs)
@@ -923,6 +936,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
 
     from torch.nn.utils.stateless import _reparametrize_module
 
+    block_inputs = {b: 0 for b in block_paths}
     with fake_mode, sim:
         for t in {id(v): v for v in [*params.values(), *buffers.values(), *sum(packed.values(), [])]}.values():
             sim.add(t, "weights")
@@ -947,7 +961,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
                                    tie_weights=True, strict=False), \
                 _data_dependence_explained(sim), _packed_restored(model), \
                 _masks_decided_on_real_values(mask_facts, kwargs, f_kwargs, notes):
-            with _tracked_forwards(model, sim, paths, {}):
+            with _tracked_forwards(model, sim, paths, {}, block_inputs):
                 out = model(*f_args, **f_kwargs)
             loss = loss_of(out)
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
@@ -1039,6 +1053,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
                                                    if isinstance(v, torch.Tensor))
         row.kept_bytes = sum(n for o, n in kept_by_owner.items() if o == b or o.startswith(b + "."))
         row.peak_bytes = block_peak.get(b, 0)
+        row.input_bytes = max(block_inputs.get(b, 0), 0)
         rows.append(row)
     timeline = [(i, e[3], e[0]) for i, e in enumerate(sim.events[first_event:])]
     return MemoryEstimate(

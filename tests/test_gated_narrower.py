@@ -1,0 +1,160 @@
+"""A gated MLP keeps gate and up in the narrower dtype their producer noted they hold exactly.
+
+In QLoRA (peft's ``prepare_model_for_kbit_training``: the hidden states fp32, bitsandbytes computing in bf16) every
+value of a 4-bit layer's output is a bf16 value cast up to fp32. ``gated_activation`` then keeps gate and up in
+bf16 and casts them back in backward: the same fp32 values, so outputs and gradients stay bitwise stock's, in half
+the bytes. These tests check the bits against the stock expression on independent copies, the bytes kept, the
+compiled core against the Python path, and that the note is dropped where it no longer holds (an in-place change).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests._util import assert_same
+
+from slimgrad import csrc
+from slimgrad.functional import _common
+from slimgrad.functional.gated import gated_activation
+from slimgrad.measure import SavedTensors
+
+SHAPE = (4, 6, 40)
+CORE = csrc.for_eager(torch.empty(0)) is not None
+
+
+def _values(narrow, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(SHAPE, generator=g) * 3).to(narrow), torch.randn(SHAPE, generator=g).to(narrow)
+
+
+def _run(gate_n, up_n, dy, rg, *, slim, note=True, path="core"):
+    """One forward and backward on fresh fp32 copies of the narrow values: (out, dGate, dUp, bytes kept)."""
+    gate = gate_n.float().requires_grad_(rg[0])
+    up = up_n.float().requires_grad_(rg[1])
+    g_in, u_in = gate * 1, up * 1  # non-leaf inputs, as a layer's outputs are
+    if slim and note:
+        _common.note_exactly_narrower(g_in, gate_n.dtype)
+        _common.note_exactly_narrower(u_in, up_n.dtype)
+    ctx = csrc.disabled if path == "python" else contextlib.nullcontext
+    with ctx(), SavedTensors() as kept:
+        out = gated_activation(g_in, u_in, "silu") if slim else F.silu(g_in) * u_in
+    if slim:  # the path asked for ran
+        assert ("GatedFn" in out.grad_fn.name()) == (path == "core"), out.grad_fn.name()
+    with ctx():
+        out.backward(dy)
+    return out.detach(), gate.grad, up.grad, kept.bytes
+
+
+RG = [(True, True), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("path", ["core", "python"] if CORE else ["python"])
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rg", RG, ids=str)
+def test_noted_inputs_are_kept_narrower_and_gradients_are_stock(path, narrow, rg):
+    gate_n, up_n = _values(narrow, 0)
+    dy = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
+    slim = _run(gate_n, up_n, dy, rg, slim=True, path=path)
+    plain = _run(gate_n, up_n, dy, rg, slim=True, note=False, path=path)
+    stock = _run(gate_n, up_n, dy, rg, slim=False)
+    for i, name in enumerate(("output", "dGate", "dUp")):
+        assert_same(slim[i], stock[i], what=f"{name} noted vs stock")
+        assert_same(plain[i], stock[i], what=f"{name} not noted vs stock")
+    wide_one = gate_n.numel() * 4
+    # kept without the note: gate (and up where gate needs a gradient) in fp32; with it: half of that
+    expected_plain = 2 * wide_one if rg[0] else wide_one
+    assert plain[3] == expected_plain
+    assert slim[3] == expected_plain // 2
+
+
+@pytest.mark.parametrize("path", ["core", "python"] if CORE else ["python"])
+def test_a_noted_input_changed_in_place_is_kept_as_it_is(path):
+    gate_n, up_n = _values(torch.bfloat16, 1)
+    dy = torch.randn(SHAPE, generator=torch.Generator().manual_seed(6))
+    gate = gate_n.float().requires_grad_()
+    up = up_n.float().requires_grad_()
+    g_in, u_in = gate * 1, up * 1
+    _common.note_exactly_narrower(g_in, torch.bfloat16)
+    _common.note_exactly_narrower(u_in, torch.bfloat16)
+    with torch.no_grad():
+        g_in.add_(1e-3)  # no longer bf16 values: the note's version no longer matches
+        u_in.add_(1e-3)
+    assert _common.exactly_narrower(g_in) is None
+    ctx = csrc.disabled if path == "python" else contextlib.nullcontext
+    with ctx(), SavedTensors() as kept:
+        out = gated_activation(g_in, u_in, "silu")
+    with ctx():
+        out.backward(dy)
+    assert kept.bytes == 2 * gate_n.numel() * 4  # kept wide
+    gate2 = gate_n.float().requires_grad_()
+    up2 = up_n.float().requires_grad_()
+    g2, u2 = gate2 * 1, up2 * 1
+    with torch.no_grad():
+        g2.add_(1e-3)
+        u2.add_(1e-3)
+    ref = F.silu(g2) * u2
+    ref.backward(dy)
+    assert_same(out.detach(), ref.detach(), what="output")
+    assert_same(gate.grad, gate2.grad, what="dGate")
+    assert_same(up.grad, up2.grad, what="dUp")
+
+
+def test_only_widening_notes_are_recorded():
+    x = torch.randn(3)
+    _common.note_exactly_narrower(x, torch.float64)  # fp64 is not narrower than fp32
+    assert _common.exactly_narrower(x) is None
+    h = torch.randn(3, dtype=torch.bfloat16)
+    _common.note_exactly_narrower(h, torch.float16)  # neither holds the other's values
+    assert _common.exactly_narrower(h) is None
+    w = torch.randn(3).to(torch.bfloat16).double()
+    _common.note_exactly_narrower(w, torch.bfloat16)
+    assert _common.exactly_narrower(w) is torch.bfloat16
+
+
+# -- QLoRA: bitsandbytes' 4-bit gate/up projections note their fp32 outputs --------------------------------------
+
+
+def _qlora_mlp(seed=0):
+    bnb = pytest.importorskip("bitsandbytes")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160)
+    mlp = LlamaMLP(cfg)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        ref = getattr(mlp, name)
+        q = bnb.nn.Linear4bit(ref.in_features, ref.out_features, bias=False, compute_dtype=torch.bfloat16,
+                              quant_type="nf4")
+        q.load_state_dict(ref.state_dict())
+        setattr(mlp, name, q.to("cpu"))  # quantizes
+    return mlp
+
+
+def test_qlora_mlp_keeps_gate_and_up_in_bf16_and_matches_stock():
+    import slimgrad
+
+    stock = _qlora_mlp()
+    slim = slimgrad.convert(_qlora_mlp())
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(2, 12, 64, generator=g)
+    dy = torch.randn(2, 12, 64, generator=g)
+    outs, grads, kept = [], [], []
+    for model in (stock, slim):
+        x = x0.clone().requires_grad_()
+        with SavedTensors(exclude=[model]) as k:
+            y = model(x)
+        y.backward(dy)
+        outs.append(y.detach())
+        grads.append(x.grad)
+        kept.append(k.bytes)
+    assert_same(outs[1], outs[0], what="output")
+    assert_same(grads[1], grads[0], what="dX")
+    inter = 2 * 12 * 160
+    # slimgrad keeps gate and up in bf16 (2 bytes each); stock keeps gate, silu(gate) and up in fp32 plus its
+    # layers' inputs (bitsandbytes hides those in ctx attributes, so SavedTensors sees only the elementwise ops')
+    assert kept[1] <= 2 * inter * 2 + 4096, kept
+    assert kept[1] < kept[0] / 2, kept
