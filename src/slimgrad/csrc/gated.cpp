@@ -15,6 +15,7 @@
 #include "common.h"
 
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <optional>
@@ -97,28 +98,44 @@ std::pair<Tensor, Tensor> act_backward(int64_t kind, const Tensor& grad, const T
   }
 }
 
+// What GatedFunction keeps of an input (gated.py's _kept): the input, or its values in the narrower dtype its
+// producer noted they all belong to (`narrow`, the ScalarType's code; -1: none), cast back in backward.
+Tensor kept(const Tensor& x, int64_t narrow) {
+  return narrow < 0 ? x : x.to(static_cast<at::ScalarType>(narrow));
+}
+
+Tensor widened(const Tensor& x, at::ScalarType wide) {
+  return x.defined() && x.scalar_type() != wide ? x.to(wide) : x;
+}
+
 struct GatedFn : public torch::autograd::Function<GatedFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, int64_t kind, bool need_gate,
-                        bool need_up) {
+                        bool need_up, int64_t narrow_gate, int64_t narrow_up) {
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["need_gate"] = need_gate;
     ctx->saved_data["need_up"] = need_up;
-    ctx->save_for_backward({(need_gate || need_up) ? gate : Tensor(), need_gate ? up : Tensor()});
+    ctx->saved_data["wide"] = static_cast<int64_t>(gate.scalar_type());
+    ctx->save_for_backward(
+        {(need_gate || need_up) ? kept(gate, narrow_gate) : Tensor(), need_gate ? kept(up, narrow_up) : Tensor()});
     return act_forward(kind, gate) * up;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     bool need_gate = ctx->saved_data["need_gate"].toBool(), need_up = ctx->saved_data["need_up"].toBool();
-    variable_list result(5);
+    variable_list result(7);
     {
       at::NoGradGuard no_grad;
       auto saved = ctx->get_saved_variables();
-      const Tensor &gate = saved[0], &up = saved[1];
+      auto wide = static_cast<at::ScalarType>(ctx->saved_data["wide"].toInt());
+      // (an input kept narrower is widened where it is read, so that no two wide copies are alive at once)
+      const Tensor gate = widened(saved[0], wide);
       const Tensor& dy = grads[0];
       int64_t kind = ctx->saved_data["kind"].toInt();
       if (need_gate) {
         // stock: d(act) = dY * up (mul's backward), then the activation's backward on it
-        auto [d_gate, act] = act_backward(kind, dy * up, gate, need_up);
+        Tensor d_act = dy * widened(saved[1], wide);
+        auto [d_gate, act] = act_backward(kind, d_act, gate, need_up);
+        d_act.reset();
         result[0] = std::move(d_gate);
         if (need_up) result[1] = dy * act;
       } else if (need_up) {
@@ -141,9 +158,17 @@ std::optional<Tensor> plain_cpu(py::handle obj) {
   return t;
 }
 
+// A torch.dtype's ScalarType code, or -1 for None.
+int64_t dtype_code(py::handle obj) {
+  if (obj.is_none() || !THPDtype_Check(obj.ptr())) return -1;
+  return static_cast<int64_t>(reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type);
+}
+
 // gated_activation(gate, up, kind) or None. `note`: called with each input the Function keeps (the
-// producer/consumer rule, as GatedFunction.setup_context), or None.
-py::object gated(py::handle gate_obj, py::handle up_obj, int64_t kind, py::handle note) {
+// producer/consumer rule, as GatedFunction.setup_context), or None. `narrow_gate`, `narrow_up`: the dtype whose
+// values the input holds exactly (functional._common.exactly_narrower), kept in it, or None.
+py::object gated(py::handle gate_obj, py::handle up_obj, int64_t kind, py::handle note, py::handle narrow_gate,
+                 py::handle narrow_up) {
   if (kind < kSilu || kind > kQuickGelu || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
   auto gate = plain_cpu(gate_obj);
   auto up = plain_cpu(up_obj);
@@ -155,10 +180,11 @@ py::object gated(py::handle gate_obj, py::handle up_obj, int64_t kind, py::handl
     at::AutoGradMode off(false);  // as the Function's forward runs (an inference tensor stays one either way)
     out = act_forward(kind, *gate) * *up;
   } else {
-    out = GatedFn::apply(*gate, *up, kind, need_gate, need_up);
-    if (!note.is_none()) {
-      note(gate_obj);
-      if (need_gate) note(up_obj);
+    int64_t n_gate = dtype_code(narrow_gate), n_up = dtype_code(narrow_up);
+    out = GatedFn::apply(*gate, *up, kind, need_gate, need_up, n_gate, n_up);
+    if (!note.is_none()) {  // an input kept in a narrower dtype is not the producer's tensor
+      if (n_gate < 0) note(gate_obj);
+      if (need_gate && n_up < 0) note(up_obj);
     }
   }
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
@@ -168,7 +194,8 @@ py::object gated(py::handle gate_obj, py::handle up_obj, int64_t kind, py::handl
 
 static Register reg_gated([](py::module_& m) {
   m.def("gated", &gated, "act(gate) * up keeping gate (and up where gate needs a gradient), or None", py::arg("gate"),
-        py::arg("up"), py::arg("kind"), py::arg("note"));
+        py::arg("up"), py::arg("kind"), py::arg("note"), py::arg("narrow_gate") = py::none(),
+        py::arg("narrow_up") = py::none());
 });
 
 }  // namespace slimgrad

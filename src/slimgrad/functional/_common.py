@@ -372,6 +372,33 @@ def learn_from_use(producer, cell: UseCell) -> None:
         state["_slimgrad_uses_kept"] = True
 
 
+# Exactly narrower values. bitsandbytes' 4-bit layers compute in the compute dtype (bf16 in QLoRA) and return
+# the result cast up to the input's dtype (fp32 where peft's prepare_model_for_kbit_training made the hidden states
+# fp32): every value of that fp32 tensor is a bf16 value. A consumer that keeps such a tensor (a gated MLP keeps
+# gate and up, its largest activations) can keep it in bf16 and cast it back in backward, bit for bit the same
+# values, in half the bytes. The producer notes the fact on its output (``note_exactly_narrower``); it holds only
+# while the tensor is unchanged since (its version counter), and only in eager mode (a weak reference per tensor).
+_NARROWER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float64),
+           (torch.float16, torch.float64)}
+
+
+def note_exactly_narrower(wide: torch.Tensor, narrow_dtype: torch.dtype) -> None:
+    """Record that ``wide`` holds only values of ``narrow_dtype`` (it was cast up from one)."""
+    if (narrow_dtype, wide.dtype) in _WIDENS and not torch.compiler.is_compiling():
+        _NARROWER[wide] = (narrow_dtype, wide._version)
+
+
+def exactly_narrower(t: torch.Tensor) -> torch.dtype | None:
+    """The narrower dtype ``t``'s values are exactly representable in (as noted by its producer), or None."""
+    if torch.compiler.is_compiling() or not _NARROWER:
+        return None
+    noted = _NARROWER.get(t)
+    if noted is None or noted[1] != t._version:
+        return None
+    return noted[0]
+
+
 _KERNELS: list = [None]  # slimgrad.kernels, once imported (fast_kernel)
 
 

@@ -136,24 +136,25 @@ class GatedFunction(_common.Function):
         need_gate, need_up = ctx.needs_input_grad[:2]
         ctx.kind, ctx.impl = kind, impl
         ctx.mask = (need_gate, need_up)
-        if need_gate or need_up:
-            _common.note_input_kept(gate)
-        if need_gate:
-            _common.note_input_kept(up)
-        ctx.save_for_backward(gate if (need_gate or need_up) else None, up if need_gate else None)
+        ctx.wide = gate.dtype
+        ctx.save_for_backward(_kept(gate) if (need_gate or need_up) else None, _kept(up) if need_gate else None)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
+        gate, up = ctx.saved_tensors  # (narrower where _kept chose so: widened where read, one at a time)
+        gate = gate.to(ctx.wide) if gate is not None else None
         need_gate, need_up = ctx.mask
         if ctx.impl is not None:
+            up = up.to(ctx.wide) if up is not None else None
             d_gate, d_up = ctx.impl.backward(grad_out, gate, up, ctx.kind, need_gate, need_up)
             return d_gate, d_up, None, None
         d_gate = d_up = None
         if need_gate:
             # Stock: d(act) = dY * up (mul's backward), then the activation's backward on it.
-            d_gate, act = activation_backward(ctx.kind, grad_out * up, gate, need_out=need_up)
+            d_act = grad_out * up.to(ctx.wide)
+            d_gate, act = activation_backward(ctx.kind, d_act, gate, need_out=need_up)
+            del d_act
             if need_up:
                 d_up = grad_out * act
         elif need_up:
@@ -168,6 +169,18 @@ class GatedFunction(_common.Function):
     def under_transform(cls, gate, up, kind, impl):
         """The torch code (the registry's kernels cannot read functorch's wrapped tensors)."""
         return super().under_transform(gate, up, kind, None)
+
+
+def _kept(x: torch.Tensor) -> torch.Tensor:
+    """What to keep of input ``x``: x itself (noting it for its producer), or, where x's producer noted that x's
+    values are exactly those of a narrower dtype (bitsandbytes' 4-bit layers cast their bf16 result up to an fp32
+    input's dtype), x in that dtype: half the bytes, and backward's cast back gives x's values bit for bit. Not
+    under torch.func, whose transforms must see what is kept (the note is eager-only anyway)."""
+    narrow = _common.exactly_narrower(x)
+    if narrow is None or torch._C._are_functorch_transforms_active():
+        _common.note_input_kept(x)
+        return x
+    return x.to(narrow)
 
 
 def _kernel(gate, kind):
@@ -220,7 +233,8 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
         return handle_torch_function(gated_activation, (gate, up), gate, up, activation=activation)
     core = _core(gate)
     if core is not None and type(activation) is str and activation in _KIND_CODE:
-        out = core.gated(gate, up, _KIND_CODE[activation], _common.note_input_kept if _common._PRODUCERS else None)
+        out = core.gated(gate, up, _KIND_CODE[activation], _common.note_input_kept if _common._PRODUCERS else None,
+                         _common.exactly_narrower(gate), _common.exactly_narrower(up))
         if out is not None:
             return out
     _check(gate, up, activation)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from slimgrad._registry import ORIGINALS, register, register_forward
-from slimgrad.functional._common import autocast_enabled, note_input_kept
+from slimgrad.functional._common import autocast_enabled, note_exactly_narrower, note_input_kept
 from slimgrad.functional.dropout import POLICY_ATTRIBUTE, core_draw_simulated, module_policy
 from slimgrad.functional.lora import LoraLinearFunction, _core, _core_simulated
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
@@ -129,7 +129,11 @@ def _forward_4bit(self: Linear4bit, x: torch.Tensor) -> torch.Tensor:
         if bias.dtype != x.dtype:
             bias.data = bias.data.to(x.dtype)  # as bitsandbytes does, on the parameter itself
         bias = bias.to(self.compute_dtype)
-    return linear_4bit(x, self.weight, qs, bias).to(inp_dtype)
+    out = linear_4bit(x, self.weight, qs, bias)
+    wide = out.to(inp_dtype)
+    if wide is not out:  # bf16 results cast up to fp32: a consumer may keep them in bf16 (_common, "narrower")
+        note_exactly_narrower(wide, out.dtype)
+    return wide
 
 
 def _forward_8bit(self: Linear8bitLt, x: torch.Tensor) -> torch.Tensor:
