@@ -90,10 +90,10 @@ def t5_lora(batch: int = 2, seq: int = 32, dtype=torch.bfloat16):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def qlora_llama(batch: int = 2, seq: int = 32, bits: int = 4):
+def qlora_llama(batch: int = 2, seq: int = 32, bits: int = 4, targets="all-linear"):
     """A 2-layer Llama-like model loaded in 4 bits (bitsandbytes nf4, double quantization, bf16 compute; or
     ``bits=8``: LLM.int8) on CPU, prepared for k-bit training, with peft LoRA on every linear layer (what a
-    QLoRA recipe builds)."""
+    QLoRA recipe builds) or on ``targets`` (peft's default for Llama: q_proj and v_proj, the MLP plain 4-bit)."""
     import peft
     import transformers
 
@@ -107,7 +107,7 @@ def qlora_llama(batch: int = 2, seq: int = 32, bits: int = 4):
         transformers.LlamaForCausalLM(cfg).save_pretrained(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map="cpu")
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = _lora(model, "all-linear")
+    model = _lora(model, targets)
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(2))
     return model, {"input_ids": ids, "labels": ids}
 
