@@ -555,6 +555,23 @@ def _time_cause(r: dict, fastest: str, fraction: float) -> str:
 # ---------------------------------------------------------------------------------------------- output
 
 
+def _acts_text(acts: dict, block_paths: list[str], n_blocks: int) -> list[str]:
+    """"checkpoints 1 of 4 blocks", "checkpoints the mlp of 3 blocks", ... (the plan's actions on blocks and on
+    their parts). The stock model's paths name the same modules as the planned model's up to a prefix."""
+    texts = []
+    for verb, action in (("checkpoints", "checkpoint"), ("offloads", "offload")):
+        whole = sum(1 for p, a in acts.items() if a == action and any(p.endswith(b) for b in block_paths))
+        parts: dict[str, int] = {}
+        for p, a in acts.items():
+            if a == action and not any(p.endswith(b) for b in block_paths):
+                name = p.rsplit(".", 1)[-1]
+                parts[name] = parts.get(name, 0) + 1
+        if whole:
+            texts.append(f"{verb} {whole} of {n_blocks} blocks")
+        texts += [f"{verb} the {name} of {n} block{'s' if n > 1 else ''}" for name, n in sorted(parts.items())]
+    return texts
+
+
 def table(r: dict) -> list[str]:
     work = r["work"]
     if "skipped" in r:
@@ -601,14 +618,12 @@ def table(r: dict) -> list[str]:
     for fraction, budget in r["budgets"]:
         acts = r["plan_actions"].get(fraction)
         chunked = "chunked loss is on" in r["plan_notes"].get((budget, work.ref), "")
-        n_blocks = len(blocks_of(r["bench"].stock))
+        block_paths = blocks_of(r["bench"].stock)
+        n_blocks = len(block_paths)
         desc = ("not made (an error, in the plan's cell)" if ("plan", fraction) in r["errors"] else
                 "refused at the reference batch" if acts is None else
                 "nothing checkpointed" + (", chunked loss" if chunked else " (slimgrad alone fits)") if not acts
-                else ", ".join(f"{verb} {n} of {n_blocks} blocks" for verb, n in (
-                    ("checkpoints", sum(a == "checkpoint" for a in acts.values())),
-                    ("offloads", sum(a == "offload" for a in acts.values()))) if n)
-                + (", chunked loss" if chunked else ""))
+                else ", ".join(_acts_text(acts, block_paths, n_blocks)) + (", chunked loss" if chunked else ""))
         lines.append(f"- {fraction:.0%} ({budget / MiB:.1f} MiB): plan at batch {work.ref}: {desc}. "
                      f"Target: {verdict(r, fraction, budget)}.")
     return lines

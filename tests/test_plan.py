@@ -325,6 +325,62 @@ def test_a_budget_below_the_smallest_feasible_says_by_how_much(extremes):
     assert not any(a.startswith("_slimgrad_") for m in model.modules() for a in m.__dict__)
 
 
+# -- parts of blocks ----------------------------------------------------------------------------------------------
+
+
+def test_parts_of_blocks_are_their_composite_children():
+    from slimgrad.plan import parts_of
+
+    model, _ = _llama(layers=2)
+    model = slimgrad.convert(model)
+    blocks = blocks_of(model)
+    parts = parts_of(model, blocks)
+    assert parts == [f"{b}.{n}" for b in blocks for n in ("self_attn", "mlp")], parts  # not the norms
+    unet, _ = _unet()
+    down = [b for b in blocks_of(unet) if b.endswith("down_blocks.0")]
+    # through the ModuleLists, which are never called: the resnet and the attention block themselves
+    assert parts_of(unet, down) == [f"{down[0]}.attentions.0", f"{down[0]}.resnets.0", f"{down[0]}.downsamplers.0"]
+    mlp, _ = _mlp()
+    assert parts_of(mlp, blocks_of(mlp)) == []  # blocks of single layers have no parts
+
+
+def test_a_part_is_planned_where_it_costs_less_than_its_block(monkeypatch):
+    """A budget a little under the peak: one part (an attention or an MLP) frees enough for a third of a layer's
+    recomputation. What the plan promises holds on the real allocator, and the numbers stay the unplanned ones."""
+    module = sys.modules["slimgrad.plan"]
+    monkeypatch.setattr(module, "block_forward_seconds", lambda model, units, *a, **k: {
+        u: (1e-3 if u.endswith(("mlp", "self_attn")) else 3e-3) for u in units})
+    model, example = _llama()
+    full = slimgrad.plan(slimgrad.convert(model), 1, example, optimizer="sgd")
+    budget = full.peak_before - 4096
+    # (chunked_loss=False: the chunked loss, which the plan may otherwise choose, sums in another order)
+    planned, report = slimgrad.convert(_llama()[0], budget=budget, example=example, optimizer="sgd", report=True,
+                                       chunked_loss=False)
+    chosen = report.plan
+    assert chosen.fits and chosen.actions and planned_actions(planned) == chosen.actions
+    assert all(p.endswith(("mlp", "self_attn")) for p in chosen.actions), chosen.actions
+    assert any(b.path in chosen.actions for b in chosen.blocks)  # listed in the plan's rows
+    assert "mlp" in str(chosen) or "self_attn" in str(chosen)
+    start, step_peak = _measured_peak(planned, example)
+    assert start + step_peak <= chosen.peak_after <= budget
+    # with parts off, the same budget takes a whole layer
+    whole = slimgrad.plan(slimgrad.convert(_llama()[0]), budget, example, optimizer="sgd", parts=False)
+    assert whole.fits and all(p in blocks_of(planned) for p in whole.actions) and whole.actions
+    plain = slimgrad.convert(_llama()[0])
+    fresh = apply_plan(slimgrad.convert(_llama()[0]), chosen.actions)  # (the measurement above trained `planned`)
+    _assert_bitwise(_two_steps(plain, example), _two_steps(fresh, example))
+
+
+def test_a_block_taken_after_its_parts_replaces_them():
+    """With every unit planned (the smallest feasible budget), only blocks remain: a part inside a checkpointed
+    block would be recomputed twice."""
+    model, example = _llama(layers=2)
+    full = slimgrad.plan(slimgrad.convert(model), 1, example, optimizer="sgd")
+    assert not full.fits and full.actions
+    for p in full.actions:
+        assert not any(p.startswith(q + ".") for q in full.actions), full.actions
+
+
 # -- drop-in ------------------------------------------------------------------------------------------------------
 
 

@@ -128,16 +128,23 @@ struct GatedFn : public torch::autograd::Function<GatedFn> {
       auto saved = ctx->get_saved_variables();
       auto wide = static_cast<at::ScalarType>(ctx->saved_data["wide"].toInt());
       // (an input kept narrower is widened where it is read, so that no two wide copies are alive at once)
-      const Tensor gate = widened(saved[0], wide);
+      Tensor gate = widened(saved[0], wide);
       const Tensor& dy = grads[0];
       int64_t kind = ctx->saved_data["kind"].toInt();
       if (need_gate) {
-        // stock: d(act) = dY * up (mul's backward), then the activation's backward on it
+        // stock: d(act) = dY * up (mul's backward), then the activation's backward on it. For aten's activations
+        // act(gate) is made after d(act) is freed, and a widened gate freed before dUp: one gate-sized tensor
+        // fewer at backward's peak (the formula GELUs reuse their intermediates instead)
+        bool fused = kind <= kGeluTanh;
         Tensor d_act = dy * widened(saved[1], wide);
-        auto [d_gate, act] = act_backward(kind, d_act, gate, need_up);
+        auto [d_gate, act] = act_backward(kind, d_act, gate, need_up && !fused);
         d_act.reset();
         result[0] = std::move(d_gate);
-        if (need_up) result[1] = dy * act;
+        if (need_up) {
+          if (fused) act = act_forward(kind, gate);
+          gate.reset();
+          result[1] = dy * act;
+        }
       } else if (need_up) {
         result[1] = dy * act_forward(kind, gate);
       }

@@ -114,6 +114,9 @@ def activation_backward(kind: str, grad: torch.Tensor, x: torch.Tensor, need_out
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
 
 
+_FUSED = ("silu", "gelu", "gelu_pytorch_tanh")  # one aten op each way (activation_backward recomputes act alone)
+
+
 class GatedFunction(_common.Function):
     """``act(gate) * up`` keeping gate (and up) instead of gate, act(gate) and up.
 
@@ -152,10 +155,16 @@ class GatedFunction(_common.Function):
         d_gate = d_up = None
         if need_gate:
             # Stock: d(act) = dY * up (mul's backward), then the activation's backward on it.
+            # For aten's activations act(gate) is made after d(act) is freed, and a widened gate freed before
+            # dUp: one gate-sized tensor fewer at backward's peak (the formula GELUs reuse their intermediates).
+            fused = ctx.kind in _FUSED
             d_act = grad_out * up.to(ctx.wide)
-            d_gate, act = activation_backward(ctx.kind, d_act, gate, need_out=need_up)
+            d_gate, act = activation_backward(ctx.kind, d_act, gate, need_out=need_up and not fused)
             del d_act
             if need_up:
+                if fused:
+                    act = activation_forward(ctx.kind, gate)
+                del gate
                 d_up = grad_out * act
         elif need_up:
             d_up = grad_out * activation_forward(ctx.kind, gate)
