@@ -82,3 +82,30 @@ def test_gated_saved_bytes_and_outputs(device, rg):
                 out.backward(g)
             created = [c for c in log.created if c == (tuple(gate.shape), torch.bfloat16)]
             assert len(created) == int(rg[0]) + int(rg[1]), log.created
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_keeps_noted_inputs_narrower_on_the_triton_path(device):
+    """gate and up that their producer noted as bf16 values in fp32 (bitsandbytes' 4-bit output in QLoRA) are kept
+    in bf16 and widened for the kernel's backward: the same results as without the note, half the bytes."""
+    from slimgrad.functional import _common
+
+    gen = torch.Generator().manual_seed(3)
+    gate0 = (torch.randn(3, 1007, generator=gen) * 3).bfloat16().float().to(device)
+    up0 = torch.randn(3, 1007, generator=gen).bfloat16().float().to(device)
+    g = torch.randn(3, 1007, generator=gen).to(device)
+    results = []
+    for note in (False, True):
+        a, b = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+        ga, gb = a * 1, b * 1
+        if note:
+            _common.note_exactly_narrower(ga, torch.bfloat16)
+            _common.note_exactly_narrower(gb, torch.bfloat16)
+        with triton_path(device):
+            kept = saved_bytes(lambda x, y: gated_activation(x, y, "silu"), ga, gb)
+            out = gated_activation(ga, gb, "silu")
+            out.backward(g)
+        results.append((kept, out.detach(), a.grad, b.grad))
+    assert results[1][0] == results[0][0] // 2 == 3 * 1007 * 2 * 2
+    for x, y in zip(results[0][1:], results[1][1:]):
+        assert torch.equal(x, y)
