@@ -138,7 +138,7 @@ class _PlannedForward:
         self.previous = previous  # an instance-level forward that was there before (None: the class's)
 
     def _contexts(self):
-        recompute = _running_stats_restored(self.module)
+        recompute = _recomputation(self.module)
         # torch's checkpoint keeps the CPU generator's state (5 KiB, made outside any dispatch mode) as long as it
         # keeps this context; under slimgrad.estimate a tensor of that size, held alike, makes the peak count it
         recompute.rng_state_stand_in = _rng_state_stand_in()
@@ -207,6 +207,19 @@ def _rng_state_stand_in():
     if not sims or sims[-1].device_type != "cpu":
         return None  # a real step, or a CUDA one (there the generator states are host memory)
     return torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def _recomputation(block: nn.Module):
+    """The recomputation's context: batch-norm statistics restored, and under :func:`slimgrad.estimate` on CPU a
+    stand-in for the copy of the generator's state that torch's checkpoint holds while it recomputes
+    (``fork_rng``), 5 KiB that counted where a step's peak fell inside a recomputation."""
+    forked = _rng_state_stand_in()
+    try:
+        with _running_stats_restored(block):
+            yield
+    finally:
+        del forked
 
 
 @contextlib.contextmanager

@@ -115,9 +115,12 @@ struct GatedFn : public torch::autograd::Function<GatedFn> {
     ctx->saved_data["need_gate"] = need_gate;
     ctx->saved_data["need_up"] = need_up;
     ctx->saved_data["wide"] = static_cast<int64_t>(gate.scalar_type());
+    // the output first, then any narrower copies (as GatedFunction's setup_context, after its forward): act(gate)
+    // is freed by then, so the copies do not add to the forward's peak (nor to a checkpoint's recomputation)
+    Tensor out = act_forward(kind, gate) * up;
     ctx->save_for_backward(
         {(need_gate || need_up) ? kept(gate, narrow_gate) : Tensor(), need_gate ? kept(up, narrow_up) : Tensor()});
-    return act_forward(kind, gate) * up;
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -128,7 +131,9 @@ struct GatedFn : public torch::autograd::Function<GatedFn> {
       auto saved = ctx->get_saved_variables();
       auto wide = static_cast<at::ScalarType>(ctx->saved_data["wide"].toInt());
       // (an input kept narrower is widened where it is read, so that no two wide copies are alive at once)
+      // (the local copies are the only references where checkpointing recomputed them: reset as gated.py's `del`)
       Tensor gate = widened(saved[0], wide);
+      saved[0].reset();
       const Tensor& dy = grads[0];
       int64_t kind = ctx->saved_data["kind"].toInt();
       if (need_gate) {
@@ -137,6 +142,7 @@ struct GatedFn : public torch::autograd::Function<GatedFn> {
         // fewer at backward's peak (the formula GELUs reuse their intermediates instead)
         bool fused = kind <= kGeluTanh;
         Tensor d_act = dy * widened(saved[1], wide);
+        saved[1].reset();
         auto [d_gate, act] = act_backward(kind, d_act, gate, need_up && !fused);
         d_act.reset();
         result[0] = std::move(d_gate);

@@ -159,6 +159,7 @@ class GatedFunction(_common.Function):
             # dUp: one gate-sized tensor fewer at backward's peak (the formula GELUs reuse their intermediates).
             fused = ctx.kind in _FUSED
             d_act = grad_out * up.to(ctx.wide)
+            del up  # (the last reference where checkpointing recomputed it; the compiled core frees it here too)
             d_gate, act = activation_backward(ctx.kind, d_act, gate, need_out=need_up and not fused)
             del d_act
             if need_up:
