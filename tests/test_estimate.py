@@ -124,7 +124,7 @@ def test_estimate_qlora_matches_measured_peak(bits, optimizer, targets, converte
     """QLoRA: bitsandbytes' packed bases (4-bit nf4 with double quantization, or LLM.int8) with LoRA on every
     linear layer, on CPU. The packed weights stay real during the estimate (bitsandbytes' forward reads their
     quantization state) and count as weights. With LoRA on q/v only, the MLP's 4-bit outputs are bf16 values in
-    fp32 and the converted gated MLP keeps them in bf16 (functional.gated._kept): the estimate follows."""
+    fp32 and the converted gated MLP keeps them in bf16 (functional._common.kept_input): the estimate follows."""
     pytest.importorskip("bitsandbytes")
     model, example = bm.qlora_llama(bits=bits, targets=targets)
     if converted:

@@ -158,3 +158,34 @@ def test_qlora_mlp_keeps_gate_and_up_in_bf16_and_matches_stock():
     # layers' inputs (bitsandbytes hides those in ctx attributes, so SavedTensors sees only the elementwise ops')
     assert kept[1] <= 2 * inter * 2 + 4096, kept
     assert kept[1] < kept[0] / 2, kept
+
+
+# -- the formula GELUs (NewGELUActivation, ...) keep their input: narrower too -----------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gelu_new", "gelu_python", "quick_gelu"])
+def test_formula_activations_keep_a_noted_input_narrower(kind):
+    """Phi-2's MLP (fc1, NewGELUActivation, fc2) in QLoRA: fc1's 4-bit output is bf16 values in fp32, the
+    activation keeps it in bf16; the gradient is stock's formula's, bit for bit."""
+    from slimgrad.functional import hf_activations
+    from slimgrad.functional.gated import activation_forward
+
+    x_n = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(7)) * 3).bfloat16()
+    dy = torch.randn(SHAPE, generator=torch.Generator().manual_seed(8))
+    results = []
+    for note in (False, True):
+        leaf = x_n.float().requires_grad_()
+        x = leaf * 1
+        if note:
+            _common.note_exactly_narrower(x, torch.bfloat16)
+        with SavedTensors() as kept:
+            y = getattr(hf_activations, kind)(x)
+        y.backward(dy)
+        results.append((kept.bytes, y.detach(), leaf.grad))
+    ref_leaf = x_n.float().requires_grad_()
+    ref = activation_forward(kind, ref_leaf * 1)  # the stock formula, as transformers writes it
+    ref.backward(dy)
+    assert results[0][0] == x_n.numel() * 4 and results[1][0] == x_n.numel() * 2
+    for _, y, g in results:
+        assert_same(y, ref.detach(), what=f"{kind} output")
+        assert_same(g, ref_leaf.grad, what=f"{kind} gradient")

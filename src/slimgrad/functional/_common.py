@@ -399,6 +399,18 @@ def exactly_narrower(t: torch.Tensor) -> torch.dtype | None:
     return noted[0]
 
 
+def kept_input(x: torch.Tensor) -> torch.Tensor:
+    """What a Function that saves its input ``x`` keeps: x itself (noting it for its producer), or, where x's
+    producer noted that x's values are exactly those of a narrower dtype, x in that dtype: half the bytes, and
+    backward's cast back (``x.to(ctx's dtype)``) gives x's values bit for bit. Not under torch.func, whose
+    transforms must see what is kept (the note is eager-only anyway)."""
+    narrow = exactly_narrower(x)
+    if narrow is None or torch._C._are_functorch_transforms_active():
+        note_input_kept(x)
+        return x
+    return x.to(narrow)
+
+
 _KERNELS: list = [None]  # slimgrad.kernels, once imported (fast_kernel)
 
 

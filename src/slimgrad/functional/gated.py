@@ -140,12 +140,13 @@ class GatedFunction(_common.Function):
         ctx.kind, ctx.impl = kind, impl
         ctx.mask = (need_gate, need_up)
         ctx.wide = gate.dtype
-        ctx.save_for_backward(_kept(gate) if (need_gate or need_up) else None, _kept(up) if need_gate else None)
+        ctx.save_for_backward(_common.kept_input(gate) if (need_gate or need_up) else None,
+                              _common.kept_input(up) if need_gate else None)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors  # (narrower where _kept chose so: widened where read, one at a time)
+        gate, up = ctx.saved_tensors  # (narrower where kept_input chose so: widened where read)
         gate = gate.to(ctx.wide) if gate is not None else None
         need_gate, need_up = ctx.mask
         if ctx.impl is not None:
@@ -179,18 +180,6 @@ class GatedFunction(_common.Function):
     def under_transform(cls, gate, up, kind, impl):
         """The torch code (the registry's kernels cannot read functorch's wrapped tensors)."""
         return super().under_transform(gate, up, kind, None)
-
-
-def _kept(x: torch.Tensor) -> torch.Tensor:
-    """What to keep of input ``x``: x itself (noting it for its producer), or, where x's producer noted that x's
-    values are exactly those of a narrower dtype (bitsandbytes' 4-bit layers cast their bf16 result up to an fp32
-    input's dtype), x in that dtype: half the bytes, and backward's cast back gives x's values bit for bit. Not
-    under torch.func, whose transforms must see what is kept (the note is eager-only anyway)."""
-    narrow = _common.exactly_narrower(x)
-    if narrow is None or torch._C._are_functorch_transforms_active():
-        _common.note_input_kept(x)
-        return x
-    return x.to(narrow)
 
 
 def _kernel(gate, kind):

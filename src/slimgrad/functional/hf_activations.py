@@ -29,7 +29,8 @@ FORMULA_ACTIVATIONS = ("gelu_new", "gelu_python", "quick_gelu")
 
 
 class FormulaActivationFunction(_common.Function):
-    """One of :data:`FORMULA_ACTIVATIONS`, keeping its input (only when it needs a gradient).
+    """One of :data:`FORMULA_ACTIVATIONS`, keeping its input (only when it needs a gradient; in the narrower dtype
+    its producer noted it holds exactly, see ``_common.kept_input``).
 
     Double backward is refused (``once_differentiable``).
     """
@@ -41,16 +42,16 @@ class FormulaActivationFunction(_common.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         input, kind = inputs
-        ctx.kind = kind
+        ctx.kind, ctx.wide = kind, input.dtype
         if ctx.needs_input_grad[0]:
-            _common.note_input_kept(input)
-            ctx.save_for_backward(input)
+            # (in bf16 where its producer noted bf16 values: a 4-bit layer's fp32 output in QLoRA, _common)
+            ctx.save_for_backward(_common.kept_input(input))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        dx, _ = activation_backward(ctx.kind, grad_out, x)
+        dx, _ = activation_backward(ctx.kind, grad_out, x.to(ctx.wide))
         return dx, None
 
     @staticmethod
