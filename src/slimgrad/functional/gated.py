@@ -232,8 +232,10 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
         return handle_torch_function(gated_activation, (gate, up), gate, up, activation=activation)
     core = _core(gate)
     if core is not None and type(activation) is str and activation in _KIND_CODE:
+        noted = _common._NARROWER  # (empty unless a bitsandbytes 4-bit layer ran: no lookups then)
         out = core.gated(gate, up, _KIND_CODE[activation], _common.note_input_kept if _common._PRODUCERS else None,
-                         _common.exactly_narrower(gate), _common.exactly_narrower(up))
+                         _common.exactly_narrower(gate) if noted else None,
+                         _common.exactly_narrower(up) if noted else None)
         if out is not None:
             return out
     _check(gate, up, activation)
