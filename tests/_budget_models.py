@@ -90,16 +90,18 @@ def t5_lora(batch: int = 2, seq: int = 32, dtype=torch.bfloat16):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def qlora_llama(batch: int = 2, seq: int = 32, bits: int = 4, targets="all-linear"):
+def qlora_llama(batch: int = 2, seq: int = 32, bits: int = 4, targets="all-linear", bias: bool = False):
     """A 2-layer Llama-like model loaded in 4 bits (bitsandbytes nf4, double quantization, bf16 compute; or
     ``bits=8``: LLM.int8) on CPU, prepared for k-bit training, with peft LoRA on every linear layer (what a
-    QLoRA recipe builds) or on ``targets`` (peft's default for Llama: q_proj and v_proj, the MLP plain 4-bit)."""
+    QLoRA recipe builds) or on ``targets`` (peft's default for Llama: q_proj and v_proj, the MLP plain 4-bit);
+    ``bias``: projections with biases (as Qwen2's q/k/v, GPT-NeoX's and Falcon's layers have)."""
     import peft
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attention_bias=bias, mlp_bias=bias)
     quant = (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
              if bits == 4 else transformers.BitsAndBytesConfig(load_in_8bit=True))

@@ -138,6 +138,31 @@ def test_estimate_qlora_matches_measured_peak(bits, optimizer, targets, converte
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
+def test_qlora_with_biases_is_estimated_before_the_first_step_as_every_later_step_runs(converted):
+    """bitsandbytes casts a layer's bias to the input's or compute dtype on the parameter itself the first time the
+    layer runs (fp32 -> bf16 here, peft's prepare_model_for_kbit_training having made it fp32): an estimate made
+    before any step saw that cast free the fp32 storage inside the step and was low by the biases' bytes (2048 B
+    here, 2304 B on a GPT-NeoX). It now simulates again with the biases cast, the state every later step runs in,
+    and says so; the real model keeps its fp32 biases until its own first step."""
+    pytest.importorskip("bitsandbytes")
+    model, example = bm.qlora_llama(bits=4, targets=["q_proj", "v_proj"], bias=True)
+    if converted:
+        model = slimgrad.convert(model)
+    biases = {n: p for n, p in model.named_parameters() if n.endswith("bias")}
+    assert biases and {p.dtype for p in biases.values()} == {torch.float32}
+    e = _estimate(model, example)  # before any real step
+    assert {p.dtype for p in biases.values()} == {torch.float32}  # untouched
+    assert any("cast in place" in n for n in e.notes), e.notes
+    measured = bm.measured_step_peak(model, example, None, warm=1)
+    assert {p.dtype for p in biases.values()} == {torch.bfloat16}  # the real first step cast them
+    _check(e, measured, f"qlora 4-bit with biases {'converted' if converted else 'stock'}")
+    assert e.step_peak_bytes == measured
+    again = _estimate(model, example)  # after it: nothing left to cast, the same figure
+    assert not any("cast in place" in n for n in again.notes) and again.step_peak_bytes == e.step_peak_bytes
+    assert again.weight_bytes == e.weight_bytes
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
 def test_qlora_estimate_under_older_fake_mode(monkeypatch, converted):
     """torch before 2.13 (2.11 on the GPU machine) has fake mode answer NotImplemented for any tensor subclass but
     Parameter, attribute-only ones such as bitsandbytes' Params4bit included: there the QLoRA estimate failed at

@@ -31,6 +31,7 @@ simulated without the numpy arrays are the measured peaks (to 1 B).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import re
@@ -846,6 +847,11 @@ def _first_parameter(fn) -> str | None:
         return None
 
 
+#: parameter name -> dtype it has in the steady state, for the second simulation of a step whose first one cast
+#: parameters in place (see :func:`estimate`)
+_STEADY_DTYPES: contextvars.ContextVar[dict] = contextvars.ContextVar("slimgrad_estimate_steady_dtypes", default={})
+
+
 def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None = None,
              blocks: list[str] | None = None, device=None, **kwargs) -> MemoryEstimate:
     """Simulate one training step of ``model(*args, **kwargs)`` on fake tensors and return its memory.
@@ -861,6 +867,11 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     as if it ran on ``device`` (default ``"cpu"``): nothing of its size is ever allocated, so a model that
     does not fit here can be sized before its weights are loaded. (Kernels' scratch space is still measured
     on real tensors of one op's shapes, on ``device``.)
+
+    A step that casts parameters in place the first time it runs (bitsandbytes' 4-bit and 8-bit layers set their
+    bias to the input's or compute dtype: ``bias.data = bias.data.to(...)``; Qwen2's, GPT-NeoX's, Falcon's
+    projections have biases) is estimated in the state every later step runs in: the simulation runs again with
+    those parameters in their new dtype (the real model is left as it is).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -911,7 +922,10 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         return fake_mode.from_tensor(t, static_shapes=True)
 
     with fake_mode:
-        params = {n: fake(p) for n, p in model.named_parameters(remove_duplicate=False)}
+        steady = _STEADY_DTYPES.get()
+        params = {n: fake(p) if n not in steady else nn.Parameter(fake(p).to(steady[n]), p.requires_grad)
+                  for n, p in model.named_parameters(remove_duplicate=False)}
+        expected_dtypes = {n: f.dtype for n, f in params.items()}
         for n, p in model.named_parameters(remove_duplicate=False):
             params[n].requires_grad_(p.requires_grad)
         buffers = {n: fake(b) for n, b in model.named_buffers(remove_duplicate=False)}
@@ -1056,6 +1070,17 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         row.input_bytes = max(block_inputs.get(b, 0), 0)
         rows.append(row)
     timeline = [(i, e[3], e[0]) for i, e in enumerate(sim.events[first_event:])]
+    cast = {n: f.dtype for n, f in params.items() if f.dtype != expected_dtypes[n]}  # (p.data = ... in forward)
+    if cast and not steady:
+        token = _STEADY_DTYPES.set(cast)
+        try:  # the steady state: every later step starts with these parameters cast
+            again = estimate(model, *args, optimizer=optimizer, loss_fn=loss_fn, blocks=blocks, device=device, **kwargs)
+        finally:
+            _STEADY_DTYPES.reset(token)
+        again.notes.append(f"{len(cast)} parameter(s) are cast in place by the step's first run (e.g. "
+                           f"{next(iter(cast))} to {next(iter(cast.values()))}, as bitsandbytes does with a bias): "
+                           f"estimated as every later step runs, with them cast")
+        return again
     return MemoryEstimate(
         peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
         gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
