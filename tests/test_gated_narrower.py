@@ -189,3 +189,91 @@ def test_formula_activations_keep_a_noted_input_narrower(kind):
     for _, y, g in results:
         assert_same(y, ref.detach(), what=f"{kind} output")
         assert_same(g, ref_leaf.grad, what=f"{kind} gradient")
+
+
+# -- the fused activations (F.gelu, F.silu) of GELUActivation / GELUTanh: stock's op, or the input narrower ------
+
+
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["gelu", "gelu_pytorch_tanh", "silu"])
+def test_fused_activations_keep_a_noted_input_narrower(kind, narrow):
+    """Stock's F.gelu/F.silu keeps its fp32 input; noted as bf16 values, it is kept in bf16. Unnoted, stock's op
+    itself runs (its own backward node): nothing to save there."""
+    from slimgrad.functional.gated import activation_forward
+    from slimgrad.functional.hf_activations import fused_activation
+
+    x_n = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(7)) * 3).to(narrow)
+    dy = torch.randn(SHAPE, generator=torch.Generator().manual_seed(8))
+    ref_leaf = x_n.float().requires_grad_()
+    ref = activation_forward(kind, ref_leaf * 1)  # F.gelu / F.silu, stock
+    ref.backward(dy)
+    for note in (False, True):
+        leaf = x_n.float().requires_grad_()
+        x = leaf * 1
+        if note:
+            _common.note_exactly_narrower(x, narrow)
+        with SavedTensors() as kept:
+            y = fused_activation(x, kind)
+        assert ("FormulaActivation" in y.grad_fn.name()) == note, y.grad_fn.name()
+        y.backward(dy)
+        assert kept.bytes == x_n.numel() * (2 if note else 4), (note, kept.bytes)
+        assert_same(y.detach(), ref.detach(), what=f"{kind} output (noted: {note})")
+        assert_same(leaf.grad, ref_leaf.grad, what=f"{kind} gradient (noted: {note})")
+    with torch.no_grad():  # no gradient wanted: stock's op, no node
+        x = x_n.float()
+        _common.note_exactly_narrower(x, narrow)
+        assert_same(fused_activation(x, kind), ref.detach(), what=f"{kind} under no_grad")
+
+
+def _qlora_gelu_mlp(family, seed=0):
+    """GPT-NeoX/Pythia's MLP (GELUActivation) or StarCoder2's (GELUTanh) with bitsandbytes 4-bit projections: the
+    activation's input is a 4-bit layer's output."""
+    bnb = pytest.importorskip("bitsandbytes")
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(seed)
+    if family == "gpt_neox":
+        from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXMLP
+
+        mlp = GPTNeoXMLP(transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=160))
+        names = ("dense_h_to_4h", "dense_4h_to_h")
+    else:
+        from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
+
+        mlp = Starcoder2MLP(transformers.Starcoder2Config(hidden_size=64, intermediate_size=160))
+        names = ("c_fc", "c_proj")
+    for name in names:
+        ref = getattr(mlp, name)
+        q = bnb.nn.Linear4bit(ref.in_features, ref.out_features, bias=ref.bias is not None,
+                              compute_dtype=torch.bfloat16, quant_type="nf4")
+        q.load_state_dict(ref.state_dict())
+        setattr(mlp, name, q.to("cpu"))  # quantizes
+    return mlp.train()
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "starcoder2"])
+def test_qlora_gelu_mlp_keeps_the_activation_input_in_bf16_and_matches_stock(family):
+    import slimgrad
+
+    stock = _qlora_gelu_mlp(family)
+    slim = slimgrad.convert(_qlora_gelu_mlp(family))
+    assert "GELU" in type(slim.act).__name__ and type(slim.act) is not type(stock.act)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(2, 12, 64, generator=g)
+    dy = torch.randn(2, 12, 64, generator=g)
+    outs, grads, kept = [], [], []
+    for model in (stock, slim):
+        x = x0.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = model(x)
+        y.backward(dy)
+        outs.append(y.detach())
+        grads.append(x.grad)
+        # the intermediate-sized tensors kept (slimgrad's 4-bit Function also keeps references to the packed
+        # weights and their quant state: the model's memory, not the step's)
+        kept.append([(t.dtype, t.untyped_storage().nbytes()) for t in saved if t.dim() == 3 and t.shape[-1] == 160])
+    assert_same(outs[1], outs[0], what="output")
+    assert_same(grads[1], grads[0], what="dX")
+    inter = 2 * 12 * 160
+    assert kept == [[(torch.float32, inter * 4)], [(torch.bfloat16, inter * 2)]], kept

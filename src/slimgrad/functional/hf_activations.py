@@ -10,8 +10,12 @@ here the forward runs the same expression (bitwise the same output) and backward
 intermediates and applies autograd's per-op derivatives in autograd's order (bitwise the same gradient;
 see :mod:`slimgrad.functional.gated`).
 
-The fused activations (``F.silu``, ``F.gelu``) already keep only their input in stock PyTorch, so they are
-not wrapped here.
+The fused activations (``F.silu``, ``F.gelu``) already keep only their input in stock PyTorch, so
+:func:`fused_activation` runs stock's op, except where the input's producer noted that its values are exactly
+those of a narrower dtype (a bitsandbytes 4-bit layer's fp32 output in QLoRA, ``_common.kept_input``): there the
+same Function keeps the input in that dtype, half the bytes, with the same bits out (its backward is aten's
+``gelu_backward`` / ``silu_backward`` on the input cast back). That is the activation of GPT-NeoX/Pythia's,
+Falcon's and StarCoder2's MLPs when LoRA targets the attention only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 from slimgrad.functional import _common
 from slimgrad.functional.gated import activation_backward, activation_forward
 
-__all__ = ["FORMULA_ACTIVATIONS", "FormulaActivationFunction", "gelu_new", "gelu_python", "quick_gelu"]
+__all__ = ["FORMULA_ACTIVATIONS", "FormulaActivationFunction", "fused_activation", "gelu_new", "gelu_python",
+           "quick_gelu"]
 
 #: The Python-formula activations this module wraps (names as transformers' ``ACT2FN`` keys).
 FORMULA_ACTIVATIONS = ("gelu_new", "gelu_python", "quick_gelu")
@@ -66,6 +71,18 @@ def _apply(input: torch.Tensor, kind: str, public) -> torch.Tensor:
     if not input.is_floating_point():
         raise TypeError(f"{kind}: 'input' must be a floating-point tensor, got {input.dtype}")
     return FormulaActivationFunction.apply(input, kind)
+
+
+def fused_activation(input: torch.Tensor, kind: str) -> torch.Tensor:
+    """``F.silu`` / ``F.gelu`` (``kind``: "silu", "gelu", "gelu_pytorch_tanh"): stock's op, which keeps only the
+    input; through :class:`FormulaActivationFunction` where that input is noted as holding narrower values
+    exactly and needs a gradient, so the input is kept in the narrower dtype. The lookup is skipped while no
+    producer noted anything (``_common._NARROWER`` empty: every model without bitsandbytes layers)."""
+    if (not torch.compiler.is_compiling() and _common._NARROWER and torch.is_grad_enabled()
+            and isinstance(input, torch.Tensor) and input.requires_grad and not has_torch_function_unary(input)
+            and _common.exactly_narrower(input) is not None):
+        return FormulaActivationFunction.apply(input, kind)
+    return activation_forward(kind, input)
 
 
 def gelu_new(input: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch import nn
 from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register, register_forward
 from slimgrad.functional.gated import gated_activation
-from slimgrad.functional.hf_activations import gelu_new, gelu_python, quick_gelu
+from slimgrad.functional.hf_activations import fused_activation, gelu_new, gelu_python, quick_gelu
 from slimgrad.integrations._fingerprint import fingerprint, names_read, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
 
@@ -235,14 +235,20 @@ def _quick_gelu_forward(self, input):
 
 
 def _gelu_tanh_forward(self, input):
-    if activation_kind(self) == "gelu_new":  # use_gelu_tanh_python=True: the Python formula
+    kind = activation_kind(self)
+    if kind == "gelu_new":  # use_gelu_tanh_python=True: the Python formula
         return gelu_new(input)
+    if kind == "gelu_pytorch_tanh":  # stock's op, or its input kept narrower in QLoRA (fused_activation)
+        return fused_activation(input, kind)
     return self.act(input)
 
 
 def _gelu_forward(self, input):
-    if activation_kind(self) == "gelu_python":
+    kind = activation_kind(self)
+    if kind == "gelu_python":
         return gelu_python(input)
+    if kind == "gelu":
+        return fused_activation(input, kind)
     return self.act(input)
 
 
