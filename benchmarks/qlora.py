@@ -7,6 +7,8 @@ bitsandbytes hides as ctx attributes (found by walking the graph). Peak: allocat
 forward+backward (CPU).
 
     python benchmarks/qlora.py                    # LlamaConfig(512, 1408, 4 layers, 8 heads, vocab 8192), 2x256
+    python benchmarks/qlora.py --model gpt_neox   # GPTNeoXConfig(512, 2048, 4 layers, 8 heads, vocab 8192),
+                                                  # LoRA on query_key_value (peft's default for GPT-NeoX/Pythia)
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from slimgrad.measure import _storage_key, peak_bytes
 
 MiB = 2**20
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: --model: (config class, causal-LM class, config kwargs, LoRA targets)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                   vocab_size=8192), PROJ),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+                      vocab_size=8192), ["query_key_value"]),
+}
 
 
 def hidden_bytes(root, seen: set, exclude: set) -> int:
@@ -65,7 +76,7 @@ def kept(model, ids):
     return visible, hidden
 
 
-def build(path, quant, rank, recipe="kbit"):
+def build(path, quant, rank, recipe="kbit", targets=PROJ):
     """``recipe="kbit"``: peft's ``prepare_model_for_kbit_training`` (upcasts every non-quantized parameter
     to fp32, so hidden states are fp32); ``recipe="bf16"``: the quantized model kept in bf16 (hidden states
     bf16, as in the plain bf16 LoRA model it is compared with)."""
@@ -85,7 +96,7 @@ def build(path, quant, rank, recipe="kbit"):
         else:
             model.enable_input_require_grads()
     torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJ))
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     model.train()
     return model
 
@@ -96,21 +107,22 @@ def main():
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
     args = parser.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config_cls, model_cls, config_kwargs, targets = MODELS[args.model]
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                      vocab_size=8192)
+    cfg = getattr(transformers, config_cls)(**config_kwargs)
     path = tempfile.mkdtemp()
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    getattr(transformers, model_cls)(cfg).save_pretrained(path)
     ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(2))
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; "
-          f"batch {args.batch_size}x{args.seq_len}, LoRA r={args.rank} on {len(PROJ)} projections")
+          f"{args.model}, batch {args.batch_size}x{args.seq_len}, LoRA r={args.rank} on {', '.join(targets)}")
     lora_peft = None
     rows = []
     for quant, recipe in (("nf4", "kbit"), ("int8", "kbit"), ("nf4", "bf16"), ("int8", "bf16"), ("bf16", "bf16")):
-        stock = build(path, quant, args.rank, recipe)
+        stock = build(path, quant, args.rank, recipe, targets)
         if quant != "bf16" and lora_peft is None:
             import slimgrad.integrations.bnb as ib
 
