@@ -265,7 +265,7 @@ def test_qlora_gelu_mlp_keeps_the_activation_input_in_bf16_and_matches_stock(fam
     for model in (stock, slim):
         x = x0.clone().requires_grad_()
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
             y = model(x)
         y.backward(dy)
         outs.append(y.detach())

@@ -849,7 +849,8 @@ def _first_parameter(fn) -> str | None:
 
 #: parameter name -> dtype it has in the steady state, for the second simulation of a step whose first one cast
 #: parameters in place (see :func:`estimate`)
-_STEADY_DTYPES: contextvars.ContextVar[dict] = contextvars.ContextVar("slimgrad_estimate_steady_dtypes", default={})
+_STEADY_DTYPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("slimgrad_estimate_steady_dtypes",
+                                                                             default=None)
 
 
 def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None = None,
@@ -922,7 +923,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         return fake_mode.from_tensor(t, static_shapes=True)
 
     with fake_mode:
-        steady = _STEADY_DTYPES.get()
+        steady = _STEADY_DTYPES.get() or {}
         params = {n: fake(p) if n not in steady else nn.Parameter(fake(p).to(steady[n]), p.requires_grad)
                   for n, p in model.named_parameters(remove_duplicate=False)}
         expected_dtypes = {n: f.dtype for n, f in params.items()}
