@@ -483,7 +483,7 @@ class _Allocations(TorchDispatchMode):
         if self.fake_mode is not None and _has_packed_param(args, kwargs):
             args, kwargs = _as_fake_params(self.fake_mode, args, kwargs)
         try:
-            out = func(*args, **kwargs)
+            out = _grouped_mm_on_fakes(func, args, kwargs) if func in _GROUPED_MM else func(*args, **kwargs)
         except Exception:
             # where the step stopped, before the modules' frames unwind (the caller's error names it)
             self.failed_at = self._where()
@@ -510,6 +510,24 @@ class _Allocations(TorchDispatchMode):
                 sig = None
         self.events.append((self.current, new, sig, self.phase, owner, node, dict(self.totals), transient))
         return out
+
+
+_GROUPED_MM = {op for op in (getattr(torch.ops.aten, "_grouped_mm", None),) if op is not None
+               for op in [op.default]}
+
+
+def _grouped_mm_on_fakes(func, args, kwargs):
+    """``aten._grouped_mm`` (transformers' MoE experts, "grouped_mm"): its meta kernel, which fake tensors run,
+    accepts bf16 inputs only, where the CPU kernel also runs fp32 (a stock fp32 Mixtral on CPU). For other dtypes
+    the shapes are taken from the op on bf16 stand-ins and the output is made in the real op's dtype; the stand-ins
+    are fake-mode temporaries the simulation does not see (the real kernel makes no such copies)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if all(t.dtype == torch.bfloat16 for t in tensors if t.is_floating_point()):
+        return func(*args, **kwargs)
+    out_dtype = kwargs.get("out_dtype") or tensors[0].dtype
+    stand_ins = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    shaped = func(*stand_ins, **{k: v for k, v in kwargs.items() if k != "out_dtype"})
+    return torch.empty(shaped.shape, dtype=out_dtype, device=shaped.device)
 
 
 #: the most bytes of inputs one op replay may allocate (``SLIMGRAD_ESTIMATE_REPLAY_BYTES``): a bigger op's

@@ -20,7 +20,7 @@ from slimgrad import _notices, _registry
 
 #: library -> slimgrad integration modules to import when that library is loaded
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
-    "transformers": ("hf_norms", "hf_mlp", "hf_loss", "hf_layer_norm_2d"),
+    "transformers": ("hf_norms", "hf_mlp", "hf_moe", "hf_loss", "hf_layer_norm_2d"),
     "peft": ("peft_lora", "peft_lora_conv"),
     "bitsandbytes": ("bnb",),
     "diffusers": ("diffusers",),

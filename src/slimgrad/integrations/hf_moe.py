@@ -1,0 +1,128 @@
+"""Hugging Face mixture-of-experts layers: their gated product through slimgrad's gated activation.
+
+transformers 5 stores a MoE layer's experts as 3-D weights in one module, decorated with
+``@use_experts_implementation``, and runs them through the implementation ``config._experts_implementation``
+names ("grouped_mm" by default, "batched_mm", "deepgemm"). Those implementations call the class's
+``_apply_gate(gate_up_out)``, which is transformers' ``_default_apply_gate`` for Mixtral, Qwen2/3-MoE, OLMoE,
+DeepSeek-V2/3, GLM-4-MoE, Granite-MoE, Jamba and some fifty other families: ``act_fn(gate) * up`` on the two halves
+of the experts' first projection. Stock autograd then keeps that projection's output (both halves) and
+``act_fn(gate)``: three intermediate-sized values per routed token. The replacement's ``_apply_gate`` computes the
+same product with :func:`slimgrad.functional.gated.gated_activation`, which keeps gate and up (the two halves of
+one storage) and recomputes the activation in backward: two, with outputs and gradients bitwise stock's. With
+LoRA on the attention (peft's default for these families) the experts are frozen and this is most of what a MoE
+layer keeps.
+
+Only classes whose ``_apply_gate`` is transformers' default, with that function's source as read here
+(fingerprint), are registered; classes with a gate of their own (GPT-OSS's clamped GLU, ...) are left as they
+are. A module is converted only where its product runs through ``_apply_gate``: gated, concatenated [gate; up]
+weights, an activation slimgrad reproduces exactly, and an implementation that calls ``_apply_gate`` ("eager"
+runs the class's own loop, which writes the product inline: convert leaves such a module alone and says so).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
+from slimgrad.functional.gated import gated_activation
+from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
+from slimgrad.integrations._hf_classes import loaded_transformers_classes
+from slimgrad.integrations.hf_mlp import _global_hooks, _has_hooks, activation_kind
+
+__all__ = ["register_loaded"]
+
+#: MoE modeling modules imported eagerly so their experts are registered even when loaded after this module
+CORE_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+
+#: the implementations of ``transformers.integrations.moe`` that call ``_apply_gate`` (read in their source here)
+GATE_CALLERS = ("grouped_mm", "batched_mm", "deepgemm")
+
+_DEFAULT_GATE = source_fingerprint(
+    "def _default_apply_gate(self, gate_up_out):\n"
+    "    gate, up = gate_up_out.chunk(2, dim=-1)\n"
+    "    return self.act_fn(gate) * up\n")
+
+_MOE = importlib.import_module("transformers.integrations.moe")
+_default_apply_gate = getattr(_MOE, "_default_apply_gate", None)
+#: whether transformers' default gate is the function read above (else no class is registered)
+_GATE_KNOWN = _default_apply_gate is not None and fingerprint(_default_apply_gate) == _DEFAULT_GATE
+
+_REJECTED: set[type] = set()
+
+
+def _implementation(module: nn.Module) -> str | None:
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def _apply_gate(self, gate_up_out):
+    """transformers' ``_default_apply_gate`` (``act_fn(gate) * up`` on the halves), keeping gate and up only."""
+    act = self.act_fn
+    kind = None if _has_hooks(act) or _global_hooks() else activation_kind(act)
+    if kind is None:  # activation swapped or hooked since conversion: stock's product
+        return _default_apply_gate(self, gate_up_out)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    if gate.shape != up.shape:  # an odd width: chunk's halves differ, as stock's product would fail on
+        return _default_apply_gate(self, gate_up_out)
+    return gated_activation(gate, up, kind)
+
+
+def _unsupported(module: nn.Module) -> str | None:
+    stock = ORIGINALS.get(type(module), type(module))
+    if stock.__dict__.get("_apply_gate") is not _default_apply_gate:
+        return f"{stock.__name__}._apply_gate was changed after slimgrad registered the class; left as stock"
+    if not getattr(module, "has_gate", True):
+        return "its experts have no gate (up -> activation -> down): stock's activation keeps only its input"
+    if not getattr(module, "is_concatenated", True):
+        return "its gate and up weights are interleaved, not the [gate; up] halves _apply_gate splits"
+    if activation_kind(getattr(module, "act_fn", None)) is None:
+        act = getattr(module, "act_fn", None)
+        return (f"activation {type(act).__module__}.{type(act).__name__} is not one slimgrad reproduces exactly "
+                f"(nn.SiLU, nn.GELU, SiLUActivation, GELUActivation, GELUTanh, NewGELUActivation, QuickGELUActivation)")
+    if _has_hooks(module.act_fn):
+        return f"activation {type(module.act_fn).__name__} has hooks, which the fused gated product would skip"
+    impl = _implementation(module)
+    if impl not in GATE_CALLERS:
+        return (f"experts implementation {impl!r} computes act_fn(gate) * up itself (slimgrad's product engages "
+                f"through _apply_gate, which {', '.join(GATE_CALLERS)} call; transformers' default is grouped_mm)")
+    return None
+
+
+def _register_experts(cls: type) -> bool:
+    if cls in REPLACEMENTS or cls in _REJECTED or not _GATE_KNOWN:
+        return False
+    if cls.__dict__.get("_apply_gate") is not _default_apply_gate:  # set by use_experts_implementation
+        _REJECTED.add(cls)
+        return False
+    name = f"Slim{cls.__name__}"
+    if name in globals():  # two classes of one name in different model packages
+        name = f"{name}_{cls.__module__.rsplit('.', 2)[-2]}"
+    replacement = type(name, (cls,), {
+        "_apply_gate": _apply_gate, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"slimgrad's drop-in for {cls.__module__}.{cls.__name__}: its gated product keeps gate and up only.",
+        "unsupported_reason": classmethod(lambda c, m: _unsupported(m))})
+    register(cls)(replacement)
+    globals()[name] = replacement
+    return True
+
+
+def register_loaded() -> list[str]:
+    """Register every experts class with transformers' default gate in the modeling modules imported so far;
+    returns the names of those newly registered."""
+    return [cls.__name__ for _, cls in loaded_transformers_classes() if _register_experts(cls)]
+
+
+refresh = register_loaded  # called by slimgrad.integrations.load_available on every convert
+
+
+def _load() -> None:
+    for name in CORE_MODELS:
+        try:
+            importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:  # a family this transformers version lacks
+            continue
+    register_loaded()
+
+
+_load()
