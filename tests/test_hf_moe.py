@@ -189,3 +189,19 @@ def test_estimate_of_a_moe_step_is_the_measured_peak(family, dtype, converted):
     example = {"input_ids": ids, "labels": ids}
     measured = bm.measured_step_peak(model, example, warm=1)
     assert slimgrad.estimate(model, **example).step_peak_bytes == measured
+
+
+def test_audit_shows_the_experts_against_their_minimum():
+    """The audit has a rule for the experts (``slimgrad.minimum``): gate and up per routed pair, and each pair's
+    expert output for the routing weights' gradient. slimgrad keeps act(gate) less than stock and stays within the
+    routing's index bookkeeping (sort permutation, offsets; not counted by the rule) of the minimum."""
+    model, inter, top_k = _model("mixtral", "grouped_mm", torch.bfloat16)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    rows = [r for r in slimgrad.audit(model, input_ids=ids, labels=ids).rows if r.path.endswith(".experts")]
+    assert len(rows) == COMMON["num_hidden_layers"]
+    pairs = 2 * 12 * top_k
+    for r in rows:
+        assert r.rule
+        assert r.min_bytes == (2 * pairs * inter + pairs * COMMON["hidden_size"]) * 2
+        assert r.stock_bytes - r.slim_bytes == pairs * inter * 2  # act(gate), bf16
+        assert r.min_bytes <= r.slim_bytes <= r.min_bytes + 2048

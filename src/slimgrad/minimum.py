@@ -350,6 +350,31 @@ def _gated_mlp(m, x, y, x_grad):
     return needs
 
 
+def _moe_experts(m, x, y, x_grad):
+    """transformers 5's MoE experts with the default gate (``act_fn(gate) * up`` in ``_apply_gate``), called on
+    the flattened hidden states (N, H) of which each row goes to ``num_experts_per_tok`` experts: S = N * k routed
+    pairs. Per pair, as a gated MLP: dGate reads gate and up, dUp reads gate (when x or the first projection needs
+    a gradient); the second projection's dW reads the product (free when gate and up are kept); the first's reads
+    the routed x (the module's input, kept once). The routing weights' gradient reads each pair's expert output
+    (S, H): counted whenever x needs a gradient, since the routing weights are a function of x in every MoE block
+    (the rule sees the hidden states only). Index bookkeeping (the routing's sort and offsets) is not counted."""
+    gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    k = getattr(getattr(m, "config", None), "num_experts_per_tok", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or not k or x.dim() != 2:
+        return None
+    width = gate_up.shape[-1 if getattr(m, "is_transposed", False) else -2] // 2
+    pairs = x.shape[0] * k
+    inner = pairs * width * x.element_size()
+    keep = x_grad or gate_up.requires_grad
+    needs = [_keep(x)] if gate_up.requires_grad else []
+    needs += [Need("gate", inner), Need("up", inner)] if keep else []
+    if down.requires_grad and not keep:
+        needs.append(Need("product", inner))
+    if x_grad:
+        needs.append(Need("expert outputs (routing weights' gradient)", pairs * x.shape[-1] * x.element_size()))
+    return needs
+
+
 def _projected_activation(m, x, y, x_grad):
     """diffusers' GEGLU / SwiGLU (``h, g = proj(x).chunk(2); h * act(g)``) and ApproximateGELU
     (``p = proj(x); p * sigmoid(1.702 p)``): the backward of the element-wise part reads the projection's
@@ -447,6 +472,9 @@ def rule_for(module: nn.Module) -> Callable | None:
             from .integrations import hf_mlp
         except ImportError:
             return None
+        replacement = REPLACEMENTS.get(kind)
+        if replacement is not None and replacement.__module__ == "slimgrad.integrations.hf_moe":
+            return _moe_experts  # experts with transformers' default gate, as slimgrad's converter registers them
         layout = hf_mlp._MLP_LAYOUT.get(kind)
         if layout is not None:
             parts = ["gate_up_proj"] if layout[0] == "fused" else ["gate_proj", "up_proj"]
