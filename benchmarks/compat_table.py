@@ -37,7 +37,7 @@ LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "diffusers", "trl"
 #: where the README claims each case's family, for the table's first column
 FEATURES = {"rmsnorm": "RMSNorm", "mlp": "gated MLP", "hf-act": "transformers activation",
             "chunked": "chunked loss", "lora": "peft LoRA", "bnb": "bitsandbytes linear",
-            "lora-bnb": "peft LoRA over bitsandbytes", "diffusers": "diffusers activation"}
+            "lora-bnb": "peft LoRA over bitsandbytes", "diffusers": "diffusers activation", "moe": "MoE experts"}
 
 
 def probe() -> dict:

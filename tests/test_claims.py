@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 import pytest
@@ -257,6 +258,27 @@ def _diffusers_activation(name: str) -> Engagement:
     return _count("activation", nn.Sequential(cls(16, 24), nn.Linear(24, 4)), cls, "diffusers")
 
 
+#: MoE family -> (config class, causal-LM class, experts class, extra config): transformers 5's fused experts
+MOE_LMS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralExperts", {"num_local_experts": 4}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen2MoeExperts",
+                  {"num_experts": 4, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32}),
+}
+
+
+def _moe(family: str) -> Engagement:
+    transformers = _require("transformers", "transformers")
+    config_name, model_name, experts_name, extra = MOE_LMS[family]
+    cls = getattr(_modeling(family), experts_name, None)
+    if cls is None or importlib.util.find_spec("transformers.integrations.moe") is None:
+        pytest.skip(f"transformers {library_version('transformers')} has no fused experts class (each expert is an "
+                    f"MLP module of its own there); the README claims MoE experts for transformers 5")
+    config = getattr(transformers, config_name)(**LLAMA_LIKE, **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return _count("MoE experts", getattr(transformers, model_name)(config), cls, "transformers")
+
+
 #: case id -> what it measures; the README's claims, one tiny model each
 CASES: dict[str, Callable[[], Engagement]] = {
     **{f"rmsnorm-{f}": (lambda f=f: _norm(f)) for f in NORM_AND_MLP},
@@ -269,6 +291,7 @@ CASES: dict[str, Callable[[], Engagement]] = {
     **{f"bnb-{b}bit": (lambda b=b: _bnb_linear(b)) for b in (4, 8)},
     **{f"lora-bnb-{b}bit": (lambda b=b: _peft_over_bnb(b)) for b in (4, 8)},
     **{f"diffusers-{n}": (lambda n=n: _diffusers_activation(n)) for n in DIFFUSERS_ACTIVATIONS},
+    **{f"moe-{f}": (lambda f=f: _moe(f)) for f in MOE_LMS},
 }
 
 

@@ -44,8 +44,10 @@ _DEFAULT_GATE = source_fingerprint(
     "    gate, up = gate_up_out.chunk(2, dim=-1)\n"
     "    return self.act_fn(gate) * up\n")
 
-_MOE = importlib.import_module("transformers.integrations.moe")
-_default_apply_gate = getattr(_MOE, "_default_apply_gate", None)
+try:  # transformers 5; 4.x runs each expert as its own MLP module (hf_mlp's gated MLPs where they match)
+    _default_apply_gate = getattr(importlib.import_module("transformers.integrations.moe"), "_default_apply_gate", None)
+except ImportError:
+    _default_apply_gate = None
 #: whether transformers' default gate is the function read above (else no class is registered)
 _GATE_KNOWN = _default_apply_gate is not None and fingerprint(_default_apply_gate) == _DEFAULT_GATE
 
