@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-/tmp/slimgrad-newest}"
 shift || true
-tests=(tests/test_claims.py tests/test_upstream_drift.py tests/test_gaps.py tests/test_integrations.py tests/test_hf_norms.py tests/test_hf_mlp.py tests/test_hf_loss.py
+tests=(tests/test_claims.py tests/test_upstream_drift.py tests/test_gaps.py tests/test_integrations.py tests/test_hf_norms.py tests/test_hf_mlp.py tests/test_hf_moe.py tests/test_hf_loss.py
        tests/test_lora.py tests/test_bnb.py tests/test_diffusers.py tests/test_trainer.py tests/test_hf_models.py)
 if [ $# -gt 0 ]; then tests=("$@"); fi
 if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ]; then
