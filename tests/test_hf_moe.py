@@ -205,3 +205,24 @@ def test_audit_shows_the_experts_against_their_minimum():
         assert r.min_bytes == (2 * pairs * inter + pairs * COMMON["hidden_size"]) * 2
         assert r.stock_bytes - r.slim_bytes == pairs * inter * 2  # act(gate), bf16
         assert r.min_bytes <= r.slim_bytes <= r.min_bytes + 2048
+
+
+@pytest.mark.slow
+def test_converted_experts_compile_with_fullgraph():
+    """``torch.compile(fullgraph=True)`` traces the converted experts (grouped_mm and slimgrad's gated product);
+    Inductor fuses the elementwise ops, so the numbers are eager stock's within fp32 rounding."""
+    stock, _, _ = _model("mixtral")
+    experts = dict(stock.named_modules())["base_model.model.model.layers.0.mlp.experts"]
+    compiled = torch.compile(slimgrad.convert(copy.deepcopy(experts)), fullgraph=True)
+    g = torch.Generator().manual_seed(4)
+    x0 = torch.randn(10, 64, generator=g)
+    index = torch.randint(0, 4, (10, 2), generator=g)
+    w0 = torch.rand(10, 2, generator=g)
+    results = []
+    for module in (experts, compiled):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = module(x, index, w)
+        y.sum().backward()
+        results.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
