@@ -132,15 +132,19 @@ def test_eager_implementation_is_left_alone_and_said_so():
     assert "experts implementation 'eager'" in str(report)
 
 
-def test_a_class_with_its_own_gate_is_not_registered():
+def test_classes_with_their_own_gate_are_registered_only_where_it_is_read():
     from slimgrad._registry import REPLACEMENTS
+    from slimgrad.integrations import hf_moe
 
     gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
     slimgrad.convert(torch.nn.Linear(2, 2))  # loads the integrations and registers the loaded classes
-    assert gpt_oss.GptOssExperts not in REPLACEMENTS  # its _apply_gate is a clamped GLU of its own
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     assert MixtralExperts in REPLACEMENTS
+    assert REPLACEMENTS[gpt_oss.GptOssExperts]._apply_gate is hf_moe._clamped_swiglu_gate  # its own gate, read
+    # a gate of another source is left alone
+    other = type("OtherExperts", (gpt_oss.GptOssExperts,), {"_apply_gate": lambda self, x: x * 2})
+    assert not hf_moe._register_experts(other) and other not in REPLACEMENTS
 
 
 def test_drop_in_and_revert():
@@ -226,3 +230,83 @@ def test_converted_experts_compile_with_fullgraph():
         results.append((y.detach(), x.grad, w.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+# -- GPT-OSS: its own clamped SwiGLU on interleaved columns, keeping its input only -------------------------------
+
+
+def _gpt_oss_gate_values(dtype, limit=7.0):
+    """Interleaved [gate, up] columns with values at and around the clamps' bounds, zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 7, 24, generator=g) * 6
+    special = torch.tensor([limit, -limit, limit + 1, -limit - 1, 0.0, -0.0, float("inf"), float("-inf"),
+                            float("nan"), 1e-30, -1e-30, 3.0])
+    x.view(-1)[:special.numel()] = special
+    x.view(-1)[40:40 + special.numel()] = special.flip(0)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_clamped_swiglu_is_gpt_oss_gate_bit_for_bit_keeping_its_input(dtype):
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from slimgrad.functional.clamped_swiglu import clamped_swiglu
+
+    cfg = transformers.GptOssConfig(hidden_size=16, intermediate_size=12, num_local_experts=2)
+    experts = gpt_oss.GptOssExperts(cfg)  # only its _apply_gate is used: the stock reference
+    x0 = _gpt_oss_gate_values(dtype, experts.limit)
+    dy = torch.randn(5, 7, 12, generator=torch.Generator().manual_seed(7)).to(dtype)
+    dy.view(-1)[:3] = torch.tensor([-0.0, 0.0, -1e-30])
+    results = []
+    for fn in (lambda x: experts._apply_gate(x), lambda x: clamped_swiglu(x, experts.limit, experts.alpha)):
+        leaf = x0.clone().requires_grad_()
+        x = leaf * 1
+        with SavedTensors() as kept:
+            y = fn(x)
+        y.backward(dy)
+        results.append((y.detach(), leaf.grad, kept.bytes))
+    (y0, g0, k0), (y1, g1, k1) = results
+    assert_same(y1, y0, what="output")
+    assert_same(g1, g0, what="gradient")
+    assert torch.equal(torch.signbit(g1), torch.signbit(g0))  # -0.0 where stock has -0.0 only
+    assert k1 == x0.numel() * x0.element_size() and k0 >= 2 * k1, (k0, k1)
+
+
+def _gpt_oss(implementation="grouped_mm", dtype=torch.float32):
+    cfg = transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=40, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"])
+    cfg._experts_implementation = implementation
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).to(dtype)
+    with torch.no_grad():  # the gate_up outputs spread over the clamps' bounds (limit 7)
+        for m in model.modules():
+            if type(m).__name__ == "GptOssExperts":
+                m.gate_up_proj.normal_(0, 1.5)
+                m.gate_up_proj_bias.normal_(0, 2)
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(model, lora).train(), 40, 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_gpt_oss_model_is_stock_bit_for_bit_and_keeps_four_intermediates_less(implementation, dtype):
+    pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    stock, inter, top_k = _gpt_oss(implementation, dtype)
+    others = [_norm_type(stock), peft.tuners.lora.Linear]  # as in the test above
+    slim = slimgrad.convert(copy.deepcopy(stock), exclude=others)
+    without = slimgrad.convert(copy.deepcopy(stock), exclude=others + [_experts_type(stock)])
+    assert _experts_type(slim).__name__ == "SlimGptOssExperts"
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_grads, _ = _step(stock, ids)
+    loss, grads, kept = _step(slim, ids)
+    _, _, kept_without = _step(without, ids)
+    assert_same(loss, ref_loss, what="loss")
+    assert grads.keys() == ref_grads.keys() and grads
+    for n, g in grads.items():
+        assert_same(g, ref_grads[n], what=n)
+    # the clamped gate, the sigmoid, up + 1 and the GLU of every routed pair are no longer kept
+    routed = 2 * 12 * top_k
+    assert kept_without - kept == 2 * routed * 4 * inter * dtype.itemsize, (kept_without, kept)

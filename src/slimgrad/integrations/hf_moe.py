@@ -13,10 +13,13 @@ LoRA on the attention (peft's default for these families) the experts are frozen
 layer keeps.
 
 Only classes whose ``_apply_gate`` is transformers' default, with that function's source as read here
-(fingerprint), are registered; classes with a gate of their own (GPT-OSS's clamped GLU, ...) are left as they
-are. A module is converted only where its product runs through ``_apply_gate``: gated, concatenated [gate; up]
-weights, an activation slimgrad reproduces exactly, and an implementation that calls ``_apply_gate`` ("eager"
-runs the class's own loop, which writes the product inline: convert leaves such a module alone and says so).
+(fingerprint), are registered, and GPT-OSS's, whose own ``_apply_gate`` (a clamped SwiGLU on interleaved columns,
+read here too) runs :func:`slimgrad.functional.clamped_swiglu.clamped_swiglu`: it keeps the projection's output
+only, where stock keeps four more intermediate-sized tensors. Other gates of their own are left as they are. A
+module with the default gate is converted only where its product runs through ``_apply_gate``: gated, concatenated
+[gate; up] weights, an activation slimgrad reproduces exactly, and an implementation that calls ``_apply_gate``
+("eager" runs the class's own loop, which writes the product inline: convert leaves such a module alone and says
+so). GPT-OSS's eager loop calls its ``_apply_gate`` as well.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import importlib
 from torch import nn
 
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
+from slimgrad.functional.clamped_swiglu import clamped_swiglu
 from slimgrad.functional.gated import gated_activation
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
@@ -34,7 +38,7 @@ from slimgrad.integrations.hf_mlp import _global_hooks, _has_hooks, activation_k
 __all__ = ["register_loaded"]
 
 #: MoE modeling modules imported eagerly so their experts are registered even when loaded after this module
-CORE_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+CORE_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 #: the implementations of ``transformers.integrations.moe`` that call ``_apply_gate`` (read in their source here)
 GATE_CALLERS = ("grouped_mm", "batched_mm", "deepgemm")
@@ -51,7 +55,19 @@ except ImportError:
 #: whether transformers' default gate is the function read above (else no class is registered)
 _GATE_KNOWN = _default_apply_gate is not None and fingerprint(_default_apply_gate) == _DEFAULT_GATE
 
+#: GPT-OSS's own gate (transformers 5.x GptOssExperts._apply_gate)
+_CLAMPED_SWIGLU_GATE = source_fingerprint(
+    "def _apply_gate(self, gate_up):\n"
+    "    gate, up = gate_up[..., ::2], gate_up[..., 1::2]\n"
+    "    gate = gate.clamp(min=None, max=self.limit)\n"
+    "    up = up.clamp(min=-self.limit, max=self.limit)\n"
+    "    glu = gate * torch.sigmoid(gate * self.alpha)\n"
+    "    gated_output = (up + 1) * glu\n"
+    "    return gated_output\n")
+
 _REJECTED: set[type] = set()
+#: registered stock class -> its ``_apply_gate`` as verified (a later monkey-patch makes the class unsupported)
+_VERIFIED: dict[type, object] = {}
 
 
 def _implementation(module: nn.Module) -> str | None:
@@ -68,6 +84,20 @@ def _apply_gate(self, gate_up_out):
     if gate.shape != up.shape:  # an odd width: chunk's halves differ, as stock's product would fail on
         return _default_apply_gate(self, gate_up_out)
     return gated_activation(gate, up, kind)
+
+
+def _clamped_swiglu_gate(self, gate_up):
+    """GPT-OSS's ``_apply_gate``, keeping ``gate_up`` only."""
+    return clamped_swiglu(gate_up, self.limit, self.alpha)
+
+
+def _unsupported_clamped(module: nn.Module) -> str | None:
+    stock = ORIGINALS.get(type(module), type(module))
+    if stock.__dict__.get("_apply_gate") is not _VERIFIED.get(stock):
+        return f"{stock.__name__}._apply_gate was changed after slimgrad registered the class; left as stock"
+    if not all(isinstance(getattr(module, a, None), (int, float)) for a in ("limit", "alpha")):
+        return "its gate's limit and alpha are not numbers"
+    return None
 
 
 def _unsupported(module: nn.Module) -> str | None:
@@ -92,18 +122,27 @@ def _unsupported(module: nn.Module) -> str | None:
 
 
 def _register_experts(cls: type) -> bool:
-    if cls in REPLACEMENTS or cls in _REJECTED or not _GATE_KNOWN:
+    if cls in REPLACEMENTS or cls in _REJECTED or _default_apply_gate is None:
         return False
-    if cls.__dict__.get("_apply_gate") is not _default_apply_gate:  # set by use_experts_implementation
+    gate = cls.__dict__.get("_apply_gate")  # set by use_experts_implementation where the class has none
+    if gate is None or not isinstance(cls, type) or not issubclass(cls, nn.Module):
         _REJECTED.add(cls)
         return False
+    if gate is _default_apply_gate and _GATE_KNOWN:
+        ours, reason, what = _apply_gate, _unsupported, "its gated product keeps gate and up only"
+    elif gate is not _default_apply_gate and fingerprint(gate) == _CLAMPED_SWIGLU_GATE:
+        ours, reason, what = _clamped_swiglu_gate, _unsupported_clamped, "its clamped SwiGLU keeps its input only"
+    else:
+        _REJECTED.add(cls)
+        return False
+    _VERIFIED[cls] = gate
     name = f"Slim{cls.__name__}"
     if name in globals():  # two classes of one name in different model packages
         name = f"{name}_{cls.__module__.rsplit('.', 2)[-2]}"
     replacement = type(name, (cls,), {
-        "_apply_gate": _apply_gate, "__module__": __name__, "__qualname__": name,
-        "__doc__": f"slimgrad's drop-in for {cls.__module__}.{cls.__name__}: its gated product keeps gate and up only.",
-        "unsupported_reason": classmethod(lambda c, m: _unsupported(m))})
+        "_apply_gate": ours, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"slimgrad's drop-in for {cls.__module__}.{cls.__name__}: {what}.",
+        "unsupported_reason": classmethod(lambda c, m, reason=reason: reason(m))})
     register(cls)(replacement)
     globals()[name] = replacement
     return True
