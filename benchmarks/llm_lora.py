@@ -8,6 +8,7 @@ excluded), peak bytes over forward+backward with allocator records (CPU) or ``ma
     python benchmarks/llm_lora.py                       # the issue's Llama-like config, bf16, 4×512 tokens
     python benchmarks/llm_lora.py --model smollm2 --batch-size 2 --seq-len 256
     python benchmarks/llm_lora.py --model mixtral-like  # 8 experts, top-2, LoRA on q/k/v/o (experts frozen)
+    python benchmarks/llm_lora.py --model gpt-oss-like  # GPT-OSS's clamped SwiGLU experts, LoRA on q/k/v/o
 """
 
 from __future__ import annotations
@@ -47,13 +48,20 @@ def build(args):
         cfg = MixtralConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                             num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=8192)
         model = MixtralForCausalLM(cfg)  # experts_implementation: transformers' default, grouped_mm
+    elif args.model == "gpt-oss-like":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        cfg = GptOssConfig(hidden_size=512, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=4,
+                           vocab_size=8192, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)
+        model = GptOssForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                           vocab_size=8192)
         model = LlamaForCausalLM(cfg)
     model = model.to(getattr(torch, args.dtype)).to(args.device)
     # a MoE layer's experts are 3-D parameters, not the Linear layers LoRA targets: LoRA on the attention
-    targets = PROJECTIONS[:4] if args.model == "mixtral-like" else PROJECTIONS
+    targets = PROJECTIONS[:4] if args.model in ("mixtral-like", "gpt-oss-like") else PROJECTIONS
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
     model.train()
     vocab = model.config.vocab_size
@@ -81,7 +89,7 @@ def step(model, batch):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["llama-like", "smollm2", "mixtral-like"], default="llama-like")
+    parser.add_argument("--model", choices=["llama-like", "smollm2", "mixtral-like", "gpt-oss-like"], default="llama-like")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -117,7 +125,7 @@ def main():
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"torch {torch.__version__}, {args.device} ({platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads), {args.model}, {args.dtype}, batch {args.batch_size}×{args.seq_len}, "
-        f"LoRA r={args.rank} on {', '.join(PROJECTIONS[:4] if args.model == 'mixtral-like' else PROJECTIONS)}, "
+        f"LoRA r={args.rank} on {', '.join(PROJECTIONS[:4] if args.model in ('mixtral-like', 'gpt-oss-like') else PROJECTIONS)}, "
         f"median of {args.repeats} interleaved steps.",
         "",
         "| provider | MiB kept for backward | ratio to eager | peak MiB over the step | step time (s) | time ratio |",
