@@ -310,3 +310,28 @@ def test_gpt_oss_model_is_stock_bit_for_bit_and_keeps_four_intermediates_less(im
     # the clamped gate, the sigmoid, up + 1 and the GLU of every routed pair are no longer kept
     routed = 2 * 12 * top_k
     assert kept_without - kept == 2 * routed * 4 * inter * dtype.itemsize, (kept_without, kept)
+
+
+def test_gpt_oss_experts_under_peft_target_parameters_are_converted():
+    """GPT-OSS fine-tuning recipes put LoRA on the experts' weights themselves (peft's ``target_parameters``: a
+    ``ParamWrapper`` around the experts, which slimgrad leaves to peft and reports): the experts inside are still
+    converted, with peft's numbers bit for bit and less kept."""
+    pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    stock, _, _ = _gpt_oss()
+    base = stock.get_base_model()
+    torch.manual_seed(2)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(copy.deepcopy(base), lora).train()
+    others = [_norm_type(model), peft.tuners.lora.Linear]
+    slim, report = slimgrad.convert(copy.deepcopy(model), exclude=others, report=True)
+    assert sum(type(m).__name__ == "SlimGptOssExperts" for m in slim.modules()) == 2
+    assert "ParamWrapper" in str(report)  # left to peft, and said so
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_grads, ref_kept = _step(model, ids)
+    loss, grads, kept = _step(slim, ids)
+    assert_same(loss, ref_loss, what="loss")
+    assert grads.keys() == ref_grads.keys() and any("experts" in n for n in grads)
+    for n, g in grads.items():
+        assert_same(g, ref_grads[n], what=n)
+    assert kept < ref_kept
