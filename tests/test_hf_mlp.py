@@ -277,3 +277,80 @@ def test_compile_fullgraph():
     assert_same(xm.grad, xs.grad, exact=False, rtol=1e-5, atol=1e-6)
     for a, b in zip(slim.parameters(), stock.parameters()):
         assert_same(a.grad, b.grad, exact=False, rtol=1e-5, atol=1e-6)
+
+
+_MIXTRAL_4X = '''
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+class MixtralBlockSparseTop2MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ffn_dim = config.intermediate_size
+        self.hidden_dim = config.hidden_size
+
+        self.w1 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+        self.w2 = nn.Linear(self.ffn_dim, self.hidden_dim, bias=False)
+        self.w3 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=False)
+
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states):
+        current_hidden_states = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        current_hidden_states = self.w2(current_hidden_states)
+        return current_hidden_states
+'''
+
+
+@pytest.fixture
+def mixtral_4x_module(monkeypatch, tmp_path):
+    """transformers 4.x Mixtral's per-expert MLP (its source verbatim, as 4.57.6 ships it) in a modeling module of
+    its own (a file, so that its source can be read), taken out of slimgrad's registry afterwards."""
+    import importlib.util
+    import sys
+
+    name = "transformers.models.mixtral_4x.modeling_mixtral_4x"
+    path = tmp_path / "modeling_mixtral_4x.py"
+    path.write_text(_MIXTRAL_4X)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    cls = module.MixtralBlockSparseTop2MLP
+    yield module
+    replacement = REPLACEMENTS.pop(cls, None)
+    ORIGINALS.pop(replacement, None)
+    hf_mlp._MLP_LAYOUT.pop(cls, None)
+    hf_mlp._VERIFIED.pop(cls, None)
+
+
+@pytest.mark.parametrize("rg", list(itertools.product([False, True], repeat=2)), ids=str)
+def test_transformers_4x_mixtral_expert_mlp_converts_bit_for_bit(mixtral_4x_module, rg):
+    """transformers 4.x runs each Mixtral expert as its own MLP, ``w2(act(w1(x)) * w3(x))``: registered by that
+    source (w1 the gate, w3 up, w2 down), it keeps gate and up, not act(gate), with stock's numbers."""
+    cls = mixtral_4x_module.MixtralBlockSparseTop2MLP
+    assert "MixtralBlockSparseTop2MLP" in hf_mlp.register_loaded()
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=40, hidden_act="silu")
+    torch.manual_seed(0)
+    stock = cls(cfg)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    assert type(slim) is REPLACEMENTS[cls]
+    slim.w1.requires_grad_(rg[1])
+    stock.w1.requires_grad_(rg[1])
+    x0 = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
+    results = []
+    for module in (stock, slim):
+        x = x0.clone().requires_grad_(rg[0])
+        with SavedTensors(exclude=[module]) as kept:
+            y = module(x)
+        if y.requires_grad:
+            y.sum().backward()
+        results.append((y.detach(), x.grad, [p.grad for p in module.parameters()], kept.bytes))
+    (y0, dx0, dp0, k0), (y1, dx1, dp1, k1) = results
+    assert_same(y1, y0, what="output")
+    assert_same(dx1, dx0, what="dX")
+    for a, b in zip(dp1, dp0):
+        assert_same(a, b, what="weight gradient")
+    if rg[0] or rg[1]:  # act(gate), 6 x 40 fp32, no longer kept
+        assert k0 - k1 == 6 * 40 * 4, (k0, k1)

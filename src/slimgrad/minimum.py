@@ -324,8 +324,8 @@ def _gated_mlp(m, x, y, x_grad):
     if layout is None:
         return None
     fused = layout[0] == "fused"
-    ins = [m.gate_up_proj] if fused else [m.gate_proj, m.up_proj]
-    specs = [_linear_like(p) for p in [*ins, m.down_proj]]
+    *ins, down_proj = [getattr(m, name) for name in layout[2]]
+    specs = [_linear_like(p) for p in [*ins, down_proj]]
     if any(s is None for s in specs):
         return None
     *in_specs, down = specs
@@ -477,8 +477,7 @@ def rule_for(module: nn.Module) -> Callable | None:
             return _moe_experts  # experts with transformers' default gate, as slimgrad's converter registers them
         layout = hf_mlp._MLP_LAYOUT.get(kind)
         if layout is not None:
-            parts = ["gate_up_proj"] if layout[0] == "fused" else ["gate_proj", "up_proj"]
-            children = [getattr(module, n, None) for n in (*parts, "down_proj")]
+            children = [getattr(module, n, None) for n in layout[2]]
             if all(isinstance(c, nn.Module) and _linear_like(c) is not None for c in children):
                 return _gated_mlp
     return None

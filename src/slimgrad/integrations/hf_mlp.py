@@ -49,17 +49,26 @@ def _template(body: str) -> str:
     return source_fingerprint("def forward(self, x):\n" + textwrap.indent(body, "    "))
 
 
-#: forward fingerprint -> (layout, activation attribute). "split": gate_proj/up_proj; "fused": gate_up_proj.
+_SPLIT = ("gate_proj", "up_proj", "down_proj")
+_FUSED = ("gate_up_proj", "down_proj")
+#: forward fingerprint -> (layout, activation attribute, projection attributes). "split": gate, up, down
+#: projections; "fused": one gate_up projection and down.
 _MLP_FORWARDS = {
     _template("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\nreturn down_proj"):
-        ("split", "act_fn"),
-    _template("return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"): ("split", "act_fn"),
+        ("split", "act_fn", _SPLIT),
+    _template("return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"): ("split", "act_fn", _SPLIT),
     _template("down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)\nreturn self.down_proj(down_proj)"):
-        ("split", "activation_fn"),
+        ("split", "activation_fn", _SPLIT),
     _template("up_states = self.gate_up_proj(x)\ngate, up_states = up_states.chunk(2, dim=-1)\n"
               "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)"):
-        ("fused", "activation_fn"),
+        ("fused", "activation_fn", _FUSED),
+    # transformers 4.x Mixtral's per-expert MLP (MixtralBlockSparseTop2MLP): w1 the gate, w3 up, w2 down
+    _template("current_hidden_states = self.act_fn(self.w1(x)) * self.w3(x)\n"
+              "current_hidden_states = self.w2(current_hidden_states)\nreturn current_hidden_states"):
+        ("split", "act_fn", ("w1", "w3", "w2")),
 }
+#: the projection attributes every known forward reads last (a cheap first test, see _register_mlp)
+_DOWN_NAMES = frozenset(layout[2][-1] for layout in _MLP_FORWARDS.values())
 
 _TANH_PY = "return x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))"
 #: activation class name -> {method name: canonical source} that must all hold for the class to be trusted.
@@ -77,8 +86,8 @@ _ACT_SOURCES = {
 _VERIFIED: dict[type, object] = {}
 #: activation name in transformers.activations -> the verified class
 _ACT_CLASSES: dict[str, type] = {}
-#: stock MLP class -> (layout, activation attribute)
-_MLP_LAYOUT: dict[type, tuple[str, str]] = {}
+#: stock MLP class -> (layout, activation attribute, projection attributes)
+_MLP_LAYOUT: dict[type, tuple[str, str, tuple[str, ...]]] = {}
 
 
 def _has_hooks(m: nn.Module) -> bool:
@@ -153,20 +162,20 @@ def _gated(self, gate, up, act_attr, kind):
 
 
 def _split_forward(self, x):
-    act_attr = _MLP_LAYOUT[ORIGINALS[type(self)]][1]
+    _, act_attr, (gate, up, down) = _MLP_LAYOUT[ORIGINALS[type(self)]]
     kind = _runtime_kind(self, act_attr)
     if kind is None:  # activation swapped or hooked since conversion: run stock's forward
         return _VERIFIED[ORIGINALS[type(self)]](self, x)
-    return self.down_proj(_gated(self, self.gate_proj(x), self.up_proj(x), act_attr, kind))
+    return getattr(self, down)(_gated(self, getattr(self, gate)(x), getattr(self, up)(x), act_attr, kind))
 
 
 def _fused_forward(self, x):
-    act_attr = _MLP_LAYOUT[ORIGINALS[type(self)]][1]
+    _, act_attr, (gate_up, down) = _MLP_LAYOUT[ORIGINALS[type(self)]]
     kind = _runtime_kind(self, act_attr)
     if kind is None:
         return _VERIFIED[ORIGINALS[type(self)]](self, x)
-    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return self.down_proj(_gated(self, gate, up, act_attr, kind))
+    gate, up = getattr(self, gate_up)(x).chunk(2, dim=-1)
+    return getattr(self, down)(_gated(self, gate, up, act_attr, kind))
 
 
 def _unique_register(stock: type, forward, reason) -> type:
@@ -200,10 +209,10 @@ def _register_mlp(cls: type) -> bool:
         return False
     if "forward" not in cls.__dict__:
         return False
-    # every known forward reads self.down_proj: a cheap test (the names the code object reads) spares
-    # fingerprinting the hundreds of other classes of the modeling modules
+    # every known forward reads its down projection (self.down_proj, self.w2): a cheap test (the names the code
+    # object reads) spares fingerprinting the hundreds of other classes of the modeling modules
     names = names_read(cls.forward)
-    fp = _canonical(cls.forward) if "down_proj" in names else None
+    fp = _canonical(cls.forward) if names & _DOWN_NAMES else None
     layout = _MLP_FORWARDS.get(fp)
     if layout is None:
         _REJECTED.add(cls)
