@@ -176,39 +176,34 @@ def test_an_activation_hooked_after_conversion_runs_stock_product():
 
 @pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
 @pytest.mark.parametrize("family,dtype", [("mixtral", torch.float32), ("mixtral", torch.bfloat16),
-                                          ("qwen2_moe", torch.float32)], ids=["mixtral-fp32", "mixtral-bf16",
-                                                                              "qwen2_moe-fp32"])
+                                          ("qwen2_moe", torch.float32), ("qwen2_moe", torch.bfloat16),
+                                          ("gpt_oss", torch.float32), ("gpt_oss", torch.bfloat16)],
+                         ids=["mixtral-fp32", "mixtral-bf16", "qwen2_moe-fp32", "qwen2_moe-bf16", "gpt_oss-fp32",
+                              "gpt_oss-bf16"])
 def test_estimate_of_a_moe_step_is_the_measured_peak(family, dtype, converted):
-    """``slimgrad.estimate`` on a MoE model equals the allocator's records of a real step. The fp32 case needed
-    the estimate to size ``aten._grouped_mm`` itself: its meta kernel (what fake tensors run) takes bf16 only, where
-    the CPU kernel takes fp32 too. (Qwen2-MoE in bf16 is 840-936 B low, 0.6 %: the real peak is scratch inside
-    ``_grouped_mm``'s per-group bf16 ``mm`` on CPU, which a replay on stand-in tensors cannot size without the
-    real group offsets.)"""
+    """``slimgrad.estimate`` on a MoE model against the allocator's records of a real step. fp32: to the byte (the
+    estimate sizes ``aten._grouped_mm`` itself, whose meta kernel takes bf16 only where the CPU kernel takes fp32
+    too). bf16 on CPU: the grouped matmul holds scratch that grows with its largest group, which the routing
+    decides; the estimate counts an even split and says so: here within 1 % (exact where the step's peak is
+    elsewhere, as on Mixtral)."""
     from tests import _budget_models as bm
 
-    model, _, _ = _model(family, "grouped_mm", dtype)
+    if family == "gpt_oss":
+        pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+        model, _, _ = _gpt_oss("grouped_mm", dtype)
+    else:
+        model, _, _ = _model(family, "grouped_mm", dtype)
     if converted:
         model = slimgrad.convert(model)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
     example = {"input_ids": ids, "labels": ids}
     measured = bm.measured_step_peak(model, example, warm=1)
-    assert slimgrad.estimate(model, **example).step_peak_bytes == measured
-
-
-def test_audit_shows_the_experts_against_their_minimum():
-    """The audit has a rule for the experts (``slimgrad.minimum``): gate and up per routed pair, and each pair's
-    expert output for the routing weights' gradient. slimgrad keeps act(gate) less than stock and stays within the
-    routing's index bookkeeping (sort permutation, offsets; not counted by the rule) of the minimum."""
-    model, inter, top_k = _model("mixtral", "grouped_mm", torch.bfloat16)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
-    rows = [r for r in slimgrad.audit(model, input_ids=ids, labels=ids).rows if r.path.endswith(".experts")]
-    assert len(rows) == COMMON["num_hidden_layers"]
-    pairs = 2 * 12 * top_k
-    for r in rows:
-        assert r.rule
-        assert r.min_bytes == (2 * pairs * inter + pairs * COMMON["hidden_size"]) * 2
-        assert r.stock_bytes - r.slim_bytes == pairs * inter * 2  # act(gate), bf16
-        assert r.min_bytes <= r.slim_bytes <= r.min_bytes + 2048
+    est = slimgrad.estimate(model, **example)
+    assert any("grouped matmuls" in n for n in est.notes), est.notes
+    if dtype == torch.float32 or family == "mixtral":
+        assert est.step_peak_bytes == measured
+    else:
+        assert abs(est.step_peak_bytes - measured) <= 0.01 * measured, (est.step_peak_bytes, measured)
 
 
 @pytest.mark.slow
