@@ -134,25 +134,36 @@ def _qlora_mlp(seed=0):
     return mlp
 
 
+def _stock_and_slim_agree(stock, slim, all_saved=False):
+    """One forward and backward of each MLP on the same input and output gradient: outputs and dX bit for bit;
+    returns, per side, the tensors kept for backward whose storage is not a parameter's (all of them with
+    ``all_saved``)."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(2, 12, 64, generator=g)
+    dy = torch.randn(2, 12, 64, generator=g)
+    results = []
+    for model in (stock, slim):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        x = x0.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            y = model(x)
+        y.backward(dy)
+        kept = saved if all_saved else [t for t in saved if t.untyped_storage().data_ptr() not in params]
+        results.append((y.detach(), x.grad, kept))
+    (y0, dx0, _), (y1, dx1, _) = results
+    assert_same(y1, y0, what="output")
+    assert_same(dx1, dx0, what="dX")
+    return [r[2] for r in results]
+
+
 def test_qlora_mlp_keeps_gate_and_up_in_bf16_and_matches_stock():
     import slimgrad
 
     stock = _qlora_mlp()
     slim = slimgrad.convert(_qlora_mlp())
-    g = torch.Generator().manual_seed(3)
-    x0 = torch.randn(2, 12, 64, generator=g)
-    dy = torch.randn(2, 12, 64, generator=g)
-    outs, grads, kept = [], [], []
-    for model in (stock, slim):
-        x = x0.clone().requires_grad_()
-        with SavedTensors(exclude=[model]) as k:
-            y = model(x)
-        y.backward(dy)
-        outs.append(y.detach())
-        grads.append(x.grad)
-        kept.append(k.bytes)
-    assert_same(outs[1], outs[0], what="output")
-    assert_same(grads[1], grads[0], what="dX")
+    kept = [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in side}.values())
+            for side in _stock_and_slim_agree(stock, slim)]
     inter = 2 * 12 * 160
     # slimgrad keeps gate and up in bf16 (2 bytes each); stock keeps gate, silu(gate) and up in fp32 plus its
     # layers' inputs (bitsandbytes hides those in ctx attributes, so SavedTensors sees only the elementwise ops')
@@ -258,22 +269,10 @@ def test_qlora_gelu_mlp_keeps_the_activation_input_in_bf16_and_matches_stock(fam
     stock = _qlora_gelu_mlp(family)
     slim = slimgrad.convert(_qlora_gelu_mlp(family))
     assert "GELU" in type(slim.act).__name__ and type(slim.act) is not type(stock.act)
-    g = torch.Generator().manual_seed(3)
-    x0 = torch.randn(2, 12, 64, generator=g)
-    dy = torch.randn(2, 12, 64, generator=g)
-    outs, grads, kept = [], [], []
-    for model in (stock, slim):
-        x = x0.clone().requires_grad_()
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
-            y = model(x)
-        y.backward(dy)
-        outs.append(y.detach())
-        grads.append(x.grad)
-        # the intermediate-sized tensors kept (slimgrad's 4-bit Function also keeps references to the packed
-        # weights and their quant state: the model's memory, not the step's)
-        kept.append([(t.dtype, t.untyped_storage().nbytes()) for t in saved if t.dim() == 3 and t.shape[-1] == 160])
-    assert_same(outs[1], outs[0], what="output")
-    assert_same(grads[1], grads[0], what="dX")
+    saved = _stock_and_slim_agree(stock, slim, all_saved=True)
+    # the intermediate-sized tensors kept (slimgrad's 4-bit Function also keeps references to the packed weights
+    # and their quant state: the model's memory, not the step's)
+    kept = [[(t.dtype, t.untyped_storage().nbytes()) for t in side if t.dim() == 3 and t.shape[-1] == 160]
+            for side in saved]
     inter = 2 * 12 * 160
     assert kept == [[(torch.float32, inter * 4)], [(torch.bfloat16, inter * 2)]], kept

@@ -70,18 +70,16 @@ def _step(model, ids):
     return loss.detach(), grads, kept.bytes
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
-def test_moe_model_is_stock_bit_for_bit_and_keeps_act_gate_less(family, implementation, dtype):
-    stock, inter, top_k = _model(family, implementation, dtype)
-    # left stock: the RMSNorms' closed form and the fused LoRA layer (bf16) hand their input gradient over as one
-    # tensor, which autograd then sums with the residual's / the other projections' in another order (README,
-    # docs/lora.md: within rounding); the experts' product is the subject here
+def _bitwise_stock_keeping_less(stock, replacement: str) -> int:
+    """Convert ``stock`` (a copy) with and without its experts; assert the converted one's loss and gradients are
+    stock's bit for bit and its experts are ``replacement``; return the bytes kept less than without the experts.
+    Left stock on both sides: the RMSNorms' closed form and the fused LoRA layer (bf16) hand their input gradient
+    over as one tensor, which autograd then sums with the residual's / the other projections' in another order
+    (README, docs/lora.md: within rounding); the experts' product is the subject here."""
     others = [_norm_type(stock), peft.tuners.lora.Linear]
     slim = slimgrad.convert(copy.deepcopy(stock), exclude=others)
     without = slimgrad.convert(copy.deepcopy(stock), exclude=others + [_experts_type(stock)])
-    assert _experts_type(slim).__name__.startswith("Slim") and not _experts_type(without).__name__.startswith("Slim")
+    assert _experts_type(slim).__name__ == replacement and not _experts_type(without).__name__.startswith("Slim")
     ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
     ref_loss, ref_grads, _ = _step(stock, ids)
     loss, grads, kept = _step(slim, ids)
@@ -90,9 +88,17 @@ def test_moe_model_is_stock_bit_for_bit_and_keeps_act_gate_less(family, implemen
     assert grads.keys() == ref_grads.keys() and grads
     for n, g in grads.items():
         assert_same(g, ref_grads[n], what=n)
+    return kept_without - kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_moe_model_is_stock_bit_for_bit_and_keeps_act_gate_less(family, implementation, dtype):
+    stock, inter, top_k = _model(family, implementation, dtype)
+    less = _bitwise_stock_keeping_less(stock, "Slim" + _experts_type(stock).__name__)
     # act_fn(gate) of every routed (token, expert) pair is no longer kept
-    routed = 2 * 12 * top_k
-    assert kept_without - kept == COMMON["num_hidden_layers"] * routed * inter * dtype.itemsize, (kept_without, kept)
+    assert less == COMMON["num_hidden_layers"] * 2 * 12 * top_k * inter * dtype.itemsize, less
 
 
 @pytest.mark.parametrize("rg", list(itertools.product([False, True], repeat=3)), ids=str)
@@ -290,21 +296,9 @@ def _gpt_oss(implementation="grouped_mm", dtype=torch.float32):
 def test_gpt_oss_model_is_stock_bit_for_bit_and_keeps_four_intermediates_less(implementation, dtype):
     pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
     stock, inter, top_k = _gpt_oss(implementation, dtype)
-    others = [_norm_type(stock), peft.tuners.lora.Linear]  # as in the test above
-    slim = slimgrad.convert(copy.deepcopy(stock), exclude=others)
-    without = slimgrad.convert(copy.deepcopy(stock), exclude=others + [_experts_type(stock)])
-    assert _experts_type(slim).__name__ == "SlimGptOssExperts"
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
-    ref_loss, ref_grads, _ = _step(stock, ids)
-    loss, grads, kept = _step(slim, ids)
-    _, _, kept_without = _step(without, ids)
-    assert_same(loss, ref_loss, what="loss")
-    assert grads.keys() == ref_grads.keys() and grads
-    for n, g in grads.items():
-        assert_same(g, ref_grads[n], what=n)
+    less = _bitwise_stock_keeping_less(stock, "SlimGptOssExperts")
     # the clamped gate, the sigmoid, up + 1 and the GLU of every routed pair are no longer kept
-    routed = 2 * 12 * top_k
-    assert kept_without - kept == 2 * routed * 4 * inter * dtype.itemsize, (kept_without, kept)
+    assert less == 2 * (2 * 12 * top_k) * 4 * inter * dtype.itemsize, less
 
 
 def test_gpt_oss_experts_under_peft_target_parameters_are_converted():

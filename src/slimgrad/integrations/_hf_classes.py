@@ -3,12 +3,13 @@ modules imported so far. Each integration filters them by name and then verifies
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["loaded_transformers_classes"]
+__all__ = ["import_modeling", "loaded_transformers_classes"]
 
 
 def loaded_transformers_classes() -> Iterator[tuple[str, type[nn.Module]]]:
@@ -20,3 +21,13 @@ def loaded_transformers_classes() -> Iterator[tuple[str, type[nn.Module]]]:
         for name, value in list(vars(module).items()):
             if isinstance(value, type) and value.__module__ == module_name and issubclass(value, nn.Module):
                 yield name, value
+
+
+def import_modeling(families) -> None:
+    """Import ``transformers.models.<family>.modeling_<family>`` for each family this transformers has, so that an
+    integration registers their classes even when the user's model code is imported after slimgrad."""
+    for name in families:
+        try:
+            importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:  # a family this transformers version lacks
+            continue

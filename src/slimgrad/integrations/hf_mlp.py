@@ -30,7 +30,7 @@ from slimgrad._registry import ORIGINALS, REPLACEMENTS, register, register_forwa
 from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import fused_activation, gelu_new, gelu_python, quick_gelu
 from slimgrad.integrations._fingerprint import fingerprint, names_read, source_fingerprint
-from slimgrad.integrations._hf_classes import loaded_transformers_classes
+from slimgrad.integrations._hf_classes import import_modeling, loaded_transformers_classes
 
 __all__ = ["activation_kind", "register_loaded"]
 
@@ -294,11 +294,7 @@ refresh = register_loaded  # called by slimgrad.integrations.load_available on e
 
 def _load() -> None:
     _register_activations()
-    for name in CORE_MODELS:
-        try:
-            importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        except ImportError:  # a family this transformers version lacks
-            continue
+    import_modeling(CORE_MODELS)
     register_loaded()
 
 

@@ -32,7 +32,7 @@ from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
 from slimgrad.functional.clamped_swiglu import clamped_swiglu
 from slimgrad.functional.gated import gated_activation
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
-from slimgrad.integrations._hf_classes import loaded_transformers_classes
+from slimgrad.integrations._hf_classes import import_modeling, loaded_transformers_classes
 from slimgrad.integrations.hf_mlp import _global_hooks, _has_hooks, activation_kind
 
 __all__ = ["register_loaded"]
@@ -158,11 +158,7 @@ refresh = register_loaded  # called by slimgrad.integrations.load_available on e
 
 
 def _load() -> None:
-    for name in CORE_MODELS:
-        try:
-            importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        except ImportError:  # a family this transformers version lacks
-            continue
+    import_modeling(CORE_MODELS)
     register_loaded()
 
 
