@@ -29,6 +29,13 @@ from slimgrad.measure import SavedTensors, peak_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODELS = ["llama-like", "smollm2", "mixtral-like", "gpt-oss-like"]
+
+
+def targets_of(model: str) -> list[str]:
+    """LoRA's targets: a MoE layer's experts are 3-D parameters, not the Linear layers LoRA targets, so the
+    MoE models get LoRA on the attention."""
+    return PROJECTIONS[:4] if model in ("mixtral-like", "gpt-oss-like") else PROJECTIONS
 
 
 def build(args):
@@ -60,9 +67,8 @@ def build(args):
                           vocab_size=8192)
         model = LlamaForCausalLM(cfg)
     model = model.to(getattr(torch, args.dtype)).to(args.device)
-    # a MoE layer's experts are 3-D parameters, not the Linear layers LoRA targets: LoRA on the attention
-    targets = PROJECTIONS[:4] if args.model in ("mixtral-like", "gpt-oss-like") else PROJECTIONS
-    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
+    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
+                                             target_modules=targets_of(args.model)))
     model.train()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch_size, args.seq_len), device=args.device)
@@ -89,7 +95,7 @@ def step(model, batch):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["llama-like", "smollm2", "mixtral-like", "gpt-oss-like"], default="llama-like")
+    parser.add_argument("--model", choices=MODELS, default="llama-like")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -125,7 +131,7 @@ def main():
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"torch {torch.__version__}, {args.device} ({platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads), {args.model}, {args.dtype}, batch {args.batch_size}×{args.seq_len}, "
-        f"LoRA r={args.rank} on {', '.join(PROJECTIONS[:4] if args.model in ('mixtral-like', 'gpt-oss-like') else PROJECTIONS)}, "
+        f"LoRA r={args.rank} on {', '.join(targets_of(args.model))}, "
         f"median of {args.repeats} interleaved steps.",
         "",
         "| provider | MiB kept for backward | ratio to eager | peak MiB over the step | step time (s) | time ratio |",

@@ -4,6 +4,7 @@ from ._transforms import func_policy, get_func_policy, set_func_policy
 from .activation import leaky_relu, relu
 from .batch_norm import batch_norm
 from .clamp import hardsigmoid, hardtanh, hardtanh_, relu6, threshold, threshold_
+from .clamped_swiglu import clamped_swiglu
 from .conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from .cross_entropy import fused_linear_cross_entropy
 from .dropout import dropout, dropout1d, dropout2d, dropout3d
@@ -28,6 +29,7 @@ __all__ = [
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d",
     "batch_norm",
+    "clamped_swiglu",
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "dropout", "dropout1d", "dropout2d", "dropout3d",
     "fused_linear_cross_entropy",

@@ -49,6 +49,7 @@ _LAYERS = {
     "LoraLinearFunction": ("LoRA linear", "exclude=[peft.tuners.lora.Linear]"),
     "GatedFunction": ("gated MLP activation", "exclude=[<the model's MLP class, e.g. LlamaMLP>]"),
     "FormulaActivationFunction": ("formula activation", "exclude=[<the activation class, e.g. NewGELUActivation>]"),
+    "ClampedSwiGLUFunction": ("GPT-OSS experts' clamped SwiGLU", "exclude=[<the experts class, e.g. GptOssExperts>]"),
     "FusedLinearCrossEntropyFunction": ("chunked linear + cross-entropy loss", "chunked_loss=False"),
 }
 
