@@ -63,6 +63,8 @@ if [ "$PHASE" != 2 ]; then
   # only so far)
   step seed-cuda 60 $PY -m pytest -q -p no:cacheprovider tests/test_seed_compiled_autograd.py \
     tests/test_core_lora_conv.py -k cuda --maxfail=20
+  # MoE experts (Mixtral's gated product through the Triton gated kernel, GPT-OSS's clamped SwiGLU) against stock
+  step moe-cuda 40 $PY -m pytest -q -p no:cacheprovider tests/test_hf_moe.py -k cuda
   core_ready
   export SLIMGRAD_CORE=1
   step cuda-core 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py --maxfail=30
