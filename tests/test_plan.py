@@ -442,7 +442,7 @@ _UNIT_MODELS = {  # one model per family of compiled-core Functions (on CPU the 
 def test_each_unit_checkpointed_or_offloaded_alone_is_estimated_to_the_byte(name):
     """Every block and part of a model (every ``stride``-th), checkpointed alone and (blocks) offloaded alone: the
     estimate equals the allocator's records of a real step to the byte. Audited over every unit of all eleven
-    budget models (181 plans, 2026-11-26); this keeps one model per family of compiled-core Functions. Without the
+    budget models (222 plans, 2026-11-26); this keeps one model per family of compiled-core Functions. Without the
     core, the estimate counts the Python path's numpy masks, which the allocator's records miss (see
     :mod:`slimgrad.estimate`)."""
     if _CORE_OFF:
