@@ -143,9 +143,9 @@ def test_classes_with_their_own_gate_are_registered_only_where_it_is_read():
     from slimgrad.integrations import hf_moe
 
     gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
-    slimgrad.convert(torch.nn.Linear(2, 2))  # loads the integrations and registers the loaded classes
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+    slimgrad.convert(torch.nn.Linear(2, 2))  # loads the integrations and registers the loaded classes
     assert MixtralExperts in REPLACEMENTS
     assert REPLACEMENTS[gpt_oss.GptOssExperts]._apply_gate is hf_moe._clamped_swiglu_gate  # its own gate, read
     # a gate of another source is left alone

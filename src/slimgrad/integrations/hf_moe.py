@@ -32,13 +32,10 @@ from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
 from slimgrad.functional.clamped_swiglu import clamped_swiglu
 from slimgrad.functional.gated import gated_activation
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
-from slimgrad.integrations._hf_classes import import_modeling, loaded_transformers_classes
+from slimgrad.integrations._hf_classes import loaded_transformers_classes
 from slimgrad.integrations.hf_mlp import _global_hooks, _has_hooks, activation_kind
 
 __all__ = ["register_loaded"]
-
-#: MoE modeling modules imported eagerly so their experts are registered even when loaded after this module
-CORE_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 #: the implementations of ``transformers.integrations.moe`` that call ``_apply_gate`` (read in their source here)
 GATE_CALLERS = ("grouped_mm", "batched_mm", "deepgemm")
@@ -157,9 +154,6 @@ def register_loaded() -> list[str]:
 refresh = register_loaded  # called by slimgrad.integrations.load_available on every convert
 
 
-def _load() -> None:
-    import_modeling(CORE_MODELS)
-    register_loaded()
-
-
-_load()
+# No modeling module is imported here (six MoE families took 1-3 s a process): the classes of those the user's
+# model code imported are registered now and at every convert (refresh).
+register_loaded()
