@@ -21,6 +21,12 @@ from slimgrad.integrations import INTEGRATIONS, load_available
 for _library in INTEGRATIONS:  # every integration whose library is installed registers its classes
     if importlib.util.find_spec(_library) is not None:
         importlib.import_module(_library)
+# the MoE integration registers the families the user's code imported (it imports none itself): import some here
+for _family in ("mixtral", "qwen2_moe", "gpt_oss"):
+    try:
+        importlib.import_module(f"transformers.models.{_family}.modeling_{_family}")
+    except ImportError:  # transformers not installed, or a version without this family
+        pass
 load_available()
 
 
@@ -47,6 +53,8 @@ def test_registry_covers_the_integrations():
             f"hf_loss did not register LlamaForCausalLM on transformers {transformers.__version__}: "
             f"{class_gap(transformers.LlamaForCausalLM)}")
         assert transformers.models.gemma.modeling_gemma.GemmaRMSNorm in REPLACEMENTS  # forward(self, x)
+        if importlib.util.find_spec("transformers.integrations.moe") is not None:  # transformers 5's fused experts
+            assert transformers.models.mixtral.modeling_mixtral.MixtralExperts in REPLACEMENTS
 
 
 def test_bound_forward_signature_after_convert():
