@@ -512,8 +512,7 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-_GROUPED_MM = {op for op in (getattr(torch.ops.aten, "_grouped_mm", None),) if op is not None
-               for op in [op.default]}
+_GROUPED_MM = {torch.ops.aten._grouped_mm.default} if hasattr(torch.ops.aten, "_grouped_mm") else set()
 
 
 def _grouped_mm_on_fakes(func, args, kwargs):

@@ -30,10 +30,9 @@ from torch import nn
 
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
 from slimgrad.functional.clamped_swiglu import clamped_swiglu
-from slimgrad.functional.gated import gated_activation
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
-from slimgrad.integrations.hf_mlp import _global_hooks, _has_hooks, activation_kind
+from slimgrad.integrations.hf_mlp import _gated, _has_hooks, _runtime_kind, activation_kind
 
 __all__ = ["register_loaded"]
 
@@ -73,14 +72,11 @@ def _implementation(module: nn.Module) -> str | None:
 
 def _apply_gate(self, gate_up_out):
     """transformers' ``_default_apply_gate`` (``act_fn(gate) * up`` on the halves), keeping gate and up only."""
-    act = self.act_fn
-    kind = None if _has_hooks(act) or _global_hooks() else activation_kind(act)
+    kind = _runtime_kind(self, "act_fn")
     if kind is None:  # activation swapped or hooked since conversion: stock's product
         return _default_apply_gate(self, gate_up_out)
     gate, up = gate_up_out.chunk(2, dim=-1)
-    if gate.shape != up.shape:  # an odd width: chunk's halves differ, as stock's product would fail on
-        return _default_apply_gate(self, gate_up_out)
-    return gated_activation(gate, up, kind)
+    return _gated(self, gate, up, "act_fn", kind)  # (halves of another shape: stock's expression)
 
 
 def _clamped_swiglu_gate(self, gate_up):
