@@ -151,6 +151,10 @@ def test_classes_with_their_own_gate_are_registered_only_where_it_is_read():
     # a gate of another source is left alone
     other = type("OtherExperts", (gpt_oss.GptOssExperts,), {"_apply_gate": lambda self, x: x * 2})
     assert not hf_moe._register_experts(other) and other not in REPLACEMENTS
+    from slimgrad._notices import class_gap
+
+    gap = class_gap(other)  # and convert says so for a model that has one
+    assert gap is not None and gap.family == "MoE experts" and "OtherExperts._apply_gate" in gap.reason, gap
 
 
 def test_drop_in_and_revert():

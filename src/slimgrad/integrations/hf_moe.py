@@ -28,6 +28,7 @@ import importlib
 
 from torch import nn
 
+from slimgrad import _notices
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
 from slimgrad.functional.clamped_swiglu import clamped_swiglu
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
@@ -125,8 +126,11 @@ def _register_experts(cls: type) -> bool:
         ours, reason, what = _apply_gate, _unsupported, "its gated product keeps gate and up only"
     elif gate is not _default_apply_gate and fingerprint(gate) == _CLAMPED_SWIGLU_GATE:
         ours, reason, what = _clamped_swiglu_gate, _unsupported_clamped, "its clamped SwiGLU keeps its input only"
-    else:
+    else:  # an experts class of the family slimgrad claims, with a gate it does not reproduce: say so
         _REJECTED.add(cls)
+        _notices.record_class_gap(cls, library="transformers", family="MoE experts", reason=(
+            f"{cls.__name__}._apply_gate (fingerprint {fingerprint(gate)}) is neither transformers' default "
+            f"act_fn(gate) * up as slimgrad read it nor GPT-OSS's clamped SwiGLU"))
         return False
     _VERIFIED[cls] = gate
     name = f"Slim{cls.__name__}"
