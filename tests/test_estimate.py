@@ -444,6 +444,28 @@ def test_estimate_with_scratch_ops_allocates_one_op_at_a_time():
     assert used < e.step_peak_bytes / 2, (used, e.step_peak_bytes)
 
 
+@pytest.mark.parametrize("name", ["llama_lora", "resnet18"])
+def test_each_storage_is_let_go_at_the_first_op_after_it_died(name, monkeypatch):
+    """The estimate learns that a storage died from a callback on its Python object (asking every live storage
+    at every op was quadratic: 17 of a UNet plan's 29 s). At every sweep, each storage reported dead has died and
+    none still counted has: the same bytes at every op as asking each storage."""
+    import sys
+
+    allocations = sys.modules["slimgrad.estimate"]._Allocations
+    sweep, sweeps = allocations.sweep, []
+
+    def checked(self):
+        assert all(self.live[k][0].expired() for k in self.dead if k in self.live)
+        sweep(self)
+        assert not [k for k, v in self.live.items() if v[0].expired()]
+        sweeps.append(len(self.live))
+
+    monkeypatch.setattr(allocations, "sweep", checked)
+    model, example = _build(name, converted=True)
+    _estimate(model, example, optimizer="adamw")
+    assert len(sweeps) > 100 and max(sweeps) > 10
+
+
 # --- per-block rows and where the peak is ----------------------------------------------------------------
 
 

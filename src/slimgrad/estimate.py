@@ -384,6 +384,9 @@ class _Allocations(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.live: dict[int, list] = {}  # cdata -> [weakref, nbytes, kind, owner]
+        # cdata of live storages that have died since the last sweep, appended by their Python weakref's callback
+        self.dead: list[int] = []
+        self.watches: dict[int, weakref.ref] = {}  # cdata -> the weakref whose callback reports its death
         self.totals: dict[str, int] = {}
         self.current = 0
         self.phase = "forward"
@@ -415,7 +418,7 @@ class _Allocations(TorchDispatchMode):
         if t.device.type != self.device_type:  # (a fake tensor's storage is on meta: ask the tensor)
             kind = "host"  # offloaded to host memory (save_on_cpu): not on the device being planned
         n = self._bytes(s, t.device.type)
-        self.live[ref.cdata] = [ref, n, kind, owner]
+        self._watch(s, ref, n, kind, owner)
         self.current += n
         self.totals[kind] = self.totals.get(kind, 0) + n
         return n
@@ -427,10 +430,28 @@ class _Allocations(TorchDispatchMode):
                 self.totals[old] -= v[1]
                 self.totals[new] = self.totals.get(new, 0) + v[1]
 
+    def _watch(self, storage, ref, n: int, kind: str, owner: str) -> None:
+        """Track ``storage`` until it dies. A storage's Python object is kept alive by C++ as long as the storage
+        is (PyTorch preserves it, as it does a tensor's), so a weakref callback on it reports the death itself;
+        asking every live storage whether it expired at every op cost O(ops x live storages): 17 of a diffusers
+        UNet plan's 29 s. ``ref`` (a C++ weak reference) is kept until the sweep so that the storage's address,
+        the key, is not reused by a new storage before the sweep has let the dead one go."""
+        key = ref.cdata
+        self.live[key] = [ref, n, kind, owner]
+        dead = self.dead
+        self.watches[key] = weakref.ref(storage, lambda _, key=key: dead.append(key))
+
     def sweep(self) -> None:
-        dead = [k for k, v in self.live.items() if v[0].expired()]
+        if not self.dead:
+            return
+        dead = self.dead[:]
+        del self.dead[:len(dead)]
         for k in dead:
-            _, n, kind, _ = self.live.pop(k)
+            entry = self.live.pop(k, None)
+            self.watches.pop(k, None)
+            if entry is None:
+                continue
+            _, n, kind, _ = entry
             self.current -= n
             self.totals[kind] -= n
 
@@ -457,8 +478,7 @@ class _Allocations(TorchDispatchMode):
 
         n = 1 if isinstance(args[1], bool) else 16 if isinstance(args[1], complex) else 8
         storage = torch.UntypedStorage(n)
-        ref = StorageWeakRef(storage)
-        self.live[ref.cdata] = [ref, n, kind, owner]
+        self._watch(storage, StorageWeakRef(storage), n, kind, owner)
         self.current += n
         self.totals[kind] = self.totals.get(kind, 0) + n
         self.wrapped.append((weakref.ref(out), storage))
