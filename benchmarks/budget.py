@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import logging
 import os
 import pathlib
@@ -324,9 +323,8 @@ class Bench:
         m.zero_grad(set_to_none=True)
         self.work.step(m, batch)  # warm-up: first-call caches, a dynamic compile's new size
         m.zero_grad(set_to_none=True)
-        # garbage from earlier steps (models, graphs in reference cycles) freed by a collection inside the
-        # measured step would count against it: seen as a 0.3-1 MiB lower first peak of a fresh model
-        gc.collect()
+        # (peak_bytes collects the garbage of earlier steps first: freed inside the measured step, models and graphs
+        # in reference cycles would count against it, seen as a 0.3-1 MiB lower first peak of a fresh model)
         if self.device.type == "cuda":
             # a CUDA tensor among the arguments: peak_bytes reads max_memory_allocated alone (a bare closure
             # would also run the CPU profiler's allocation records around every step)
