@@ -394,6 +394,65 @@ def test_models_match_peft(build, dtype):
         assert kept.bytes < kept_stock.bytes
 
 
+def tiny_falcon(dtype, *, bias=False, new_arch=False, dropout=0.0):
+    """Falcon-7B's layout (multi-query, parallel attention) or Falcon-40B's (new decoder architecture), LoRA on
+    every ``FalconLinear``."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    cfg = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bias=bias,
+                       new_decoder_architecture=new_arch, num_kv_heads=2 if new_arch else None,
+                       multi_query=not new_arch, parallel_attn=True, hidden_dropout=0.0, attention_dropout=0.0)
+    model = FalconForCausalLM(cfg).to(dtype)
+    return get_peft_model(model, LoraConfig(r=R, lora_alpha=2 * R, lora_dropout=dropout, init_lora_weights=False,
+                                            target_modules=["query_key_value", "dense", "dense_h_to_4h",
+                                                            "dense_4h_to_h"]))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("new_arch", [False, True], ids=["falcon-7b", "falcon-40b"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_falcon_lora_matches_peft_and_keeps_less(dtype, new_arch, dropout):
+    """LoRA over Falcon's bias-less FalconLinear (``x @ W.T``, which is aten's bias-less linear) converts: the same
+    logits as peft, gradients within the association tolerance of the other models, and with dropout less kept."""
+    stock = tiny_falcon(dtype, new_arch=new_arch, dropout=dropout)
+    slim = slim_of(stock)
+    assert len(lora_modules(slim)) == len(lora_modules(stock)) == 8
+    assert all(type(m) is SlimLinear for m in lora_modules(slim))
+    assert all(type(m.base_layer).__name__ == "FalconLinear" for m in lora_modules(slim))
+    stock.train(), slim.train()
+    with SavedTensors(exclude=[stock]) as kept_stock:
+        torch.manual_seed(5)  # the same dropout draws on both sides
+        out_s, _ = step(stock, ids())
+    with SavedTensors(exclude=[slim]) as kept:
+        torch.manual_seed(5)
+        out_k, _ = step(slim, ids())
+    assert_same(out_k, out_s, what="logits")
+    for (name, p), q in zip(stock.named_parameters(), slim.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
+            assert_same(q.grad, p.grad, exact=False, rtol=0, atol=8 * ulp * p.grad.abs().max().item(), what=name)
+    if dropout or dtype != torch.float32:
+        assert kept.bytes < kept_stock.bytes, (kept.bytes, kept_stock.bytes)
+    else:
+        assert kept.bytes == kept_stock.bytes
+
+
+def test_falcon_lora_with_bias_is_left_to_peft_and_says_why():
+    stock = tiny_falcon(torch.bfloat16, bias=True, dropout=0.1)
+    slim, report = slimgrad.convert(stock, include=[LoraLinear], report=True)
+    assert not report.converted and len(report.skipped) == 8
+    assert all("FalconLinear with a bias" in s.reason for s in report.skipped), report.skipped[0].reason
+    assert all(type(m) is LoraLinear for m in lora_modules(slim))
+    torch.manual_seed(5)
+    out_s, _ = step(stock, ids())
+    torch.manual_seed(5)
+    out_k, _ = step(slim, ids())
+    assert_same(out_k, out_s, what="logits")
+    compare_grads(stock, slim)
+
+
 def test_merged_disabled_mixed_batch_and_revert():
     stock = _two_adapters(torch.float32)
     stock.add_adapter("third", LoraConfig(r=R, target_modules=["proj"], init_lora_weights=False))

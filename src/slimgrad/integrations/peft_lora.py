@@ -7,7 +7,7 @@ does differently from plain LoRA goes through PEFT's own forward, unchanged: mer
 and anything the Function would not reproduce bit for bit (hooks on the submodules, which a direct
 parameter read would skip; adapters of mixed dtypes; dropout under autocast, where PEFT drops in the
 adapters' dtype before autocast rounds). LoRA variants (DoRA and the others) and base layers other than
-``nn.Linear`` / GPT-2's ``Conv1D`` are left unconverted and reported.
+``nn.Linear`` / GPT-2's ``Conv1D`` / Falcon's bias-less ``FalconLinear`` are left unconverted and reported.
 
 The replacement re-implements the plain-LoRA branch of peft's ``Linear.forward`` (and, for GPT-2's
 ``Conv1D`` base, that layer's forward), so it is registered only when those functions are versions slimgrad
@@ -40,6 +40,7 @@ KNOWN = {
     "lora.Linear.forward": {"4c9996dfc57f4775": "peft 0.17.0-0.17.1", "039d4360386e2022": "peft 0.18.0-0.21.2"},
     "BaseTunerLayer._cast_input_dtype": {"205581c1e8c84685": "peft 0.17.0-0.21.2"},
     "Conv1D.forward": {"0570fe82cfe0b593": "transformers 5.23.0-5.24.0"},
+    "FalconLinear.forward": {"d4c23694133f449b": "transformers 4.57.6-5.24.0"},
 }
 _PLAIN = (torch.Tensor, nn.Parameter)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -63,6 +64,34 @@ def _stock_type(module: nn.Module) -> type:
     return ORIGINALS.get(type(module), type(module))
 
 
+_FALCON_MODULE = "transformers.models.falcon.modeling_falcon"
+_falcon_reasons: dict = {}  # FalconLinear.forward (the function object) -> why it is not read as F.linear, or None
+
+
+def _is_falcon_linear(kind: type) -> bool:
+    return kind.__name__ == "FalconLinear" and kind.__module__ == _FALCON_MODULE
+
+
+def _falcon_reason(base: nn.Module) -> str | None:
+    """Why a LoRA layer over Falcon's ``FalconLinear`` is left to peft, or None where its forward is F.linear's.
+
+    ``FalconLinear`` computes ``input @ weight.T``, then adds the bias. Without a bias that is what
+    ``F.linear(x, weight)`` runs (aten's linear is ``matmul(input, weight.t())`` when there is no bias): the same
+    numbers on every device and dtype. With a bias, ``F.linear`` adds it inside the product (addmm), which rounds
+    differently in bf16/fp16, so those layers stay peft's. The forward is checked against the versions read
+    (:data:`KNOWN`), again whenever the function object changes (patched)."""
+    forward = type(base).forward
+    if forward not in _falcon_reasons:
+        _falcon_reasons[forward] = unknown_reason({"FalconLinear.forward": forward}, KNOWN)
+    reason = _falcon_reasons[forward]
+    if reason is not None:
+        return reason + "; LoRA layers over it are left to peft"
+    if base.bias is not None:
+        return ("base layer is FalconLinear with a bias, which it adds after the product (x @ W.T + b): F.linear "
+                "would round it differently in bf16/fp16, so the layer is left to peft")
+    return None
+
+
 def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None)
 
@@ -73,8 +102,12 @@ def _unsupported(module: LoraLinear) -> str | None:
 
 def _unsupported_layer(module: LoraLinear) -> str | None:
     base = module.base_layer
-    if _stock_type(base) not in (nn.Linear, Conv1D):
-        return f"base layer is {type(base).__name__}, not nn.Linear or transformers' Conv1D"
+    if _is_falcon_linear(_stock_type(base)):
+        reason = _falcon_reason(base)
+        if reason is not None:
+            return reason
+    elif _stock_type(base) not in (nn.Linear, Conv1D):
+        return f"base layer is {type(base).__name__}, not nn.Linear, transformers' Conv1D or a bias-less FalconLinear"
     if _stock_type(base) is Conv1D and _CONV1D_REASON is not None:
         return _CONV1D_REASON
     if (_stock_type(base) is Conv1D) != bool(module.fan_in_fan_out):
@@ -178,10 +211,13 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
     base = modules["base_layer"]
     plan = d.get("_slimgrad_core_plan")
     if plan is None or plan[0] is not type(base):
-        plan = d["_slimgrad_core_plan"] = (type(base), _unsupported_layer(self) is None, _stock_type(base) is Conv1D)
+        plan = d["_slimgrad_core_plan"] = (type(base), _unsupported_layer(self) is None, _stock_type(base) is Conv1D,
+                                           _is_falcon_linear(_stock_type(base)))
     if not plan[1] or _hooked(base):
         return None
     weight, bias = base._parameters["weight"], base._parameters.get("bias")
+    if plan[3] and bias is not None:  # a bias given to a FalconLinear since: peft's forward (via _forward's check)
+        return None
     device = x.device
     if type(weight) not in _PLAIN or weight.device != device or weight.dtype not in _FLOATS:
         return None
