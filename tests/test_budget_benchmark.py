@@ -118,3 +118,18 @@ def test_largest_search_finds_the_boundary_of_a_step_function():
         assert found == bound
     assert Fake(lambda n: 10**9).largest("x", 100, 0.5, []) == 0
     assert Fake(lambda n: n).largest("x", 10**9, 0.5, []) == 256
+
+
+def test_estimate_cost_prints_its_table(capsys, _process_state_restored):
+    """benchmarks/estimate_cost.py (the wall time of estimate and plan by depth) runs and prints one row per depth;
+    bad depths are refused naming the option."""
+    import estimate_cost
+
+    text = estimate_cost.main(["--layers", "1,2"])
+    rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    assert all(re.search(r"\| \d+\.\d s \| \d+\.\d s \|", row) for row in rows), rows
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            estimate_cost.main(["--layers", bad])
+        assert "--layers" in capsys.readouterr().err
