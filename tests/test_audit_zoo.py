@@ -76,6 +76,13 @@ def gpt2():
     return _token_model(transformers.GPT2LMHeadModel(cfg))
 
 
+def falcon():
+    """Falcon-7B's layout: every projection a bias-less FalconLinear (x @ W.T)."""
+    cfg = transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=V,
+                                    multi_query=True, parallel_attn=True, bias=False)
+    return _token_model(transformers.FalconForCausalLM(cfg))
+
+
 def _pixels(channels=3, size=32):
     return torch.randn(2, channels, size, size, generator=torch.Generator().manual_seed(2))
 
@@ -140,7 +147,7 @@ def lora_with_dropout():
     return model, args, kwargs, None
 
 
-FAST = [cnn("resnet18"), llama, bert, t5, gpt2, vit, resnet, mobilenet, convnext]
+FAST = [cnn("resnet18"), llama, bert, t5, gpt2, falcon, vit, resnet, mobilenet, convnext]
 SLOW = [cnn("vgg11"), cnn("convnext"), cnn("vit"), unet, vae, llama_bf16, phi3]
 
 

@@ -234,13 +234,14 @@ def _out_features(m: nn.Module) -> int:
 
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: other libraries' linear layers: GPT-2's Conv1D (x @ W + b), Falcon's FalconLinear (x @ W.T, then + b)
+_LINEAR_NAMES = ("transformers.pytorch_utils.Conv1D", "transformers.models.falcon.modeling_falcon.FalconLinear")
 
 
 def _linear_like(m: nn.Module) -> _LinearLike | None:
     kind = _stock(type(m))
     name = _qualname(kind)
-    if (kind is nn.Linear or kind in _CONVS or name == "transformers.pytorch_utils.Conv1D"
-            or name.startswith("bitsandbytes.")):
+    if (kind is nn.Linear or kind in _CONVS or name in _LINEAR_NAMES or name.startswith("bitsandbytes.")):
         reads = _needs(getattr(m, "weight", None))
         return _LinearLike(any(p.requires_grad for p in m.parameters()),
                            lambda x: _keep(x) if reads else None, lambda positions, g: [], _out_features(m))
@@ -412,6 +413,7 @@ _RULES: dict[type, Callable] = {
 #: rules for other libraries' classes, by qualified name (so the libraries need not be imported here)
 _NAMED_RULES: dict[str, Callable] = {
     "transformers.pytorch_utils.Conv1D": _weight_reads_input,
+    "transformers.models.falcon.modeling_falcon.FalconLinear": _weight_reads_input,
     "transformers.activations.GELUActivation": _reads_input,
     "transformers.activations.GELUTanh": _reads_input,
     "transformers.activations.NewGELUActivation": _reads_input,
