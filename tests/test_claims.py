@@ -219,6 +219,13 @@ def _peft_lora(base: str) -> Engagement:
         model, targets, cls = _causal_lm("llama"), ["q_proj", "v_proj", "gate_proj"], layer.Linear
     elif base == "conv1d":
         model, targets, cls = _gpt2(), ["c_attn", "c_fc"], layer.Linear
+    elif base == "falcon":  # Falcon-7B's bias-less FalconLinear
+        transformers = _require("transformers", "transformers")
+        config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                                           multi_query=True, parallel_attn=True, bias=False)
+        torch.manual_seed(0)
+        model, targets, cls = (transformers.FalconForCausalLM(config), ["query_key_value", "dense_h_to_4h"],
+                               layer.Linear)
     else:
         model, targets, cls = _ConvNet(), ["conv", "head"], layer.Conv2d
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
@@ -287,7 +294,7 @@ CASES: dict[str, Callable[[], Engagement]] = {
     **{f"hf-act-{n}": (lambda n=n: _hf_activation(n)) for n in HF_ACTIVATIONS},
     "hf-act-gpt2": _gpt2_activation,
     **{f"chunked-{f}": (lambda f=f: _chunked_loss(f)) for f in [*CAUSAL_LMS, "gpt2"]},
-    **{f"lora-{b}": (lambda b=b: _peft_lora(b)) for b in ("linear", "conv1d", "conv2d")},
+    **{f"lora-{b}": (lambda b=b: _peft_lora(b)) for b in ("linear", "conv1d", "falcon", "conv2d")},
     **{f"bnb-{b}bit": (lambda b=b: _bnb_linear(b)) for b in (4, 8)},
     **{f"lora-bnb-{b}bit": (lambda b=b: _peft_over_bnb(b)) for b in (4, 8)},
     **{f"diffusers-{n}": (lambda n=n: _diffusers_activation(n)) for n in DIFFUSERS_ACTIVATIONS},
