@@ -453,6 +453,26 @@ def test_falcon_lora_with_bias_is_left_to_peft_and_says_why():
     compare_grads(stock, slim)
 
 
+def test_falcon_lora_over_a_changed_falcon_linear_is_left_to_peft(monkeypatch):
+    """A FalconLinear.forward slimgrad has not read (here: patched, before or after the conversion) is never run as
+    F.linear: the layers are left to peft, with stock's numbers."""
+    from transformers.models.falcon import modeling_falcon
+
+    def changed(self, input):
+        return input @ self.weight.T * 0.5
+
+    stock = tiny_falcon(torch.float32)
+    converted = slim_of(stock)
+    monkeypatch.setattr(modeling_falcon.FalconLinear, "forward", changed)
+    slim, report = slimgrad.convert(stock, include=[LoraLinear], report=True)
+    assert not report.converted and len(report.skipped) == 8
+    assert all("FalconLinear.forward" in s.reason and "not a version" in s.reason for s in report.skipped)
+    out_s, _ = step(stock, ids())
+    for model in (slim, converted):  # converted before the patch: its layers see the change at their next call
+        out_k, _ = step(model, ids())
+        assert_same(out_k, out_s, what="logits")
+
+
 def test_merged_disabled_mixed_batch_and_revert():
     stock = _two_adapters(torch.float32)
     stock.add_adapter("third", LoraConfig(r=R, target_modules=["proj"], init_lora_weights=False))

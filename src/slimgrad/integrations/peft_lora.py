@@ -211,13 +211,14 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
     base = modules["base_layer"]
     plan = d.get("_slimgrad_core_plan")
     if plan is None or plan[0] is not type(base):
+        falcon = _is_falcon_linear(_stock_type(base))
         plan = d["_slimgrad_core_plan"] = (type(base), _unsupported_layer(self) is None, _stock_type(base) is Conv1D,
-                                           _is_falcon_linear(_stock_type(base)))
+                                           type(base).forward if falcon else None)
     if not plan[1] or _hooked(base):
         return None
     weight, bias = base._parameters["weight"], base._parameters.get("bias")
-    if plan[3] and bias is not None:  # a bias given to a FalconLinear since: peft's forward (via _forward's check)
-        return None
+    if plan[3] is not None and (bias is not None or type(base).forward is not plan[3]):
+        return None  # a FalconLinear given a bias, or its forward patched, since: _forward checks it again
     device = x.device
     if type(weight) not in _PLAIN or weight.device != device or weight.dtype not in _FLOATS:
         return None
