@@ -9,6 +9,7 @@ excluded), peak bytes over forward+backward with allocator records (CPU) or ``ma
     python benchmarks/llm_lora.py --model smollm2 --batch-size 2 --seq-len 256
     python benchmarks/llm_lora.py --model mixtral-like  # 8 experts, top-2, LoRA on q/k/v/o (experts frozen)
     python benchmarks/llm_lora.py --model gpt-oss-like  # GPT-OSS's clamped SwiGLU experts, LoRA on q/k/v/o
+    python benchmarks/llm_lora.py --model falcon-like   # Falcon-7B's layout (bias-less FalconLinear), LoRA on all
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from slimgrad.measure import SavedTensors, peak_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODELS = ["llama-like", "smollm2", "mixtral-like", "gpt-oss-like"]
+MODELS = ["llama-like", "smollm2", "mixtral-like", "gpt-oss-like", "falcon-like"]
+FALCON_PROJECTIONS = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 
 
 def targets_of(model: str) -> list[str]:
     """LoRA's targets: a MoE layer's experts are 3-D parameters, not the Linear layers LoRA targets, so the
     MoE models get LoRA on the attention."""
+    if model == "falcon-like":
+        return FALCON_PROJECTIONS
     return PROJECTIONS[:4] if model in ("mixtral-like", "gpt-oss-like") else PROJECTIONS
 
 
@@ -62,6 +66,12 @@ def build(args):
                            num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=4,
                            vocab_size=8192, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)
         model = GptOssForCausalLM(cfg)
+    elif args.model == "falcon-like":
+        from transformers import FalconConfig, FalconForCausalLM
+
+        cfg = FalconConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, vocab_size=8192,
+                           multi_query=True, parallel_attn=True, bias=False)  # Falcon-7B's layout
+        model = FalconForCausalLM(cfg)
     else:
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                           vocab_size=8192)
