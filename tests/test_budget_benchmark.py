@@ -125,7 +125,7 @@ def test_estimate_cost_prints_its_table(capsys, _process_state_restored):
     bad depths are refused naming the option."""
     import estimate_cost
 
-    text = estimate_cost.main(["--layers", "1,2"])
+    text = estimate_cost.main(["--layers", "1,2", "--no-7b"])
     rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
     assert all(re.search(r"\| \d+\.\d s \| \d+\.\d s \|", row) for row in rows), rows
