@@ -13,6 +13,7 @@ command, torch version and machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import platform
@@ -54,6 +55,28 @@ def measure(layers: int) -> dict:
             "fits": plan.fits, "blocks": len(plan.actions)}
 
 
+def _old_sweep(self) -> None:
+    """The estimate's sweep before ac5e7d5: every live storage asked whether it died, at every op."""
+    dead = [k for k, v in self.live.items() if v[0].expired()]
+    for k in dead:
+        _, n, kind, _ = self.live.pop(k)
+        self.watches.pop(k, None)
+        self.current -= n
+        self.totals[kind] -= n
+    self.dead.clear()
+
+
+@contextlib.contextmanager
+def old_sweep():
+    allocations = sys.modules["slimgrad.estimate"]._Allocations
+    new = allocations.sweep
+    allocations.sweep = _old_sweep
+    try:
+        yield
+    finally:
+        allocations.sweep = new
+
+
 def measure_7b_on_meta() -> dict:
     """A Llama-7B config (transformers' LlamaConfig defaults: hidden 4096, 32 layers) built on the meta device in
     bf16, rank-16 LoRA on q/v, 1 x 512 tokens, AdamW, estimated as if on CPU: nothing of it is allocated."""
@@ -65,17 +88,28 @@ def measure_7b_on_meta() -> dict:
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model = slimgrad.convert(peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"])))
     ids = torch.randint(0, cfg.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1))
-    t = time.perf_counter()
-    est = slimgrad.estimate(model, input_ids=ids, labels=ids, optimizer="adamw", device="cpu")
-    return {"peak": est.peak_bytes, "estimate_s": time.perf_counter() - t}
+
+    def timed():
+        t = time.perf_counter()
+        est = slimgrad.estimate(model, input_ids=ids, labels=ids, optimizer="adamw", device="cpu")
+        return est, time.perf_counter() - t
+
+    est, first = timed()  # the first in the process measures each op signature's scratch on real tensors
+    _, again = timed()
+    return {"peak": est.peak_bytes, "first_s": first, "again_s": again, "timed": timed}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layers | estimated peak | estimate | plan at 70 % | plan fits | blocks planned |",
-             "|---:|---:|---:|---:|---|---:|"]
+    old = "old" in rows[0]
+    lines = ["| layers | estimated peak | estimate | plan at 70 % | plan fits | blocks planned |"
+             + (" estimate, old sweep | plan, old sweep |" if old else ""),
+             "|---:|---:|---:|---:|---|---:|" + ("---:|---:|" if old else "")]
     for r in rows:
-        lines.append(f"| {r['layers']} | {r['peak'] / MiB:.1f} MiB | {r['estimate_s']:.1f} s | {r['plan_s']:.1f} s | "
-                     f"{'yes' if r['fits'] else 'no'} | {r['blocks']} |")
+        line = (f"| {r['layers']} | {r['peak'] / MiB:.1f} MiB | {r['estimate_s']:.1f} s | {r['plan_s']:.1f} s | "
+                f"{'yes' if r['fits'] else 'no'} | {r['blocks']} |")
+        if old:
+            line += f" {r['old']['estimate_s']:.1f} s | {r['old']['plan_s']:.1f} s |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -84,6 +118,8 @@ def main(argv=None) -> str:
     parser.add_argument("--layers", default="2,8,32", help="comma-separated decoder depths")
     parser.add_argument("--write", action="store_true", help="write the table into docs/estimate.md")
     parser.add_argument("--no-7b", action="store_true", help="skip the Llama-7B config on the meta device")
+    parser.add_argument("--old-sweep", action="store_true",
+                        help="also time each with the estimate's sweep before ac5e7d5 (quadratic; minutes)")
     args = parser.parse_args(argv)
     try:
         depths = [int(n) for n in args.layers.split(",") if n]
@@ -96,18 +132,26 @@ def main(argv=None) -> str:
     logging.getLogger("slimgrad").setLevel(logging.ERROR)  # the plan is logged; the table says what it chose
     rows = []
     started = time.perf_counter()
+    measure(min(depths))  # the process's first estimate pays one-time costs: no row (nor sweep) should carry them
     for i, n in enumerate(depths):
         print(f"\r[{time.perf_counter() - started:5.0f} s] {i}/{len(depths)}: {n} layers" + " " * 20, end="",
               file=sys.stderr, flush=True)
         rows.append(measure(n))
+        if args.old_sweep:
+            with old_sweep():
+                rows[-1]["old"] = measure(n)
     big = None
     if not args.no_7b:
         print(f"\r[{time.perf_counter() - started:5.0f} s] Llama-7B on meta" + " " * 20, end="", file=sys.stderr,
               flush=True)
         big = measure_7b_on_meta()
+        if args.old_sweep:
+            with old_sweep():
+                big["old_s"] = big["timed"]()[1]
     print(file=sys.stderr)
-    command = "OMP_NUM_THREADS=1 python benchmarks/estimate_cost.py" + (f" --layers {args.layers}"
-                                                                         if args.layers != "2,8,32" else "")
+    command = ("OMP_NUM_THREADS=1 python benchmarks/estimate_cost.py"
+               + (f" --layers {args.layers}" if args.layers != "2,8,32" else "")
+               + (" --no-7b" if args.no_7b else "") + (" --old-sweep" if args.old_sweep else ""))
     body = "\n".join([
         "## What an estimate and a plan cost",
         "",
@@ -115,19 +159,22 @@ def main(argv=None) -> str:
         f"{torch.get_num_threads()} thread(s)): a Llama LoRA built from a config (hidden 256, LoRA r=8 with dropout on "
         "q/v), converted, batch 2×256, AdamW; wall time of `slimgrad.estimate` and of `slimgrad.plan` at 70 % of "
         "the estimated peak. The estimate costs in proportion to the step's op count (it simulates on fake tensors), "
-        "not its tensor sizes (the first row also pays the process's first-estimate warm-up); a plan runs one "
+        "not its tensor sizes (each row after a warm-up estimate); a plan runs one "
         "estimate per candidate its bisection tries (15 at 32 layers) and a short measured forward per block. "
         "At 2 layers 70 % does not fit: that peak is the loss's transient, which no block's plan lowers.",
         "",
         table(rows),
+    ] + ([] if not args.old_sweep else [
         "",
-        "Until this table, the estimate asked every live storage whether it had died at every op, which grew as "
-        "ops × live storages: at 32 layers the estimate took 6.0 s and the plan 97 s on the same machine.",
-    ] + ([] if big is None else [
+        "The old-sweep columns time the same calls with the estimate's sweep before ac5e7d5, which asked every live "
+        "storage whether it had died at every op and so grew as ops × live storages.",
+    ]) + ([] if big is None else [
         "",
         f"A Llama-7B config (transformers' `LlamaConfig()` defaults) built on the meta device in bf16, rank-16 LoRA "
         f"on q/v, 1×512 tokens, AdamW, estimated for the CPU without allocating any of it: "
-        f"**{big['peak'] / 2**30:.2f} GiB in {big['estimate_s']:.1f} s** (11.3 s with the per-op sweep before that change, same machine and day).",
+        f"**{big['peak'] / 2**30:.2f} GiB in {big['first_s']:.1f} s** (the first estimate in the process, which "
+        f"also measures each op signature's scratch on real tensors of its shapes); again: {big['again_s']:.1f} s"
+        + (f", with the old sweep {big['old_s']:.1f} s." if "old_s" in big else "."),
     ]))
     print(body)
     if args.write:
