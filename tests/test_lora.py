@@ -364,16 +364,14 @@ def ids(seed=3):
     return torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_models_match_peft(build, dtype):
-    stock = build(dtype)
-    slim = slim_of(stock)
-    assert len(lora_modules(slim)) == len(lora_modules(stock)) > 0
-    assert all(type(m) is SlimLinear for m in lora_modules(slim))
+def _model_steps_match(stock, slim, dtype):
+    """One step of each whole model, with the same dropout draws: the same logits, and gradients within the
+    tolerance below. Returns the bytes (slim, stock) kept for backward."""
     with SavedTensors(exclude=[stock]) as kept_stock:
+        torch.manual_seed(5)
         out_s, _ = step(stock, ids())
     with SavedTensors(exclude=[slim]) as kept:
+        torch.manual_seed(5)
         out_k, _ = step(slim, ids())
     assert_same(out_k, out_s, what="logits")
     # Each fused layer sums its base and adapter input gradients before autograd adds the q/k/v layers' at
@@ -384,14 +382,25 @@ def test_models_match_peft(build, dtype):
         if p.grad is not None:
             ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
             assert_same(q.grad, p.grad, exact=False, rtol=0, atol=8 * ulp * p.grad.abs().max().item(), what=name)
+    return kept.bytes, kept_stock.bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_models_match_peft(build, dtype):
+    stock = build(dtype)
+    slim = slim_of(stock)
+    assert len(lora_modules(slim)) == len(lora_modules(stock)) > 0
+    assert all(type(m) is SlimLinear for m in lora_modules(slim))
+    kept, kept_stock = _model_steps_match(stock, slim, dtype)
     for m in lora_modules(slim):
         assert m.base_layer.weight.grad is None and m.base_layer.weight.requires_grad is False
         assert m.lora_A["default"].weight.grad is not None and m.lora_B["default"].weight.grad is not None
     # fp32: stock already keeps the shared x once; bf16: stock keeps an fp32 copy of x per adapted layer
     if dtype == torch.float32:
-        assert kept.bytes == kept_stock.bytes
+        assert kept == kept_stock
     else:
-        assert kept.bytes < kept_stock.bytes
+        assert kept < kept_stock
 
 
 def tiny_falcon(dtype, *, bias=False, new_arch=False, dropout=0.0):
@@ -421,22 +430,11 @@ def test_falcon_lora_matches_peft_and_keeps_less(dtype, new_arch, dropout):
     assert all(type(m) is SlimLinear for m in lora_modules(slim))
     assert all(type(m.base_layer).__name__ == "FalconLinear" for m in lora_modules(slim))
     stock.train(), slim.train()
-    with SavedTensors(exclude=[stock]) as kept_stock:
-        torch.manual_seed(5)  # the same dropout draws on both sides
-        out_s, _ = step(stock, ids())
-    with SavedTensors(exclude=[slim]) as kept:
-        torch.manual_seed(5)
-        out_k, _ = step(slim, ids())
-    assert_same(out_k, out_s, what="logits")
-    for (name, p), q in zip(stock.named_parameters(), slim.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
-            assert_same(q.grad, p.grad, exact=False, rtol=0, atol=8 * ulp * p.grad.abs().max().item(), what=name)
+    kept, kept_stock = _model_steps_match(stock, slim, dtype)
     if dropout or dtype != torch.float32:
-        assert kept.bytes < kept_stock.bytes, (kept.bytes, kept_stock.bytes)
+        assert kept < kept_stock, (kept, kept_stock)
     else:
-        assert kept.bytes == kept_stock.bytes
+        assert kept == kept_stock
 
 
 def test_falcon_lora_with_bias_is_left_to_peft_and_says_why():
