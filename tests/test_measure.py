@@ -155,3 +155,18 @@ def test_peak_bytes_on_meta_says_it_cannot_measure():
     x = torch.randn(2, 3, 8, 8, device="meta")
     with pytest.raises(ValueError, match="peak_bytes: .*meta device, which allocates no memory"):
         peak_bytes(lambda t: model(t).sum().backward(), x)
+
+
+def test_peak_bytes_on_cpu_does_not_see_frees_of_memory_made_before_it():
+    """The documented CPU limit: a free is subtracted only where the profiler saw the allocation. Memory made before
+    the call and freed inside it reads as still held, so a step that drops earlier gradients first reads higher by
+    them; memory made inside an earlier ``peak_bytes`` call is seen freed."""
+    n = 1 << 18  # 1 MiB of fp32
+    box = [torch.ones(n)]  # made outside any measurement
+
+    def replace():
+        box[0] = None  # frees the 1 MiB made before the call
+        box[0] = torch.ones(n)  # and makes another
+
+    assert peak_bytes(replace) == 4 * n  # the free unseen: as if both were held
+    assert peak_bytes(replace) == 0  # this time the freed block was made inside the last measurement

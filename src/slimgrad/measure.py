@@ -201,6 +201,12 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
     there) this is ``max_memory_allocated``; on CPU it replays the profiler's allocation records (every
     allocation and free, including those inside C++ kernels), so temporaries inside a backward kernel
     count. The result of ``fn`` is released before returning.
+
+    On CPU, a free carries its size only if the profiler saw the allocation: memory made before the call (outside
+    any ``peak_bytes``) and freed inside it is not subtracted. A step that starts with
+    ``zero_grad(set_to_none=True)`` while gradients exist therefore reads higher by those gradients than
+    ``max_memory_allocated`` would on CUDA. Measure from a start without them (set the gradients to None before
+    the call), as slimgrad's estimate describes the step and its tests and benchmarks measure it.
     """
     import gc
 
