@@ -202,11 +202,12 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
     allocation and free, including those inside C++ kernels), so temporaries inside a backward kernel
     count. The result of ``fn`` is released before returning.
 
-    On CPU, a free carries its size only if the profiler saw the allocation: memory made before the call (outside
-    any ``peak_bytes``) and freed inside it is not subtracted. A step that starts with
-    ``zero_grad(set_to_none=True)`` while gradients exist therefore reads higher by those gradients than
-    ``max_memory_allocated`` would on CUDA. Measure from a start without them (set the gradients to None before
-    the call), as slimgrad's estimate describes the step and its tests and benchmarks measure it.
+    On CPU, only the blocks the call allocates are counted: memory made before the call and freed inside it is not
+    subtracted (the profiler knows such a block's size only if an earlier profile saw it made, and may keep a
+    stale size for a reused address, so counting it would make the reading depend on what ran before). A step that
+    starts with ``zero_grad(set_to_none=True)`` while gradients exist therefore reads higher by those gradients
+    than ``max_memory_allocated`` would on CUDA. Measure from a start without them (set the gradients to None
+    before the call), as slimgrad's estimate describes the step and its tests and benchmarks measure it.
     """
     import gc
 
@@ -247,12 +248,31 @@ def _cpu_peak(fn: Callable, *args, **kwargs) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args, **kwargs)
         del out
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    records.sort(key=lambda e: e.start_ns())
+    allocations = sorted(_allocation_events(prof.profiler.kineto_results.experimental_event_tree()),
+                         key=lambda e: e.start_time_ns)
+    made: dict[int, int] = {}  # address -> bytes of a block the call allocated and has not freed
     current = peak = 0
-    for e in records:
-        if e.device_type() != torch.autograd.DeviceType.CPU:
+    for e in allocations:
+        fields = e.extra_fields
+        if fields.device.type != "cpu":
             continue
-        current += e.nbytes()
-        peak = max(peak, current)
+        if fields.alloc_size > 0:
+            made[fields.ptr] = fields.alloc_size
+            current += fields.alloc_size
+            peak = max(peak, current)
+        else:
+            # A free of a block made before the call: the profiler knows its size only if an earlier profile saw
+            # it made, and may hold a stale size for a reused address. Never counted, so the reading does not
+            # depend on what ran before.
+            current -= made.pop(fields.ptr, 0)
     return peak
+
+
+def _allocation_events(nodes):
+    """The allocation records in the profiler's event tree (each holds the address, which the flat list lacks)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            yield node
+        stack.extend(node.children)
