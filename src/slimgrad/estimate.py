@@ -333,8 +333,10 @@ _WRAPS_SCALAR = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "rs
                            "copysign"})
 
 
-def _wraps(func, arg) -> bool:
-    """Whether a Python number passed as the schema argument ``arg`` becomes a 0-dim tensor."""
+def _wraps(func, arg, value) -> bool:
+    """Whether the Python number ``value`` passed as the schema argument ``arg`` becomes a 0-dim tensor."""
+    if type(value) not in _WRAPPED_BYTES:
+        return False
     if isinstance(arg.type, torch.TensorType):  # wrapped by the argument parser, before the op
         return True
     if not isinstance(arg.type, torch.NumberType):
@@ -342,20 +344,6 @@ def _wraps(func, arg) -> bool:
     name = func.__name__.split(".")[0]
     base = name[:-1] if name.endswith("_") else name
     return base in _WRAPS_SCALAR or (base == "pow" and func._overloadname == "Scalar")
-
-
-_WRAP_SLOTS: dict = {}  # op -> (positions, names) of its schema arguments where a Python number is wrapped
-
-
-def _wrap_slots(func) -> tuple[tuple[int, ...], frozenset]:
-    """:func:`_wraps` of each schema argument, once per op (walking the schema at every op of every estimate was
-    ~8 % of its dispatch time)."""
-    slots = _WRAP_SLOTS.get(func)
-    if slots is None:
-        schema = getattr(getattr(func, "_schema", None), "arguments", None) or ()
-        wrapping = [(i, a.name) for i, a in enumerate(schema) if _wraps(func, a)]
-        slots = _WRAP_SLOTS[func] = (tuple(i for i, _ in wrapping), frozenset(n for _, n in wrapping))
-    return slots
 
 
 def _wrapped_numbers(func, args, kwargs) -> int:
@@ -366,12 +354,13 @@ def _wrapped_numbers(func, args, kwargs) -> int:
     fp32, 2 for bf16; none where the dtypes agree).
     Both are alive while the op's output is made: a dispatch mode sees the number itself, so they are counted here
     (an RMSNorm step's backward peak, ``2.0 * up.pow(1)``, was 12 B above the estimate)."""
-    positions, names = _wrap_slots(func)
-    if not positions and not names:
+    schema = getattr(getattr(func, "_schema", None), "arguments", None)
+    if not schema:
         return 0
-    numbers = [args[i] for i in positions if i < len(args) and type(args[i]) in _WRAPPED_BYTES]
+    numbers = [a for i, a in enumerate(args) if i < len(schema) and _wraps(func, schema[i], a)]
     if kwargs:
-        numbers += [v for k, v in kwargs.items() if k in names and type(v) in _WRAPPED_BYTES]
+        by_name = {a.name: a for a in schema}
+        numbers += [v for k, v in kwargs.items() if k in by_name and _wraps(func, by_name[k], v)]
     if not numbers:
         return 0
     tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
