@@ -468,6 +468,28 @@ def test_each_unit_checkpointed_or_offloaded_alone_is_estimated_to_the_byte(name
         assert est == measured, (unit, action, est, measured)
 
 
+def test_the_search_finds_the_fewest_units_from_any_start():
+    """The plan's search starts where the freed bytes say the budget is met and steps out from there: from every
+    start it finds the smallest count that fits (what a bisection over all of them finds), from the right start
+    with two estimates, and never with more than twice a bisection's."""
+    from slimgrad.plan import first_fitting
+
+    for n in range(1, 41):
+        for answer in range(1, n + 1):
+            for start in range(0, n + 2):  # (out-of-range starts are clamped)
+                probes = []
+
+                def fits(k, answer=answer, probes=probes):
+                    assert 1 <= k <= n, k
+                    probes.append(k)
+                    return k >= answer
+
+                assert first_fitting(n, fits, start) == answer, (n, answer, start, probes)
+                if start == answer:
+                    assert len(probes) <= 2, probes
+                assert len(probes) <= 2 * max(n - 1, 1).bit_length() + 2, (n, answer, start, probes)
+
+
 def test_a_block_taken_after_its_parts_replaces_them():
     """With every unit planned (the smallest feasible budget), only blocks remain: a part inside a checkpointed
     block would be recomputed twice."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
@@ -420,6 +421,34 @@ def _already_checkpointed(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
+def first_fitting(n: int, fits: Callable[[int], bool], start: int) -> int:
+    """The smallest ``k`` in 1..n with ``fits(k)``, where ``fits(n)`` holds and fitting is monotone in ``k`` (the
+    peak falls as units are checkpointed): steps of 1, 2, 4 ... away from ``start``, then bisection. It finds what
+    a bisection over 1..n finds; each ``fits`` is an estimate (seconds), and from a right ``start`` it takes two
+    (``start`` and ``start - 1``) where a bisection takes log2(n)."""
+    start = min(max(start, 1), n)
+    if fits(start):  # the answer is start or below: step down until one does not fit
+        lo, hi, step = 1, start, 1
+        while hi > 1:
+            probe = max(hi - step, 1)
+            if not fits(probe):
+                lo = probe + 1
+                break
+            hi, step = probe, step * 2
+    else:  # above start: step up until one fits (n does)
+        lo, hi, step = start + 1, n, 1
+        while lo < n:
+            probe = min(start + step, n)
+            if fits(probe):
+                hi = probe
+                break
+            lo, step = probe + 1, step * 2
+    while lo < hi:  # hi fits; lo - 1 does not, or lo is 1
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
 def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable | None = None,
          blocks: list[str] | None = None, actions=("checkpoint", "offload"), parts: bool = True) -> MemoryPlan:
     """The cheapest per-block plan that fits one training step of ``model`` on ``example`` into ``budget``.
@@ -500,17 +529,20 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         def ranked(candidates: list[str]) -> list[str]:
             return sorted(candidates, key=lambda p: (-max(freed(p), 0) / max(choice[p][1], 1e-9), position[p]))
 
-        def acts_for(order: list[str], k: int) -> dict[str, str]:
-            """The first k units of ``order``; a block taken after some of its parts replaces them, a part
-            taken after its block adds nothing."""
+        def taken(order: list[str]):
+            """The units taken after each of ``order``'s: a block taken after some of its parts replaces them, a
+            part taken after its block adds nothing."""
             acts: dict[str, str] = {}
-            for p in order[:k]:
-                if any(p.startswith(q + ".") for q in acts):
-                    continue
-                for q in [q for q in acts if q.startswith(p + ".")]:
-                    del acts[q]
-                acts[p] = choice[p][0]
-            return acts
+            for p in order:
+                if not any(p.startswith(q + ".") for q in acts):
+                    for q in [q for q in acts if q.startswith(p + ".")]:
+                        del acts[q]
+                    acts[p] = choice[p][0]
+                yield acts
+
+        def acts_for(order: list[str], k: int) -> dict[str, str]:
+            """The first k units of ``order``, as :func:`taken` takes them."""
+            return dict(next(itertools.islice(taken(order), k - 1, None))) if k else {}
 
         tried = {(): before}  # planned actions -> estimate; checkpointing can also raise a peak (the recompute)
 
@@ -520,16 +552,22 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                 tried[key] = run(acts)
             return tried[key]
 
+        def guess(order: list[str]) -> int:
+            """How many units of ``order`` free the bytes the budget needs, were each unit's saving taken off
+            the peak: where the search starts (an estimate costs seconds; the freed bytes are known)."""
+            need = before.peak_bytes - budget_bytes
+            for k, acts in enumerate(taken(order), 1):
+                if sum(max(freed(q), 0) for q in acts) >= need:
+                    return k
+            return len(order)
+
         def search(order: list[str]) -> dict[str, str] | None:
-            """The fewest units of ``order`` (cheapest first) that meet the budget, by bisection; None if all of
-            them do not."""
-            if at(acts_for(order, len(order))).peak_bytes > budget_bytes:
+            """The fewest units of ``order`` (cheapest first) that meet the budget; None if all of them do not."""
+            n = len(order)
+            if at(acts_for(order, n)).peak_bytes > budget_bytes:
                 return None
-            lo, hi = 1, len(order)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if at(acts_for(order, mid)).peak_bytes <= budget_bytes else (mid + 1, hi)
-            return acts_for(order, lo)
+            k = first_fitting(n, lambda k: at(acts_for(order, k)).peak_bytes <= budget_bytes, guess(order))
+            return acts_for(order, k)
 
         def extra(acts: dict[str, str]) -> float:
             return sum(choice[p][1] for p in acts)
