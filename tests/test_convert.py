@@ -114,6 +114,115 @@ def test_subclasses_and_parametrized_modules_are_left_alone_and_reported(caplog)
     assert any(r.levelno == logging.WARNING and "MyConv" in r.getMessage() for r in caplog.records)
 
 
+class _InitConv(nn.Conv2d):
+    """Only set-up, as transformers' EfficientNetDepthwiseConv2d: a depthwise Conv2d with its own arguments."""
+
+    def __init__(self, channels, tag="dw"):
+        super().__init__(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.tag = tag  # state a forward never reads
+
+    def reset_parameters(self):
+        super().reset_parameters()
+
+    def extra_repr(self):
+        return super().extra_repr() + f", tag={self.tag}"
+
+
+class _InitGroupNorm(nn.GroupNorm):
+    def __init__(self, channels):
+        super().__init__(1, channels)
+
+
+class _InitReLU(nn.ReLU):
+    pass
+
+
+class _FromInitConv(_InitConv):  # two levels of set-up only
+    def __init__(self, channels):
+        super().__init__(channels, tag="deep")
+
+
+def _init_only_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _InitGroupNorm(8), _InitReLU(), _InitConv(8),
+                         _FromInitConv(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+
+
+def test_subclasses_that_add_only_set_up_are_converted_bitwise_and_keep_less():
+    """A subclass that defines only __init__ (reset_parameters, extra_repr) computes what its base computes: it
+    gets a twin of the base's replacement, keeps its own type for isinstance and printing, keeps less than stock
+    where the base's replacement does, gives stock's bits, and reverts to itself."""
+    model = _init_only_model()
+    slim, report = slimgrad.convert(model, report=True)
+    assert not report.skipped, report.skipped
+    for i, kind in ((1, _InitGroupNorm), (2, _InitReLU), (3, _InitConv), (4, _FromInitConv)):
+        assert type(slim[i]) is not kind and isinstance(slim[i], kind) and type(slim[i]) in ORIGINALS
+        assert ORIGINALS[type(slim[i])] is kind and type(model[i]) is kind  # the original is left alone
+    assert isinstance(slim[3], slimgrad.nn.Conv2d) and isinstance(slim[1], slimgrad.nn.GroupNorm)
+    assert "_InitConv(8, 8" in repr(slim) and "tag=dw" in repr(slim) and repr(slim) == repr(model)
+    assert slim.state_dict().keys() == model.state_dict().keys()
+    for trains_weights in (False, True):
+        a, b = copy.deepcopy(model), copy.deepcopy(slim)
+        for m in (a, b):
+            m.requires_grad_(trains_weights)
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        b(xb).sum().backward()  # a ReLU learns in its first step whether its consumer keeps its output
+        xb.grad = None
+        b.zero_grad(set_to_none=True)
+        kept_a = slimgrad.saved_bytes(lambda a=a, xa=xa: a(xa), exclude=[a])
+        kept_b = slimgrad.saved_bytes(lambda b=b, xb=xb: b(xb), exclude=[b])
+        assert kept_b <= kept_a and (trains_weights or kept_b < kept_a), (trains_weights, kept_a, kept_b)
+        a(xa).square().sum().backward()
+        b(xb).square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert (pa.grad is None) == (pb.grad is None) and (pa.grad is None or torch.equal(pa.grad, pb.grad))
+    slimgrad.revert(slim)
+    assert [type(m) for m in slim] == [type(m) for m in model]
+
+
+def test_a_converted_init_only_subclass_pickles_into_a_new_process(tmp_path):
+    """torch.save of a whole converted model names each twin; a new process rebuilds it from that name."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.pt"
+    slim = slimgrad.convert(_init_only_model())
+    torch.save(slim, path)
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    torch.save((x, slim(x)), tmp_path / "io.pt")
+    code = (f"import sys, torch; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r}); "
+            f"m = torch.load({str(path)!r}, weights_only=False); x, y = torch.load({str(tmp_path / 'io.pt')!r}); "
+            "assert type(m[3]).__name__ == '_InitConv' and type(m[3]).__module__ == 'slimgrad._registry'; "
+            "assert torch.equal(m(x), y); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_subclasses_that_define_more_than_set_up_are_left_alone_naming_what_they_define():
+    class Scaled(nn.Conv2d):
+        def _conv_forward(self, input, weight, bias):
+            return super()._conv_forward(input, weight * 2, bias)
+
+    class WithProperty(nn.ReLU):
+        @property
+        def inplace(self):
+            return False
+
+        @inplace.setter
+        def inplace(self, value):
+            pass
+
+    model = nn.Sequential(Scaled(3, 3, 1), WithProperty())
+    slim, report = slimgrad.convert(model, report=True)
+    assert [type(m) for m in slim] == [Scaled, WithProperty]
+    reasons = {s.path: s.reason for s in report.skipped}
+    assert "defines _conv_forward" in reasons["0"] and "defines inplace" in reasons["1"], reasons
+    x = torch.randn(1, 3, 4, 4)
+    assert torch.equal(slim(x), model(x))
+
+
 def test_include_exclude_patterns_and_types():
     model = small_cnn()
     only_first = slimgrad.convert(model, include=["0"])

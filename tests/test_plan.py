@@ -479,7 +479,7 @@ def test_the_search_finds_the_fewest_units_from_any_start():
             for start in range(0, n + 2):  # (out-of-range starts are clamped)
                 probes = []
 
-                def fits(k, answer=answer, probes=probes):
+                def fits(k, n=n, answer=answer, probes=probes):
                     assert 1 <= k <= n, k
                     probes.append(k)
                     return k >= answer

@@ -169,3 +169,93 @@ def register_forward(stock: type[nn.Module], forward: Callable, *, module: str,
     register(stock, option=option)(cls)
     setattr(sys.modules[module], cls.__name__, cls)
     return cls
+
+
+# -- subclasses that change nothing a call computes -----------------------------------------------------------
+#
+# Matching is on the exact type, because a subclass may compute something else. Some subclasses provably do not:
+# they add an ``__init__`` (and perhaps ``reset_parameters`` or ``extra_repr``) and nothing else, so every call
+# runs the stock class's forward on the stock class's attributes (transformers' EfficientNetDepthwiseConv2d and
+# AlignVisionDepthwiseConv2d, a Conv2d built with depthwise arguments; PoolFormerGroupNorm; a user's
+# ``class MyConv(nn.Conv2d)`` that only sets up its weights). Such a subclass gets a twin: a class deriving from
+# slimgrad's replacement and from the subclass (``isinstance`` holds for both, its ``print`` name is the
+# subclass's), registered as the subclass's replacement, and reverted to the subclass.
+
+#: what a class may define and still change nothing a call computes (set-up, printing, class bookkeeping)
+_INIT_ONLY = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+                        "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__",
+                        "__init__", "reset_parameters", "extra_repr", "__constants__"})
+_TWIN_PREFIX = "SubclassTwin_S"
+
+
+def defined_beyond_init(kind: type, stock: type) -> list[str]:
+    """The members that ``kind``'s classes between it and ``stock`` define besides set-up and printing."""
+    own = [c for c in kind.__mro__ if c not in stock.__mro__]
+    return sorted({name for c in own for name in c.__dict__ if name not in _INIT_ONLY})
+
+
+def _init_only_stock(kind: type) -> type | None:
+    """The stock type ``kind`` subclasses adding only set-up, where slimgrad's replacement of it is one of the
+    torch families (whose forwards read the module's attributes only, never its exact type); else None."""
+    if type(kind) is not type:  # a metaclass can change how attributes resolve
+        return None
+    stock = next((b for b in kind.__mro__[1:]
+                  if b in REPLACEMENTS and REPLACEMENTS[b].__module__.startswith("slimgrad.nn.")), None)
+    if stock is None or stock in OPTIONS:
+        return None
+    return None if defined_beyond_init(kind, stock) else stock
+
+
+def _twin_name(kind: type) -> str:
+    """A name pickle can find the twin by (in this module, see ``__getattr__``): the subclass's module and
+    qualified name, with ``_`` written ``_U`` and ``.`` written ``_D``, joined by ``_S``."""
+    def enc(s: str) -> str:
+        return s.replace("_", "_U").replace(".", "_D")
+
+    return f"{_TWIN_PREFIX}{enc(kind.__module__)}_S{enc(kind.__qualname__)}"
+
+
+def subclass_twin(kind: type) -> type | None:
+    """The replacement for ``kind`` when it is a subclass that adds only set-up to a stock type slimgrad
+    replaces (built and registered on first use); None otherwise."""
+    twin = REPLACEMENTS.get(kind)
+    if twin is not None:
+        return twin
+    stock = _init_only_stock(kind)
+    if stock is None:
+        return None
+    name = _twin_name(kind)
+    twin = type(kind.__name__, (REPLACEMENTS[stock], kind), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"slimgrad's drop-in for {kind.__module__}.{kind.__qualname__}, which adds only set-up to "
+                   f"{stock.__module__}.{stock.__name__}: {REPLACEMENTS[stock].__name__}'s forward."})
+    register(kind)(twin)
+    globals()[name] = twin
+    return twin
+
+
+def __getattr__(name: str):
+    """Unpickling a converted model in a new process: rebuild the twin its name stands for."""
+    if not name.startswith(_TWIN_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    def dec(s: str) -> str:
+        out, i = [], 0
+        while i < len(s):
+            if s[i] == "_" and i + 1 < len(s) and s[i + 1] in "UD":
+                out.append("_" if s[i + 1] == "U" else ".")
+                i += 2
+            else:
+                out.append(s[i])
+                i += 1
+        return "".join(out)
+
+    module_part, _, qual_part = name[len(_TWIN_PREFIX):].partition("_S")
+    kind = importlib.import_module(dec(module_part))
+    for part in dec(qual_part).split("."):
+        kind = getattr(kind, part)
+    twin = subclass_twin(kind)
+    if twin is None:
+        raise AttributeError(f"slimgrad: {name!r} names {kind!r}, which is no longer a subclass slimgrad converts")
+    return twin

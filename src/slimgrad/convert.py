@@ -3,8 +3,10 @@
 Converting is a class swap on the module instance (``module.__class__ = Replacement``). The replacement
 subclasses the stock class and only overrides ``forward``, so parameters, buffers, hooks, train/eval
 state, ``requires_grad`` flags, ``state_dict`` keys, dtype, device and memory format all stay exactly as
-they were. Matching is on the exact type: a subclass of ``nn.Conv2d`` may have its own forward or state,
-so it is left alone and reported, never silently replaced.
+they were. Matching is on the exact type: a subclass of ``nn.Conv2d`` may have its own forward, so it is left
+alone and reported, never silently replaced; except a subclass that adds only set-up (``__init__``,
+``reset_parameters``, ``extra_repr``), which computes what its base computes and gets a twin of the base's
+replacement (``_registry.subclass_twin``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from ._gaps import CHUNKED_LOSS, claimed_family, family_gap, model_gap, module_gap, remember_converted
 from ._notices import Gap, notify_all
-from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS
+from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS, defined_beyond_init, subclass_twin
 from .functional.dropout import POLICY_ATTRIBUTE
 from .integrations import load_available
 
@@ -174,8 +176,12 @@ def _why_not_exact(module: nn.Module) -> str | None:
     if getattr(module, "parametrizations", None) is not None and type(module).__name__.startswith("Parametrized"):
         return (f"has parametrizations (torch.nn.utils.parametrize) on {stock.__name__}; its weight is "
                 f"computed on access, left as stock")
-    return (f"subclass of {stock.__module__}.{stock.__name__} (it may override forward or add state); "
-            f"only exact types are converted")
+    own = defined_beyond_init(type(module), stock)
+    if not own:
+        return (f"subclass of {stock.__module__}.{stock.__name__}; for this family only exact types are converted")
+    return (f"subclass of {stock.__module__}.{stock.__name__} that defines {', '.join(own[:4])}"
+            f"{' ...' if len(own) > 4 else ''} (it may compute something else); converted are exact types and "
+            f"subclasses that add only __init__, reset_parameters or extra_repr")
 
 
 def _deepcopy(model: nn.Module) -> nn.Module:
@@ -305,7 +311,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         name = qualified_name(kind)
         if (not included.empty and not included.selects(path, module)) or excluded.selects(path, module):
             continue  # the user's choice: not a gap
-        replacement = REPLACEMENTS.get(kind)
+        replacement = REPLACEMENTS.get(kind) or subclass_twin(kind)
         if kind in OPTIONS and not options.get(OPTIONS[kind], False):
             continue
         if replacement is None:
