@@ -39,6 +39,19 @@ def test_module_parameters_and_buffers_are_excluded():
 
 
 
+def test_views_of_parameters_are_not_counted_in_either_form():
+    """A matmul over a 3-d input keeps ``weight.t()``: a plain tensor viewing the parameter. The module form
+    excluded it (the module's storages); the function form counted the whole weight, so ``saved_bytes(lambda:
+    model(x))`` read a frozen model's weights as kept (found by a sweep: a Qwen2 LoRA read twice its kept bytes).
+    A parameter is never counted, nor a view of one; a tensor computed from one (a cast) is new memory and is."""
+    lin = nn.Linear(64, 32, bias=False).requires_grad_(False)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    assert saved_bytes(lin, x) == saved_bytes(lambda: lin(x)) == saved_bytes(lambda: lin(x), exclude=[lin]) == 0
+    w = nn.Parameter(torch.randn(64, 32))
+    assert saved_bytes(lambda: x @ w.t().t()[:, :16]) == x.numel() * 4  # x, for dW; the views of w: not
+    assert saved_bytes(lambda: x @ w.double().float()) == 64 * 32 * 4 + x.numel() * 4  # the cast: new memory
+
+
 class _ReplacesItsWeight(nn.Module):
     """Replaces its weight's storage in forward, as bitsandbytes' Linear4bit does on a first eval-mode CPU forward
     (weight.data = the weight repacked for its CPU kernel), then saves a tensor of the freed storage's size."""
@@ -120,8 +133,8 @@ def test_saved_bytes_of_a_result_says_how_to_call_it():
     x = torch.randn(5, 4, requires_grad=True)
     with pytest.raises(TypeError, match=r"saved_bytes\(model, x\)"):
         saved_bytes(lin(x))
-    # a lambda hides the module: its weight (saved as a transposed view, not a Parameter) counts unless excluded
-    assert saved_bytes(lambda: lin(x)) == 5 * 4 * 4 + 3 * 4 * 4
+    # a lambda hides the module: its weight, saved as a transposed view, is still a parameter's storage
+    assert saved_bytes(lambda: lin(x)) == 5 * 4 * 4
     assert saved_bytes(lambda: lin(x), exclude=[lin]) == 5 * 4 * 4
     assert saved_bytes(lin, input=x) == 5 * 4 * 4  # keyword inputs pass through
 

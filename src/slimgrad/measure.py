@@ -67,7 +67,7 @@ class SavedTensors:
     """Context manager counting the bytes autograd keeps for backward while it is active.
 
     ``exclude``: modules (their parameters and buffers) or tensors whose storages are not counted.
-    Parameters (``nn.Parameter``) are never counted. After the block, ``.bytes`` holds the total and
+    Parameters (``nn.Parameter``) and views of them (the ``weight.t()`` a matmul keeps) are never counted. After the block, ``.bytes`` holds the total and
     ``.records`` one :class:`SavedRecord` per distinct storage.
     """
 
@@ -82,7 +82,8 @@ class SavedTensors:
         return sum(r.nbytes for r in self.records)
 
     def _pack(self, t: torch.Tensor):
-        if not isinstance(t, nn.Parameter):
+        # a parameter, or a view of one (a matmul keeps ``weight.t()``, a plain tensor on the parameter's storage)
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
             key, nbytes = _storage_key(t)
             if key is not None and key not in self._seen and key not in self._excluded:
                 self._seen.add(key)
