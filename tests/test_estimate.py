@@ -312,7 +312,12 @@ def test_bidirectional_mask_decided_as_the_real_step_decides(case, converted):
     example = {"input_ids": ids, "labels": torch.tensor([0, 2]), **_MASK_CASES[case](ids)}
     measured = bm.measured_step_peak(model, example, warm=1 if converted else 0)
     e = _estimate(model, example)
-    assert e.step_peak_bytes == measured, (case, e.step_peak_bytes, measured)
+    if converted and slimgrad.csrc.for_eager(torch.empty(0)) is None:
+        # the Python path packs a dropout mask through numpy, outside the allocator's records: high by at most
+        # a hidden state's mask, never low (test_dropout_policies_are_estimated)
+        assert measured <= e.step_peak_bytes <= measured + ids.numel() * 64 + 64, (case, e, measured)
+    else:
+        assert e.step_peak_bytes == measured, (case, e.step_peak_bytes, measured)
 
 
 @pytest.mark.parametrize("policy", ["bits", "seed"])

@@ -124,7 +124,7 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
   variable_list saved{keep_x ? kept_x : at::Tensor(), need_x ? weight : at::Tensor(), at::Tensor()};
   for (auto& k : kept_t) saved.push_back(k);
   for (auto& m : masks) saved.push_back(m);
-  for (size_t i = 3; i < t.size(); ++i) saved.push_back(t[i]);
+  for (size_t i = 3; i < 3 + 3 * n; ++i) saved.push_back(t[i]);  // (not x again, after the adapters)
   ctx->save_for_backward(saved);
   return r;
 }
@@ -163,9 +163,10 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     const auto kept = [&](size_t i) -> const at::Tensor& { return saved[3 + i]; };
     const auto mask = [&](size_t i) -> const at::Tensor& { return saved[3 + n + i]; };
     const auto adapter = [&](size_t k) -> const at::Tensor& { return saved[3 + 2 * n + k]; };
-    const size_t n_in = 3 + 3 * n;
     const bool need_x = need[0], need_w = need[1], need_bias = need[2];
-    variable_list grads(n_in);
+    variable_list grads(need.size());
+    // x again after the adapters: the base layer's part of dX goes there, the adapters' to x itself
+    const bool split = need.size() > 3 + 3 * n;
 
     at::Tensor g = grad.to(sum_dtype);
     // the base's gradient (not made for adapters alone: weight is then undefined, and so are dW and the bias's)
@@ -234,15 +235,23 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     if (need_bias) grads[2] = g_base.sum(0);
     g_base.reset();
     if (need_x) {
-      if (dxa.defined()) {
-        dxa = dxa.to(x_dtype);
-        dx = dx.defined() ? dx.add_(dxa) : dxa;
-      }
-      // not a view (matmul's own _unsafe_view): a view keeps its base, so autograd could not add another
+      if (dxa.defined()) dxa = dxa.to(x_dtype);
+      // not views (matmul's own _unsafe_view): a view keeps its base, so autograd could not add another
       // consumer's gradient of x into this one in place (InputBuffer: the storage's only user) and allocated a
       // third x-sized tensor for the sum, as QLoRA's base + adapter on one x did (peft's dropout mul hands
       // autograd a fresh tensor there)
-      grads[0] = at::_unsafe_view(dx, x_shape);
+      const auto as_x = [&](const at::Tensor& d) { return d.defined() ? at::_unsafe_view(d, x_shape) : d; };
+      if (split) {
+        // Two gradients for x, as peft's graph hands it two (the adapters' path's, then the base layer's node,
+        // which autograd runs after the adapters'): autograd adds them to x's other readers' one at a time, in
+        // stock's order, where one pre-summed gradient was the same terms in another order (q, k and v reading
+        // one x: ~1e-7 relative in fp32, 1 ulp in bf16). The Python Function does the same.
+        grads[0] = as_x(dxa);
+        grads[need.size() - 1] = as_x(dx);
+      } else {
+        if (dxa.defined()) dx = dx.defined() ? dx.add_(dxa) : dxa;
+        grads[0] = as_x(dx);
+      }
     }
     return grads;
   }
@@ -263,6 +272,9 @@ std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Ten
     std::vector<bool> need(t.size(), false);
     return {lora_forward(nullptr, t, need, fan_in_fan_out, cast, scalings, ps).out, false};
   }
+  const size_t n_slots = t.size();
+  // x once more, after the adapters, for the base layer's part of dX (LoraLinearFunction::compute says why)
+  if (t[1].defined() && t[0].requires_grad()) t.push_back(t[0]);
   std::vector<at::Tensor> defined;
   std::vector<int64_t> present(t.size(), 0);
   for (size_t i = 0; i < t.size(); ++i)
@@ -274,7 +286,7 @@ std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Ten
   // x itself is saved when dW is requested, or some dA is and x is not a view into a larger storage (compact)
   const at::Tensor& x = t[0];
   bool need_a = false;
-  for (size_t i = 3; i < t.size(); i += 3) need_a = need_a || (t[i].defined() && t[i].requires_grad());
+  for (size_t i = 3; i < n_slots; i += 3) need_a = need_a || (t[i].defined() && t[i].requires_grad());
   const bool need_w = t[1].defined() && t[1].requires_grad();
   const bool x_kept = need_w || (need_a && static_cast<int64_t>(x.storage().nbytes()) <=
                                                x.numel() * static_cast<int64_t>(x.element_size()));

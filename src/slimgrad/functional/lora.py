@@ -101,6 +101,7 @@ class LoraLinearFunction(_common.Function):
     @staticmethod
     def forward(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
         n = len(scalings)
+        adapters = adapters[:3 * n]  # (then x again, for the base layer's gradient: see backward)
         # weight=None: adapters only (the caller adds its own base, e.g. a quantized one), cast to x's dtype.
         result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
         base_dtype = result.dtype if result is not None else x.dtype
@@ -168,8 +169,8 @@ class LoraLinearFunction(_common.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, _, fan_in_fan_out, cast, scalings, ps = inputs[:7]
-        adapters = inputs[_ADAPTERS_AT:]
         n = len(scalings)
+        adapters = inputs[_ADAPTERS_AT:_ADAPTERS_AT + 3 * n]
         result, seeds = output[0], output[1]
         kept_t, masks = output[2: 2 + n], output[2 + n:]
         ctx.mark_non_differentiable(*[t for t in output[1:] if t is not None])
@@ -180,7 +181,7 @@ class LoraLinearFunction(_common.Function):
             ctx.set_materialize_grads(False)
         need = ctx.needs_input_grad
         need_x, need_w = need[0], need[1]
-        need_a, need_b = need[_ADAPTERS_AT::3], need[_ADAPTERS_AT + 1::3]
+        need_a, need_b = need[_ADAPTERS_AT:_ADAPTERS_AT + 3 * n:3], need[_ADAPTERS_AT + 1:_ADAPTERS_AT + 3 * n:3]
         base_dtype = result.dtype
         # Each adapter's u = B(t) has t's dtype; the forward summed in the base result's dtype promoted with
         # those (the adapters' alone without a base).
@@ -224,6 +225,7 @@ class LoraLinearFunction(_common.Function):
     @staticmethod
     def stock(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
         """PEFT's ops, as autograd records them (stock's memory); apply's structure, the result first."""
+        adapters = adapters[:3 * len(scalings)]
         result = _base_forward(x, weight, bias, fan_in_fan_out) if weight is not None else None
         base_dtype = result.dtype if result is not None else x.dtype
         xa = x.to(adapters[0].dtype) if scalings and cast and x.dtype != adapters[0].dtype else x
@@ -255,7 +257,9 @@ class LoraLinearFunction(_common.Function):
         adapters = saved[3 + 2 * n:]
         need = ctx.needs_input_grad
         need_x, need_w, need_bias = need[0], need[1], need[2]
-        grads = [None] * (_ADAPTERS_AT + 3 * n)
+        grads = [None] * len(need)
+        # x again after the adapters: the base layer's part of dX goes there, the adapters' to x itself
+        split = len(need) > _ADAPTERS_AT + 3 * n
 
         g = grad.to(sum_dtype)
         # the base's gradient: not made for adapters alone (weight None: no dW, no bias, no base term in dX)
@@ -357,13 +361,28 @@ class LoraLinearFunction(_common.Function):
         if need_x:
             if dxa is not None:
                 dxa = dxa.to(x_dtype)
-                dx = dxa if dx is None else dx.add_(dxa)  # dx is a fresh mm result: in place, same bits
-                del dxa
-            if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-                grads[0] = dx.view(x_shape)
-            else:  # not a view, as the core's (lora.cpp says why: autograd can then add into it in place)
-                grads[0] = _UNSAFE_VIEW(dx, x_shape)
+            if split:
+                # Two gradients for x, as peft's graph hands it two (the adapters' path's, then the base layer's
+                # node, which autograd runs after the adapters'): autograd adds them to x's other readers' one
+                # at a time, in stock's order, where one pre-summed gradient was the same terms in another order
+                # (q, k and v reading one x: ~1e-7 relative in fp32, 1 ulp in bf16)
+                grads[0], grads[-1] = _as_x(dxa, x_shape), _as_x(dx, x_shape)
+            else:
+                if dxa is not None:
+                    dx = dxa if dx is None else dx.add_(dxa)  # dx is a fresh mm result: in place, same bits
+                grads[0] = _as_x(dx, x_shape)
+            del dxa
         return tuple(grads)
+
+
+def _as_x(dx: torch.Tensor | None, x_shape) -> torch.Tensor | None:
+    """A gradient for x in x's shape: not a view in eager (as the core's: lora.cpp says why, autograd can then
+    add into it in place)."""
+    if dx is None:
+        return None
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return dx.view(x_shape)
+    return _UNSAFE_VIEW(dx, x_shape)
 
 
 def _compact(x: torch.Tensor, compiling: bool) -> torch.Tensor:
@@ -517,7 +536,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if _core_simulated(x, tensors, ps, dropout_policy):
         with core_draw_simulated(), _common.autocast_off(x.device.type):  # the C++ Function's allocations
             return LoraLinearFunction.apply(*tensors[:3], bool(fan_in_fan_out), bool(cast_input), scalings, ps,
-                                            dropout_policy, *tensors[3:])[0]
+                                            dropout_policy, *tensors[3:], x)[0]
     if adapters and _autocast_casts_x_per_op(x):
         # As stock: the base layer's op on its own cast of x, then per adapter our Function on its own cast,
         # added left to right; autograd adds the casts' gradients in x's dtype, in stock's order.
@@ -536,13 +555,17 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if (type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or _common.autocast_enabled(x.device.type)):
         with _common.autocast_off(x.device.type):
+            # (x once more for the base layer's part of dX, as in eager; not under torch.compile: dynamo refuses
+            # one tensor passed twice, and compiled stock's sums are Inductor's anyway)
+            again = () if torch.compiler.is_compiling() else (tensors[0],)
             return LoraLinearFunction.apply(tensors[0], tensors[1], tensors[2], bool(fan_in_fan_out),
-                                            bool(cast_input), scalings, ps, dropout_policy, *flat)[0]
+                                            bool(cast_input), scalings, ps, dropout_policy, *flat, *again)[0]
     # Eager, autocast off: _common.Function.apply's eager branch called directly (torch's C apply, tensors unwrapped
     # as its unwrap_dead_wrappers does), without its generic argument handling (~2 us a call for LoRA's arguments).
-    return _C_APPLY(LoraLinearFunction, *[t if t is None else _unwrap_if_dead(t) for t in tensors[:3]],
+    x = _unwrap_if_dead(tensors[0])
+    return _C_APPLY(LoraLinearFunction, x, *[t if t is None else _unwrap_if_dead(t) for t in tensors[1:3]],
                     bool(fan_in_fan_out), bool(cast_input), scalings, ps, dropout_policy,
-                    *[t if t is None else _unwrap_if_dead(t) for t in flat])[0]
+                    *[t if t is None else _unwrap_if_dead(t) for t in flat], x)[0]
 
 
 _C_APPLY = _common._C_APPLY

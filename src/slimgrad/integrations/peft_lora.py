@@ -256,9 +256,10 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
     if core is None:
         # _common.Function.apply's eager branch called directly (torch's C apply, tensors unwrapped as its
         # unwrap_dead_wrappers does), without its generic argument handling (~2 us a call for LoRA's arguments)
-        return _C_APPLY(LoraLinearFunction, *[t if t is None else _unwrap_if_dead(t) for t in tensors[:3]], plan[2],
-                        bool(cast), tuple(scalings), tuple(ps), policy,
-                        *[t if t is None else _unwrap_if_dead(t) for t in tensors[3:]])[0]
+        x = _unwrap_if_dead(x)  # (then once more, for the base layer's part of dX: LoraLinearFunction.backward)
+        return _C_APPLY(LoraLinearFunction, x, *[t if t is None else _unwrap_if_dead(t) for t in tensors[1:3]],
+                        plan[2], bool(cast), tuple(scalings), tuple(ps), policy,
+                        *[t if t is None else _unwrap_if_dead(t) for t in tensors[3:]], x)[0]
     out, x_kept = core.lora_linear_apply(tensors, plan[2], bool(cast), scalings, ps)
     if x_kept:
         note_input_kept(x)
