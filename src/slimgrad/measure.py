@@ -67,8 +67,8 @@ class SavedTensors:
     """Context manager counting the bytes autograd keeps for backward while it is active.
 
     ``exclude``: modules (their parameters and buffers) or tensors whose storages are not counted.
-    Parameters (``nn.Parameter``) and views of them (the ``weight.t()`` a matmul keeps) are never counted. After the block, ``.bytes`` holds the total and
-    ``.records`` one :class:`SavedRecord` per distinct storage.
+    Parameters (``nn.Parameter``) and views of them (the ``weight.t()`` a matmul keeps) are never counted. After
+    the block, ``.bytes`` holds the total and ``.records`` one :class:`SavedRecord` per distinct storage.
     """
 
     def __init__(self, exclude: Iterable = ()):
