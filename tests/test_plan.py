@@ -724,6 +724,8 @@ def test_plan_text_and_plot(tmp_path):
     first = text.splitlines()[0]
     assert first.startswith(f"slimgrad.plan: budget {_gib(budget)} on cpu: peak {_gib(before)} -> "
                             f"{_gib(chosen.peak_after)}, fits; about +")
+    assert first.endswith("ms per step (before: the model converted by slimgrad, no plan)"), first
+    assert str(slimgrad.plan(model, budget, x)).splitlines()[0].endswith("(before: the model as given, no plan)")
     rows = {line.split()[0]: line.split()[1] for line in text.splitlines()[2:] if line.startswith("  ")
             and not line.lstrip().startswith("note")}
     assert rows == {b.path: b.action for b in chosen.blocks} and set(rows) == {str(i) for i in range(6)}

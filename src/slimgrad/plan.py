@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ._registry import ORIGINALS
 from .estimate import MemoryEstimate, _gib, _is_block, blocks_of, estimate, parse_bytes, split_example, unwrap
 
 __all__ = ["BlockChoice", "MemoryPlan", "apply_plan", "parts_of", "plan", "remove_plan"]
@@ -70,6 +71,8 @@ class MemoryPlan:
     blocks: list[BlockChoice]
     extra_seconds: float
     notes: list[str]
+    #: whether slimgrad had converted the model planned: ``peak_before`` is then slimgrad's saving alone, not stock's
+    converted: bool = False
     estimate_before: MemoryEstimate = dataclasses.field(repr=False, default=None)
     estimate_after: MemoryEstimate = dataclasses.field(repr=False, default=None)
 
@@ -80,8 +83,10 @@ class MemoryPlan:
     def __str__(self) -> str:
         verdict = ("fits" if self.fits else f"does NOT fit: {_gib(self.peak_after - self.budget)} over; the "
                    f"smallest budget any plan meets is {_gib(self.smallest_feasible)}")
+        given = "converted by slimgrad" if self.converted else "as given"
         lines = [f"slimgrad.plan: budget {_gib(self.budget)} on {self.device}: peak {_gib(self.peak_before)} -> "
-                 f"{_gib(self.peak_after)}, {verdict}; about +{self.extra_seconds * 1e3:.1f} ms per step"]
+                 f"{_gib(self.peak_after)}, {verdict}; about +{self.extra_seconds * 1e3:.1f} ms per step "
+                 f"(before: the model {given}, no plan)"]
         changed = [b for b in self.blocks if b.action != "keep"]
         if changed:
             w = max(len(b.path) for b in self.blocks)
@@ -616,6 +621,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         return MemoryPlan(budget=budget_bytes, device=device, peak_before=before.peak_bytes,
                           peak_after=after.peak_bytes, smallest_feasible=smallest, fits=fits, blocks=choices,
                           extra_seconds=sum(c.extra_seconds for c in choices), notes=notes,
+                          converted=any(type(m) in ORIGINALS for m in model.modules()),
                           estimate_before=before, estimate_after=after)
     finally:
         apply_plan(model, previous)
