@@ -482,9 +482,9 @@ def _assert_grads_close(stock, slim):
         if not p.requires_grad:
             assert p.grad is None and q.grad is None, n
             continue
-        # fp32 adapters; the q/k/v (gate/up) input gradients add up in another order: a few fp32 ulps
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(),
-                                   msg=lambda m, n=n: f"{n}: {m}")
+        # bitwise: the quantized bases' and the adapters' input gradients reach autograd as stock's do (each
+        # base and its adapters separately, the adapters' first), so q/k/v's add up in stock's order
+        assert torch.equal(q.grad, p.grad), (n, (q.grad - p.grad).abs().max())
 
 
 @pytest.mark.parametrize("quant", list(QUANT_CONFIGS))
