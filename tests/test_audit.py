@@ -402,6 +402,10 @@ def test_conversion_report_lists_unknown_types_by_count_with_qualified_names(cap
     _, rep = slimgrad.convert(lora, report=True)
     assert rep.converted_types.get("peft.tuners.lora.layer.Linear") == 1
     assert "peft.tuners.lora.layer.Linear ×1" in str(rep)
+    assert "ParameterDict" not in rep.unknown and "ParameterDict" not in str(rep)  # peft's containers: no forward
+    activations = pytest.importorskip("diffusers.models.activations")
+    _, rep = slimgrad.convert(activations.GELU(4, 8), report=True)
+    assert rep.stock_minimal == {"diffusers.models.activations.GELU": 1, "Linear": 1} and not rep.unknown, rep
 
 
 # -- the command line ---------------------------------------------------------------------------------------

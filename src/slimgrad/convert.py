@@ -58,13 +58,15 @@ _CHUNKED_ON_NOTHING = ("convert(chunked_loss=True) engaged on nothing: this mode
                        "still materialises the full logits")
 
 #: containers whose forward only calls their children: nothing of their own runs as stock
-_PURE_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_PURE_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterDict, nn.ParameterList)
 #: types slimgrad leaves alone because stock already keeps only what their gradients read (see
 #: slimgrad.minimum's rules): reported as such, not as unknown
 _STOCK_IS_MINIMAL = (nn.Linear, nn.Embedding, nn.Identity, nn.Flatten, nn.Unflatten, nn.SiLU, nn.GELU, nn.Mish,
                      nn.Hardswish, nn.Tanh, nn.Sigmoid, nn.Softmax)
 _STOCK_IS_MINIMAL_NAMES = ("transformers.activations.SiLUActivation", "transformers.pytorch_utils.Conv1D",
-                           "peft.tuners.lora.layer.Embedding")
+                           "peft.tuners.lora.layer.Embedding",
+                           # a projection then F.gelu, which keeps only its input (integrations/diffusers.py)
+                           "diffusers.models.activations.GELU")
 
 
 @dataclasses.dataclass
