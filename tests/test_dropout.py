@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import slimgrad
 import slimgrad.nn.dropout  # noqa: F401  (registers the replacements)
 from _util import FLOAT_DTYPES, assert_same, input_grad_as_returned, laid_out, saved_bytes, slim_copy
 from slimgrad.functional.dropout import dropout, dropout1d, dropout2d, dropout3d
@@ -220,6 +221,34 @@ def test_compile_fullgraph(stock):
     assert_same(out, x.detach() * noise, what="output")
     assert_same(x.grad, g * noise, what="grad")
     assert 0 < keep.float().mean() < 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fallback_random", [False, True], ids=["inductor-rng", "fallback_random"])
+def test_compiled_dropout_and_lora_dropout_draw_compiled_stocks_masks(fallback_random):
+    """Under torch.compile the masks are compiled stock's under the same seed: Inductor's own draw by default, and
+    with ``torch._inductor.config.fallback_random`` eager's kernel, as compiled stock then runs. Both draw through
+    aten.native_dropout, the op stock's dropout traces to; a rand_like written out drew Inductor's mask in the
+    second case too (a compile sweep: LoRA losses 1e-3 relative off, LoRA gradients unrelated)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.Linear(32, 8))
+    stock = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_dropout=0.2, target_modules=["2"],
+                                                      init_lora_weights=False))
+    slim = slimgrad.convert(stock)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    with torch._inductor.config.patch(fallback_random=fallback_random):
+        for model in (stock, slim):
+            torch._dynamo.reset()
+            torch.manual_seed(7)
+            out = torch.compile(model, fullgraph=True)(x)
+            out.square().sum().backward()
+            results.append((out.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+    (out_s, grads_s), (out_k, grads_k) = results
+    assert_same(out_k, out_s, what="output")
+    for gk, gs in zip(grads_k, grads_s, strict=True):
+        assert_same(gk, gs, what="grad")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)

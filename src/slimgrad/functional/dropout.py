@@ -278,13 +278,13 @@ class _DropoutFunction(_common.Function):
             out = _apply_noise(input, torch.zeros((), dtype=input.dtype, device=input.device), inplace)
             kept = None
         elif torch.compiler.is_compiling():
-            # Compiled stock's own draw and arithmetic (the decomposition of native_dropout: rand_like(x) > p,
-            # mask * x * scale), so the step draws compiled stock's mask. The eager formula,
-            # empty_like(x).bernoulli_(1 - p), gave NaN outputs once Inductor compiled it inside a diffusers
-            # UNet with peft LoRA dropout (aot_eager was finite).
-            keep = torch.rand_like(input) > p
+            # Compiled stock's own op (nn.Dropout traces to it), so the step draws compiled stock's mask: Inductor
+            # decomposes it (rand_like(x) > p, mask * x * scale), or with torch._inductor.config.fallback_random
+            # runs eager's kernel, as for stock (where a rand_like written here drew another mask). The eager
+            # formula, empty_like(x).bernoulli_(1 - p), gave NaN outputs once Inductor compiled it inside a
+            # diffusers UNet with peft LoRA dropout (aot_eager was finite).
+            out, keep = torch.ops.aten.native_dropout(input, p, True)
             kept = _bitmask.pack_planar(keep, _bitmask.planar_layout(input))
-            out = keep * input * (1.0 / (1.0 - p))
             if inplace:
                 out = input.copy_(out)
         elif policy == "bits":

@@ -133,10 +133,10 @@ class LoraLinearFunction(_common.Function):
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
             elif p > 0:
                 if compiling:
-                    # rand_like, compiled stock's draw: empty_like(x).bernoulli_ gave NaN under Inductor in a
-                    # diffusers UNet (functional/dropout.py)
-                    mask = torch.rand_like(xa) > p
-                    noise = mask.to(xa.dtype).div_(1 - p)
+                    # compiled stock's op (peft's nn.Dropout traces to it): Inductor's rand_like draw, or with
+                    # fallback_random eager's own (functional/dropout.py)
+                    dropped, mask = torch.ops.aten.native_dropout(xa, p, True)
+                    noise = None
                 elif policy == "bits":
                     # stock's draw (PEFT's nn.Dropout), kept as bits: the adapter sees PEFT's very mask
                     dropped, mask, _, _ = _draw_to_simulated(x, p, A.dtype) if fuse else bits_forward(xa, p, False)

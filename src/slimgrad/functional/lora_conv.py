@@ -178,8 +178,7 @@ class LoraConvFunction(_common.Function):
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
             elif p > 0 and compiling:
                 # A private generator would break the graph: the compiled form keeps a bool mask.
-                mask = torch.rand_like(xa) > p  # compiled stock's draw (see functional/dropout.py)
-                dropped = xa * mask.to(xa.dtype).div_(1 - p)
+                dropped, mask = torch.ops.aten.native_dropout(xa, p, True)  # compiled stock's op (functional/dropout.py)
             elif p > 0 and policy == "bits":
                 # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask (setup_context
                 # finds its layout and scale again: _bits)
