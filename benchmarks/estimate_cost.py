@@ -185,8 +185,8 @@ def main(argv=None) -> str:
         "parts, a bisection over all of them. The search now starts where the units' freed bytes say the budget "
         "is met and steps out from there (1, 2, 4 ..., then bisection): the same plan, with two estimates per "
         "order where that guess is right. (The estimate's sweep before ac5e7d5, which grew as ops × live "
-        "storages, took 6.6 s an estimate and 105.6 s a plan at 32 layers on the machine of that run, against 1.5 s and 30.0 s "
-        "with the fix there.)",
+        "storages, took 6.6 s an estimate and 105.6 s a plan at 32 layers on the machine of that run, against "
+        "1.5 s and 30.0 s with the fix there.)",
     ]) + ([] if big is None else [
         "",
         f"A Llama-7B config (transformers' `LlamaConfig()` defaults) built on the meta device in bf16, rank-16 LoRA "
