@@ -177,8 +177,9 @@ class LoraConvFunction(_common.Function):
             if p == 1:
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
             elif p > 0 and compiling:
-                # A private generator would break the graph: the compiled form keeps a bool mask.
-                dropped, mask = torch.ops.aten.native_dropout(xa, p, True)  # compiled stock's op (functional/dropout.py)
+                # A private generator would break the graph: the compiled form keeps a bool mask, drawn by compiled
+                # stock's op (functional/dropout.py)
+                dropped, mask = torch.ops.aten.native_dropout(xa, p, True)
             elif p > 0 and policy == "bits":
                 # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask (setup_context
                 # finds its layout and scale again: _bits)
