@@ -135,7 +135,10 @@ class LoraLinearFunction(_common.Function):
                 if compiling:
                     # compiled stock's op (peft's nn.Dropout traces to it): Inductor's rand_like draw, or with
                     # fallback_random eager's own (functional/dropout.py)
-                    dropped, mask = torch.ops.aten.native_dropout(xa, p, True)
+                    dropped, keep = torch.ops.aten.native_dropout(xa, p, True)
+                    # kept as 1 bit an element, packed in the planes Inductor fuses into the draw (as dropout's)
+                    mask = _bitmask.pack_planar(keep, _bitmask.planar_layout(xa))
+                    del keep
                     noise = None
                 elif policy == "bits":
                     # stock's draw (PEFT's nn.Dropout), kept as bits: the adapter sees PEFT's very mask
@@ -191,6 +194,8 @@ class LoraLinearFunction(_common.Function):
             if dt != sum_dtype:
                 sum_dtype = torch.promote_types(sum_dtype, dt)
         bits = {}  # adapter -> (perm, scale) of its packed mask (in eager, a mask is the "bits" policy's)
+        # compiled: each mask packed in planes (_bitmask.pack_planar), unpacked in backward with x's shape and layout
+        ctx.planar = _bitmask.planar_layout(x) if compiling else None
         if not compiling:
             for i in range(n):
                 if masks[i] is not None:
@@ -303,8 +308,10 @@ class LoraLinearFunction(_common.Function):
             elif p > 0 and i in bits:
                 noise = bits[i]  # (perm, scale): applied through the dropout_bits kernels below
             elif p > 0:
-                if masks[i] is not None:
-                    noise = masks[i].to(A.dtype).div_(1 - p)
+                if masks[i] is not None:  # compiled: as native_dropout_backward's decomposition reads its mask
+                    keep = _bitmask.unpack_planar(masks[i], x_shape, ctx.planar)
+                    noise = keep.to(A.dtype).div_(1 - p)
+                    del keep
                 elif torch.compiler.is_compiling():  # compiled autograd over an eager forward: choose_seed would
                     # answer the torch reference (another mask than a Triton forward's); the op asks when it runs
                     seeded = (dropout_kernels.TRACED_SEED, seeds[seed_index[i]])
