@@ -180,6 +180,11 @@ def test_subclasses_that_add_only_set_up_are_converted_bitwise_and_keep_less():
             assert (pa.grad is None) == (pb.grad is None) and (pa.grad is None or torch.equal(pa.grad, pb.grad))
     slimgrad.revert(slim)
     assert [type(m) for m in slim] == [type(m) for m in model]
+    # a type named in include/exclude also selects its subclasses that add only set-up
+    kept_stock = slimgrad.convert(model, exclude=[nn.Conv2d])
+    assert [type(m) for m in kept_stock][:5:4] == [nn.Conv2d, _FromInitConv] and type(kept_stock[3]) is _InitConv
+    only_convs = slimgrad.convert(model, include=nn.Conv2d)
+    assert type(only_convs[3]) is not _InitConv and type(only_convs[1]) is _InitGroupNorm
 
 
 def test_a_converted_init_only_subclass_pickles_into_a_new_process(tmp_path):

@@ -194,7 +194,7 @@ def defined_beyond_init(kind: type, stock: type) -> list[str]:
     return sorted({name for c in own for name in c.__dict__ if name not in _INIT_ONLY})
 
 
-def _init_only_stock(kind: type) -> type | None:
+def init_only_stock(kind: type) -> type | None:
     """The stock type ``kind`` subclasses adding only set-up, where slimgrad's replacement of it is one of the
     torch families (whose forwards read the module's attributes only, never its exact type); else None."""
     if type(kind) is not type:  # a metaclass can change how attributes resolve
@@ -221,7 +221,7 @@ def subclass_twin(kind: type) -> type | None:
     twin = REPLACEMENTS.get(kind)
     if twin is not None:
         return twin
-    stock = _init_only_stock(kind)
+    stock = init_only_stock(kind)
     if stock is None:
         return None
     name = _twin_name(kind)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ._gaps import CHUNKED_LOSS, claimed_family, family_gap, model_gap, module_gap, remember_converted
 from ._notices import Gap, notify_all
-from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS, defined_beyond_init, subclass_twin
+from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS, defined_beyond_init, init_only_stock, subclass_twin
 from .functional.dropout import POLICY_ATTRIBUTE
 from .integrations import load_available
 
@@ -167,7 +167,10 @@ class _Selector:
         return not self.patterns and not self.types
 
     def selects(self, path: str, module: nn.Module) -> bool:
-        return type(module) in self.types or any(self._matches(p, path) for p in self.patterns)
+        kind = type(module)
+        # a type also selects its subclasses that add only set-up (converted as it is: _registry.subclass_twin)
+        return (kind in self.types or (bool(self.types) and init_only_stock(kind) in self.types)
+                or any(self._matches(p, path) for p in self.patterns))
 
 
 def _why_not_exact(module: nn.Module) -> str | None:
