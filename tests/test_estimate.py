@@ -301,6 +301,10 @@ def test_bidirectional_mask_decided_as_the_real_step_decides(case, converted):
     tensors it kept the B×1×S×S mask: the estimate was 12-14 % high for a BERT at 2×256 (found by a sweep of
     models the suite did not cover). Now every case equals the measured peak."""
     transformers = pytest.importorskip("transformers")
+    if not hasattr(pytest.importorskip("transformers.masking_utils"), "_ignore_bidirectional_mask_sdpa"):
+        # transformers 4.x builds BERT's mask in modeling_attn_mask_utils, whose check reads the mask's values: the
+        # estimate stops there with an error naming it (a known limit on that release line)
+        pytest.skip("this transformers' BERT decides its mask from values outside masking_utils")
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=256, num_labels=3,
