@@ -239,17 +239,10 @@ def __getattr__(name: str):
     if not name.startswith(_TWIN_PREFIX):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
+    import re
 
-    def dec(s: str) -> str:
-        out, i = [], 0
-        while i < len(s):
-            if s[i] == "_" and i + 1 < len(s) and s[i + 1] in "UD":
-                out.append("_" if s[i + 1] == "U" else ".")
-                i += 2
-            else:
-                out.append(s[i])
-                i += 1
-        return "".join(out)
+    def dec(s: str) -> str:  # (_twin_name's encoding: every "_" there is followed by U, D or the separator's S)
+        return re.sub("_([UD])", lambda m: "_" if m[1] == "U" else ".", s)
 
     module_part, _, qual_part = name[len(_TWIN_PREFIX):].partition("_S")
     kind = importlib.import_module(dec(module_part))

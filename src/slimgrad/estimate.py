@@ -840,9 +840,13 @@ def _masks_decided_on_real_values(facts, kwargs, f_kwargs, notes: list[str]):
         return
     fake_positions = f_kwargs.get("position_ids")
 
+    def stands_for_the_real_mask(padding_mask) -> bool:
+        """Whether ``padding_mask`` is the fake of the user's 2-D attention mask, whose real values are known."""
+        return (_is_fake(padding_mask) and real_mask and padding_mask.dim() == 2
+                and padding_mask.shape[-1] == mask.shape[-1])
+
     def ignore_causal_mask(padding_mask, *rest, **kw):
-        if _is_fake(padding_mask) and real_mask and padding_mask.dim() == 2 and padding_mask.shape[-1] == \
-                mask.shape[-1]:
+        if stands_for_the_real_mask(padding_mask):
             if mask_all_ones:
                 padding_mask = None  # the same answer as the real step's fast_all(padding_mask)
             elif len(rest) >= 2 and rest[0] == rest[1] == mask.shape[-1]:
@@ -852,8 +856,7 @@ def _masks_decided_on_real_values(facts, kwargs, f_kwargs, notes: list[str]):
         return ignore(padding_mask, *rest, **kw)
 
     def ignore_bidirectional_mask(padding_mask, *rest, **kw):
-        if _is_fake(padding_mask) and real_mask and padding_mask.dim() == 2 and padding_mask.shape[-1] == \
-                mask.shape[-1]:
+        if stands_for_the_real_mask(padding_mask):
             if not mask_all_ones:
                 return False  # padded: the real step's ``padding_mask.all()`` is False in every version
             padding_mask = None  # the same answer as the real step's padding_mask.all()

@@ -194,9 +194,9 @@ class LoraLinearFunction(_common.Function):
             if dt != sum_dtype:
                 sum_dtype = torch.promote_types(sum_dtype, dt)
         bits = {}  # adapter -> (perm, scale) of its packed mask (in eager, a mask is the "bits" policy's)
-        # compiled: each mask packed in planes (_bitmask.pack_planar), unpacked in backward with x's shape and layout
-        ctx.planar = _bitmask.planar_layout(x) if compiling else None
-        if not compiling:
+        if compiling:  # each mask packed in planes (_bitmask.pack_planar), unpacked in backward in x's layout
+            ctx.planar = _bitmask.planar_layout(x)
+        else:
             for i in range(n):
                 if masks[i] is not None:
                     # the mask's layout is x's (x.to(dtype) keeps it), its scale that of the adapters' dtype
