@@ -324,6 +324,20 @@ def test_bidirectional_mask_decided_as_the_real_step_decides(case, converted):
         assert e.step_peak_bytes == measured, (case, e.step_peak_bytes, measured)
 
 
+def test_an_unknown_bidirectional_mask_decision_is_noted(monkeypatch):
+    """Where transformers' bidirectional-mask decision is not the form slimgrad answers from the real mask, it runs
+    on fake tensors (the estimate may then be high): ``notes`` says so rather than leave it silently off."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    real = getattr(masking, "_ignore_bidirectional_mask_sdpa", None)
+    if real is None:
+        pytest.skip("this transformers has no bidirectional-mask decision in masking_utils")
+    monkeypatch.setattr(masking, "_ignore_bidirectional_mask_sdpa", lambda mask_2d, *a, **k: real(mask_2d, *a, **k))
+    model, example = bm.llama_lora(seq=16)
+    example["attention_mask"] = torch.ones_like(example["input_ids"])
+    e = _estimate(model, example)
+    assert any("_ignore_bidirectional_mask_sdpa" in n for n in e.notes), e.notes
+
+
 @pytest.mark.parametrize("policy", ["bits", "seed"])
 @pytest.mark.parametrize("model_kind", ["lora", "dropout"])
 def test_dropout_policies_are_estimated(policy, model_kind):

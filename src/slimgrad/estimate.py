@@ -880,6 +880,11 @@ def _masks_decided_on_real_values(facts, kwargs, f_kwargs, notes: list[str]):
         if ignore_bi is not None and _first_parameter(ignore_bi) == "padding_mask":
             saved["_ignore_bidirectional_mask_sdpa"] = ignore_bi
             masking._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask
+        elif ignore_bi is not None and mask is not None:
+            notes.append("this transformers version's bidirectional-mask decision (masking_utils."
+                         "_ignore_bidirectional_mask_sdpa) is not the form slimgrad knows: it ran on fake tensors, "
+                         "which count a materialized batch x 1 x seq x seq mask where the real step may leave the mask "
+                         "to SDPA, so the estimate may be high")
         if packed is not None and _first_parameter(packed) == "position_ids":
             saved["find_packed_sequence_indices"] = packed
             masking.find_packed_sequence_indices = find_packed
