@@ -218,7 +218,10 @@ def test_norms():
 
         def forward(self, inputs):
             x = inputs[0]
-            outs = [rms_norm_hf(x, self.weight, 1e-6, style) for style in ("llama", "olmo2", "gemma", "t5")]
+            # a copy each: eager hands x the square's and the product's gradients apart, as stock's formula does,
+            # compiled their sum (dynamo refuses one tensor passed twice), which differs only where x has other
+            # readers whose gradients come in between
+            outs = [rms_norm_hf(x.clone(), self.weight, 1e-6, style) for style in ("llama", "olmo2", "gemma", "t5")]
             outs += list(self.fused(x, inputs[1]))
             outs.append(self.poly(inputs[1]))
             return outs

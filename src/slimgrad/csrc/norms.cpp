@@ -106,72 +106,136 @@ RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndi
   return {(h * w.to(at::kFloat).add(1.0)).type_as(x), rstd, h};  // gemma: Python's 1.0 + w.float()
 }
 
-Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, const Tensor& h) {
+Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, at::ScalarType h_dtype) {
   if (style == kLlama || style == kT5) return dy;
   if (style == kGemma) return dy.to(at::kFloat);
-  return dy.to(at::promote_types(w.scalar_type(), h.scalar_type()));
+  return dy.to(at::promote_types(w.scalar_type(), h_dtype));
+}
+
+Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, const Tensor& h) {
+  return upstream_of_product(dy, style, w, h.scalar_type());
 }
 
 Tensor weight_grad(const Tensor& g, const Tensor& h, const Tensor& w) {
   return (g * h).sum_to_size(w.sizes()).to(w.scalar_type());
 }
 
-Tensor variance_path_grad(const Tensor& d_rstd, const Tensor& rstd, const Tensor& up, int64_t n) {
-  auto d_var = (d_rstd * -0.5) * rstd.pow(3);
-  auto scaled = d_var / n;
-  auto two_up = up.pow(1) * 2.0;  // (up.pow(1) freed here, as Python's 2.0 * up.pow(1) frees it)
-  return scaled * two_up;
+// _variance_row_factor and _variance_path_grad of functional/norms.py, each temporary freed where Python frees it.
+Tensor variance_row_factor(const Tensor& d_rstd, const Tensor& rstd, int64_t n) {
+  auto a = d_rstd * -0.5;
+  auto b = rstd.pow(3);
+  auto d_var = a * b;
+  a.reset();
+  b.reset();
+  return d_var / n;
 }
 
+Tensor variance_path_grad(const Tensor& c, const Tensor& up) {
+  auto two_up = up.pow(1) * 2.0;  // (up.pow(1) freed here, as Python's 2.0 * up.pow(1) frees it)
+  return c * two_up;
+}
+
+// functional/norms.py's _rms_backward, op for op and temporary for temporary (slimgrad.estimate simulates this path
+// with the Python code): each temporary made no earlier than needed and freed after its last use. split (where stock
+// hands x two gradients: stock_hands_two): dX's second term, the square's, goes to *split and the first is returned
+// unsummed.
 std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w,
                                        int64_t ndim, int64_t style, bool need_x, bool need_w,
-                                       at::ScalarType x_dtype) {
+                                       at::ScalarType x_dtype, Tensor* split = nullptr) {
   int64_t n = 1;
   for (int64_t d = x.dim() - ndim; d < x.dim(); ++d) n *= x.size(d);
   Tensor dx, dw;
   if (style == kT5) {
-    auto xf = x.to(at::kFloat);
-    auto h = x * rstd;
-    auto hd = h.scalar_type();
-    auto ht = is_half(w.scalar_type()) ? h.to(w.scalar_type()) : h;
-    if (need_w) dw = weight_grad(dy, ht, w);
+    const auto hd = at::promote_types(x.scalar_type(), rstd.scalar_type());  // x * rstd's dtype
+    const auto ht = is_half(w.scalar_type()) ? w.scalar_type() : hd;
+    if (need_w) {
+      auto h = x * rstd;
+      auto normed = h.to(ht);
+      dw = weight_grad(dy, normed, w);
+    }
     if (!need_x) return {dx, dw};
     Tensor dh;
     {
-      Tensor low = (dy * w).to(ht.scalar_type());  // dy * w freed before the next cast allocates (Python's order)
+      Tensor low = (dy * w).to(ht);  // dy * w freed before the next cast allocates (Python's order)
       dh = low.to(hd);
     }
     auto dx1 = (dh * rstd).to(x.scalar_type());
-    auto d_rstd = (dh * x).sum({-1}, true).to(rstd.scalar_type());
-    auto dx2 = variance_path_grad(d_rstd, rstd, xf, n).to(x.scalar_type());
+    Tensor c;
+    {
+      Tensor s;
+      {
+        auto t = dh * x;
+        s = t.sum({-1}, true);
+      }
+      s = s.to(rstd.scalar_type());
+      c = variance_row_factor(s, rstd, n);
+    }
+    dh.reset();
+    Tensor dx2;
+    {
+      auto xf = x.to(at::kFloat);
+      dx2 = variance_path_grad(c, xf);
+    }
+    dx2 = dx2.to(x.scalar_type());
+    if (split) {
+      *split = dx2;
+      return {dx1, dw};
+    }
     return {dx1.add_(dx2), dw};
   }
-  auto up = x.to(rstd.scalar_type());
-  auto h = up * rstd;
+  const auto hd = rstd.scalar_type();  // the normalised input's: up (x in rstd's dtype) times rstd
   Tensor g_h;
   if (!w.defined()) {
-    g_h = dy.to(h.scalar_type());
+    g_h = dy.to(hd);
   } else if (style == kLlama) {
-    if (need_w) dw = weight_grad(dy, h.to(x_dtype), w);
+    if (need_w) {
+      Tensor normed;
+      {
+        Tensor h;
+        {
+          auto up = x.to(hd);
+          h = up * rstd;
+        }
+        normed = h.to(x_dtype);
+      }
+      dw = weight_grad(dy, normed, w);
+    }
     if (need_x) {
       Tensor low = (dy * w).to(x_dtype);  // dy * w freed before the next cast allocates (Python's order)
-      g_h = low.to(h.scalar_type());
+      g_h = low.to(hd);
     }
-  } else if (style == kTorch || style == kOlmo2) {
-    auto g = upstream_of_product(dy, style, w, h);
-    if (need_w) dw = weight_grad(g, h, w);
-    if (need_x) g_h = (g * w).to(h.scalar_type());
-  } else {  // gemma
-    auto g = upstream_of_product(dy, style, w, h);
-    if (need_w) dw = weight_grad(g, h, w);
-    if (need_x) g_h = g * w.to(at::kFloat).add(1.0);
+  } else {
+    auto g = upstream_of_product(dy, style, w, hd);
+    if (need_w) {
+      Tensor h;
+      {
+        auto up = x.to(hd);
+        h = up * rstd;
+      }
+      dw = weight_grad(g, h, w);
+    }
+    if (need_x) g_h = style == kGemma ? g * w.to(at::kFloat).add(1.0) : (g * w).to(hd);
   }
   if (need_x) {
-    h.reset();
-    auto d_rstd = (g_h * up).sum(trailing_dims(x, ndim), true);
-    Tensor sum = g_h * rstd;
-    sum.add_(variance_path_grad(d_rstd, rstd, up, n));  // the variance path's term freed before the cast
-    dx = sum.to(x_dtype);
+    auto up = x.to(hd);  // x itself where x has rstd's dtype
+    Tensor c;
+    {
+      Tensor s;
+      {
+        auto t = g_h * up;
+        s = t.sum(trailing_dims(x, ndim), true);
+      }
+      c = variance_row_factor(s, rstd, n);
+    }
+    dx = g_h * rstd;
+    g_h.reset();
+    if (split) {  // (up is x)
+      *split = variance_path_grad(c, up);
+      return {dx, dw};
+    }
+    dx.add_(variance_path_grad(c, up));
+    up.reset();
+    dx = dx.to(x_dtype);
   }
   return {dx, dw};
 }
@@ -318,8 +382,10 @@ RmsForward rms_forward_fast(const Tensor& x, const Tensor& w, double eps, int64_
 
 // Backward, dX and/or dW: pass 1 makes the operands of the Python path's reductions (g_h·x for d_rstd; dY·x̂ for dW,
 // in the dtype the reference multiplies them in), aten reduces them, pass 2 writes dX.
+// split: as rms_backward's (pass 2 then writes the two terms, each rounded to x's dtype, instead of their sum).
 std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w,
-                                            int64_t ndim, int64_t style, bool need_x, bool need_w) {
+                                            int64_t ndim, int64_t style, bool need_x, bool need_w,
+                                            Tensor* split = nullptr) {
   int64_t n = 1;
   for (int64_t d = x.dim() - ndim; d < x.dim(); ++d) n *= x.size(d);
   const int64_t rows = x.numel() / n;
@@ -375,14 +441,22 @@ std::pair<Tensor, Tensor> rms_backward_fast(const Tensor& dy, const Tensor& x, c
     auto c = ((d_rstd * -0.5) * rstd.pow(3)) / n;  // variance_path_grad's per-row factor (d_var / n)
     const float* cp = c.data_ptr<float>();
     dx = at::empty(x.sizes(), x.options());
+    if (split) *split = at::empty(x.sizes(), x.options());
     T* dxp = dx.data_ptr<T>();
+    T* dx2p = split ? split->data_ptr<T>() : nullptr;
     for_rows(rows, n, [&](int64_t r, RowScratch& s) {
       float *xf = s.a.data(), *dyf = s.b.data(), *gh = s.c.data();
       to_float(xp + r * n, xf, n);
       to_float(dyp + r * n, dyf, n);
       grad_h(dyf, gh, reinterpret_cast<T*>(dyf));
       const float rs = rp[r], cr = cp[r];
-      if (style == kT5) {  // T5 casts both terms to x's dtype, then adds them (dx1.add_(dx2))
+      if (dx2p) {  // the two terms, each rounded to x's dtype (T5: its casts; else x is fp32)
+        for (int64_t j = 0; j < n; ++j) {
+          xf[j] = cr * (xf[j] * 2.0f);
+          gh[j] = gh[j] * rs;
+        }
+        from_float(xf, dx2p + r * n, n);
+      } else if (style == kT5) {  // T5 casts both terms to x's dtype, then adds them (dx1.add_(dx2))
         float* t2 = xf;
         for (int64_t j = 0; j < n; ++j) {
           t2[j] = cr * (xf[j] * 2.0f);
@@ -412,9 +486,12 @@ at::ScalarType rms_normed_dtype(const Tensor& x, const Tensor& w, int64_t style)
 
 struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   // weight/bias as optionals: an undefined Tensor argument would count as a variable input
+  // again: x once more where stock hands x two gradients (stock_hands_two): the square's term goes there, the
+  // product's to x itself, so that autograd adds them in stock's order (RMSNormFunction's docstring)
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& w_opt, double eps,
-                        int64_t ndim, int64_t style, bool need_x, bool need_w) {
+                        int64_t ndim, int64_t style, bool need_x, bool need_w, const std::optional<Tensor>& again) {
     const Tensor w = w_opt.value_or(Tensor());
+    ctx->saved_data["split"] = again.has_value();
     ctx->saved_data["need_x"] = need_x;
     ctx->saved_data["need_w"] = need_w;
     ctx->saved_data["ndim"] = ndim;
@@ -452,9 +529,10 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     bool need_x = ctx->saved_data["need_x"].toBool(), need_w = ctx->saved_data["need_w"].toBool();
-    variable_list result(7);
+    variable_list result(8);
     if (!(need_x || need_w)) return result;
-    Tensor dx, dw;
+    Tensor dx, dw, dx2;
+    const bool split = ctx->saved_data["split"].toBool();  // (need_x)
     {
       at::NoGradGuard no_grad;
       auto saved = ctx->get_saved_variables();
@@ -476,14 +554,16 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
                     dy.sizes() == x.sizes() && rms_fast_ok(x, Tensor(), kTorch) &&
                     (w.defined() ? w.scalar_type() == x_dtype && (!need_x || w.is_contiguous()) : style == kTorch);
         if (fast) {
-          std::tie(dx, dw) = rms_backward_fast(dy, x, rstd, w, ndim, style, need_x, need_w);
+          std::tie(dx, dw) = rms_backward_fast(dy, x, rstd, w, ndim, style, need_x, need_w, split ? &dx2 : nullptr);
         } else {
-          std::tie(dx, dw) = rms_backward(dy, x, rstd, w, ndim, style, need_x, need_w, x_dtype);
+          std::tie(dx, dw) = rms_backward(dy, x, rstd, w, ndim, style, need_x, need_w, x_dtype,
+                                          split ? &dx2 : nullptr);
         }
       }
     }
     result[0] = need_x ? dx : Tensor();
     result[1] = need_w ? dw : Tensor();
+    result[7] = dx2;
     return once_differentiable(std::move(result), grads, "RMSNormFunction");
   }
 };
@@ -738,7 +818,11 @@ py::object rms(py::handle x_obj, py::handle w_obj, py::handle eps_obj, py::handl
                                         : rms_forward(*x, *w, eps, ndim, style);
     return wrap(f.out, x_obj, note);
   }
-  return wrap(RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w), x_obj, note);
+  // stock_hands_two (functional/norms.py): T5 style, or x already in the statistics' dtype
+  bool split = need_x && (style == kT5 || x->scalar_type() == (style == kTorch ? opmath(x->scalar_type()) : at::kFloat));
+  return wrap(RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w,
+                               split ? std::optional<Tensor>(*x) : std::nullopt),
+              x_obj, note);
 }
 
 // fused_add_rms_norm (styles 1-4): (out, s), or None.

@@ -115,12 +115,16 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _variance_path_grad(d_rstd, rstd, up, n):
-    """Gradient reaching ``up`` through ``rsqrt(mean(up²) + eps)``, as autograd computes it: rsqrt's
-    ``-0.5·g·r³``, mean's ``g/n`` (on the per-row tensor; the expand autograd does first changes no value)
-    and pow's ``g·(2·up)``."""
-    d_var = (d_rstd * -0.5) * rstd.pow(3)
-    return (d_var / n) * (2.0 * up.pow(1))
+def _variance_row_factor(d_rstd, rstd, n):
+    """The per-row factor of the gradient reaching ``up`` through ``rsqrt(mean(up²) + eps)``, as autograd computes
+    it: rsqrt's ``-0.5·g·r³``, then mean's ``g/n`` (on the per-row tensor; the expand autograd does first changes no
+    value)."""
+    return ((d_rstd * -0.5) * rstd.pow(3)) / n
+
+
+def _variance_path_grad(c, up):
+    """That gradient: the row factor ``c`` times pow's ``2·up``."""
+    return c * (2.0 * up.pow(1))
 
 
 def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
@@ -247,7 +251,7 @@ class _CoreRmsSimulation:
         del sq
         return (out, rstd) if h is None else (out, rstd, h)
 
-    def backward(self, grad_out, x, rstd, weight, style, n, need_x, need_w, stand_in=True):
+    def backward(self, grad_out, x, rstd, weight, style, n, need_x, need_w, stand_in=True, split=False):
         if stand_in and weight is not None and not need_x:  # the core keeps the weight only for dX: a one-element
             # stand-in
             weight = torch.empty((), dtype=weight.dtype, device=grad_out.device).expand(weight.shape)
@@ -256,7 +260,7 @@ class _CoreRmsSimulation:
                 and (weight.dtype == x.dtype and (not need_x or weight.is_contiguous()) if weight is not None
                      else style == "torch"))
         if not fast:  # the core's aten ops, the torch code's
-            return _rms_backward(grad_out, x, rstd, weight, self.dims, style, need_x, need_w, x.dtype)
+            return _rms_backward(grad_out, x, rstd, weight, self.dims, style, need_x, need_w, x.dtype, split=split)
         p = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
         q = torch.empty(x.shape, dtype=x.dtype if style in ("llama", "t5") else torch.float32,
                         device=x.device) if need_w else None
@@ -271,8 +275,9 @@ class _CoreRmsSimulation:
         c = product / n
         del scaled, cubed, product
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx2 = torch.empty(x.shape, dtype=x.dtype, device=x.device) if split else None
         del c, d_rstd
-        return dx, dw
+        return ((dx, dx2) if split else dx), dw
 
     def weight_grad_from_normed(self, grad_out, normed, n, w_shape, w_dtype):
         weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
@@ -330,11 +335,13 @@ class RMSNormFunction(_common.Function):
     weight trains, only the normalised input when that is no bigger).
 
     ``dims``: the normalised dimensions (the caller's, so that forward and setup_context need not work them out
-    twice); ``impl``: the fast kernel chosen by the caller (:func:`_rms_impl`), None for the torch code. Returns
-    ``(out, rstd[, normed])``: the statistics and normalised input are what backward may read."""
+    twice); ``impl``: the fast kernel chosen by the caller (:func:`_rms_impl`), None for the torch code; ``again``:
+    x once more where stock's graph gives x two gradients (:func:`stock_hands_two`): the square's goes there, the
+    product's to x itself, so that autograd adds them in stock's order (a decoder layer's residual reads x too).
+    Returns ``(out, rstd[, normed])``: the statistics and normalised input are what backward may read."""
 
     @staticmethod
-    def forward(input, weight, eps, dims, style, impl):
+    def forward(input, weight, eps, dims, style, impl, again=None):
         if impl is not None:
             n = _numel(input.shape[dims[0]:])
             if weight is not None and weight.requires_grad and not input.requires_grad:
@@ -355,7 +362,9 @@ class RMSNormFunction(_common.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        input, weight, eps, dims, style, impl = inputs
+        input, weight, eps, dims, style, impl = inputs[:6]
+        ctx.split = len(inputs) > 6 and inputs[6] is not None
+        ctx.extras = len(inputs) - 2
         rstd = output[1]
         normed = output[2] if len(output) > 2 else None
         ctx.mark_non_differentiable(*output[1:])
@@ -387,41 +396,47 @@ class RMSNormFunction(_common.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, *_grad_extras):
         need_x, need_w = ctx.mask
+        tail = (None,) * ctx.extras  # eps, dims, style, impl (and x again, or None in its place)
         if not (need_x or need_w):
-            return None, None, None, None, None, None
+            return None, None, *tail
         x, rstd, weight, normed = ctx.saved_tensors
         if ctx.impl is not None:
             if normed is not None:
-                return (None, ctx.impl.weight_grad_from_normed(grad_out, normed, ctx.n, *ctx.w_meta), None, None,
-                        None, None)
+                return None, ctx.impl.weight_grad_from_normed(grad_out, normed, ctx.n, *ctx.w_meta), *tail
+            if ctx.split:  # the core's simulation (slimgrad.estimate): the core's two terms
+                dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w, split=True)
+                return dx[0], dw, None, None, None, None, dx[1]
             dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w)
-            return dx, dw, None, None, None, None
+            return dx, dw, *tail
         if weight is None and ctx.w_meta is not None:  # only dW: the weight's shape and dtype are all it reads
             w_shape, w_dtype = ctx.w_meta
             weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
         if normed is not None:
             return None, _weight_grad(_upstream_of_product(grad_out, ctx.style, weight, normed), normed, weight), \
-                None, None, None, None
+                *tail
         if ctx.fused:
             dx, dw = _aten._fused_rms_norm_backward(grad_out, x, list(x.shape[x.dim() - len(ctx.dims):]), rstd,
                                                     weight, [need_x, need_w])
         else:
-            dx, dw = _rms_backward(grad_out, x, rstd, weight, ctx.dims, ctx.style, need_x, need_w, ctx.x_dtype)
-        return (dx if need_x else None), (dw if need_w else None), None, None, None, None
+            dx, dw = _rms_backward(grad_out, x, rstd, weight, ctx.dims, ctx.style, need_x, need_w, ctx.x_dtype,
+                                   split=ctx.split)
+            if ctx.split:  # (need_x)
+                return dx[0], (dw if need_w else None), None, None, None, None, dx[1]
+        return (dx if need_x else None), (dw if need_w else None), *tail
 
     @staticmethod
-    def stock(input, weight, eps, dims, style, impl=None):
+    def stock(input, weight, eps, dims, style, impl=None, again=None):
         """Stock's computation: ``F.rms_norm`` for the torch style, the reference formula otherwise."""
         if style == "torch":
             return torch.nn.functional.rms_norm(input, tuple(input.shape[dims[0]:]), weight, eps)
         return _rms_forward(input, weight, eps, dims, style)[0]
 
     @classmethod
-    def under_transform(cls, input, weight, eps, dims, style, impl):
+    def under_transform(cls, input, weight, eps, dims, style, impl, again=None):
         if _fused_rms(input, weight, style):
             # Stock's fused kernel keeps x and rstd, as the Function does there: nothing to save.
             return cls.stock(input, weight, eps, dims, style, None)
-        return _common._AUTOGRAD_APPLY(cls, input, weight, eps, dims, style, None)
+        return _common._AUTOGRAD_APPLY(cls, input, weight, eps, dims, style, None, again)
 
 
 def _rms_forward(x, weight, eps, dims, style, keep_normed=False):
@@ -459,12 +474,13 @@ def _rms_forward_impl(x, weight, eps, dims, style):
 
 def _upstream_of_product(dy, style, weight, h):
     """The gradient reaching the ``weight × normalised`` product: dY itself where the product is the output
-    (Llama, T5), dY cast to the product's dtype where a cast follows it (torch, Olmo2: promoted; Gemma: fp32)."""
+    (Llama, T5), dY cast to the product's dtype where a cast follows it (torch, Olmo2: promoted; Gemma: fp32).
+    ``h``: the normalised input, or its dtype."""
     if style in ("llama", "t5"):
         return dy
     if style == "gemma":
         return dy.to(torch.float32)
-    return dy.to(torch.promote_types(weight.dtype, h.dtype))
+    return dy.to(torch.promote_types(weight.dtype, h if isinstance(h, torch.dtype) else h.dtype))
 
 
 def _weight_grad(g, h, weight):
@@ -480,53 +496,72 @@ def _weight_grad(g, h, weight):
     return (g * h).sum_to_size(weight.shape).to(weight.dtype)
 
 
-def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype):
+def stock_hands_two(x_dtype, style) -> bool:
+    """Whether stock's graph gives x two gradients (the product ``x·rstd``'s, then the square's) rather than one:
+    where x itself feeds both, i.e. T5 style always, and the other styles where x is already in the statistics'
+    dtype (no cast node between). The engine adds each to x's buffer in turn, after the gradients of readers of x
+    created later (a decoder layer's residual); handing over their sum instead rounds (a + b) + c as a + (b + c)."""
+    return style == "t5" or x_dtype == (_opmath(x_dtype) if style == "torch" else torch.float32)
+
+
+def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype, split=False):
     """Autograd's backward of ``_rms_forward(style)``, replayed op for op (so bitwise), computing only the
-    requested gradients."""
+    requested gradients; ``split`` (:func:`stock_hands_two`): dX as its two terms, unsummed.
+
+    Each temporary is dropped after its last use and made no earlier than needed (the normalised input only for
+    dW, x's fp32 copy only when read), so that the peak stays at or below stock's, whose engine frees each node's
+    tensors as it goes (csrc/norms.cpp's rms_backward allocates and frees in this same order, which the estimate
+    relies on)."""
     n = 1
     for d in dims:  # a plain loop: dynamo cannot trace math.prod over a generator
         n *= x.shape[d]
     dx = dw = None
     if style == "t5":
-        xf = x.to(torch.float32)
-        h = x * rstd
-        hd = h.dtype
-        cast = weight.dtype in (torch.float16, torch.bfloat16)
-        ht = h.to(weight.dtype) if cast else h
+        hd = torch.promote_types(x.dtype, rstd.dtype)  # x · rstd's dtype
+        ht_dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else hd
         if need_w:
-            dw = _weight_grad(dy, ht, weight)
+            h = x * rstd
+            dw = _weight_grad(dy, h.to(ht_dtype), weight)
+            del h
         if not need_x:
             return None, dw
-        dh = (dy * weight).to(ht.dtype).to(hd)
+        dh = (dy * weight).to(ht_dtype).to(hd)
         dx1 = (dh * rstd).to(x.dtype)
-        d_rstd = (dh * x).sum(-1, keepdim=True).to(rstd.dtype)
-        dx2 = _variance_path_grad(d_rstd, rstd, xf, n).to(x.dtype)
+        c = _variance_row_factor((dh * x).sum(-1, keepdim=True).to(rstd.dtype), rstd, n)
+        del dh
+        dx2 = _variance_path_grad(c, x.to(torch.float32)).to(x.dtype)
+        if split:
+            return (dx1, dx2), dw
         return dx1.add_(dx2), dw  # in place, as autograd accumulates: the layout of the first to arrive
-    up = x.to(rstd.dtype)  # x may already be that copy (fp64 input, fp32 styles)
-    h = up * rstd
+    hd = rstd.dtype  # the normalised input's: up (x in rstd's dtype) times rstd
+    g_h = None
     if weight is None:  # torch style without affine
-        g_h = dy.to(h.dtype)
+        g_h = dy.to(hd)
     elif style == "llama":
         if need_w:
-            dw = _weight_grad(dy, h.to(x_dtype), weight)
-        g_h = (dy * weight).to(x_dtype).to(h.dtype) if need_x else None
-    elif style in ("torch", "olmo2"):
-        g = _upstream_of_product(dy, style, weight, h)
+            dw = _weight_grad(dy, (x.to(hd) * rstd).to(x_dtype), weight)
+        if need_x:
+            g_h = (dy * weight).to(x_dtype).to(hd)
+    else:
+        g = _upstream_of_product(dy, style, weight, hd)
         if need_w:
-            dw = _weight_grad(g, h, weight)
-        g_h = (g * weight).to(h.dtype) if need_x else None
-    else:  # gemma
-        g = _upstream_of_product(dy, style, weight, h)
-        if need_w:
-            dw = _weight_grad(g, h, weight)
-        g_h = g * (1.0 + weight.float()) if need_x else None
+            dw = _weight_grad(g, x.to(hd) * rstd, weight)
+        if need_x:
+            g_h = (g * weight).to(hd) if style != "gemma" else g * (1.0 + weight.float())
+        del g
     if need_x:
-        del h
-        d_rstd = (g_h * up).sum(dims, keepdim=True)
+        up = x.to(hd)  # x may already be that copy (fp64 input, fp32 styles)
+        c = _variance_row_factor((g_h * up).sum(dims, keepdim=True), rstd, n)
+        dx = g_h * rstd
+        del g_h
+        if split:  # (up is x)
+            return (dx, _variance_path_grad(c, up)), dw
         # x's two gradients are summed as autograd's engine sums them: in place into the first to arrive
         # (the product's, whose node runs first), which keeps its layout (an out-of-place sum can restride
         # size-1 dimensions).
-        dx = (g_h * rstd).add_(_variance_path_grad(d_rstd, rstd, up, n)).to(x_dtype)
+        dx = dx.add_(_variance_path_grad(c, up))
+        del up
+        dx = dx.to(x_dtype)
     return dx, dw
 
 
@@ -610,10 +645,17 @@ _unwrap_if_dead = _common.unwrap_if_dead
 def _apply_rms(input, weight, eps, dims, style, impl):
     """``RMSNormFunction.apply``; in eager its eager branch called directly (torch's C apply, the tensors unwrapped
     as its ``unwrap_dead_wrappers`` does): the generic argument handling cost ~2 µs a call on the Python path,
-    which is CUDA's (the core serves CPU tensors)."""
-    if _is_compiling() or torch._C._are_functorch_transforms_active():
-        return RMSNormFunction.apply(input, weight, eps, dims, style, impl)
-    return _C_APPLY(RMSNormFunction, _unwrap_if_dead(input), _unwrap(weight), eps, dims, style, impl)
+    which is CUDA's (the core serves CPU tensors). x goes in twice where stock hands x two gradients, except under
+    torch.compile (dynamo refuses one tensor passed twice; compiled stock's sums are Inductor's anyway), with a
+    Triton kernel (one fused dX, within rounding) and where stock's fused kernel runs (one gradient)."""
+    if _is_compiling():
+        return RMSNormFunction.apply(input, weight, eps, dims, style, impl, None)
+    split = (input.requires_grad and (impl is None or type(impl) is _CoreRmsSimulation)
+             and stock_hands_two(input.dtype, style) and not _fused_rms(input, weight, style))
+    if torch._C._are_functorch_transforms_active():
+        return RMSNormFunction.apply(input, weight, eps, dims, style, impl, input if split else None)
+    input = _unwrap_if_dead(input)
+    return _C_APPLY(RMSNormFunction, input, _unwrap(weight), eps, dims, style, impl, input if split else None)
 
 
 def _unwrap(t):
