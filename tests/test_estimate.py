@@ -690,3 +690,41 @@ def test_each_example_form_estimates_the_same_step():
     assert len(peaks) == 1 and peaks.pop() == measured
     lin = nn.Linear(8, 8)
     assert _estimate(lin, x).step_peak_bytes == slimgrad.peak_bytes(lambda: lin(x).sum().backward())
+
+
+class _AliasedEmbedding(nn.Module):
+    """transformers 4.x T5's layout: one embedding reached by two paths (``shared`` is also ``enc.embed``), and a
+    head tied to its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(32, 8)
+        self.enc = nn.Module()
+        self.enc.embed = self.shared
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.shared.weight
+        self.norm = nn.BatchNorm1d(8)
+        self.enc.norm = self.norm  # a buffer reached by two paths too
+
+    def forward(self, ids):
+        h = self.proj(self.enc.embed(ids))
+        return self.head(self.norm(h.transpose(1, 2)).transpose(1, 2))
+
+
+def test_module_reached_by_two_paths_keeps_its_parameters():
+    """The estimate swaps fake tensors into the model and back; a module reached by two paths has one slot under
+    two names, which swapping name by name restored with a fake (the tie with the head broken, a fake tensor left
+    in the user's model: T5 on transformers 4.x)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = _AliasedEmbedding()
+    weight, proj, mean = model.shared.weight, model.proj.weight, model.norm.running_mean
+    ids = torch.randint(0, 32, (2, 5))
+    e = slimgrad.estimate(model, ids)
+    assert model.shared.weight is weight and model.enc.embed.weight is weight and model.head.weight is weight
+    assert model.proj.weight is proj and model.norm.running_mean is mean and model.enc.norm.running_mean is mean
+    assert not any(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()])
+    # the tied weight is counted once
+    assert e.weight_bytes == sum(p.numel() * 4 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())

@@ -265,7 +265,7 @@ def test_whole_model_training_steps_are_bitwise(case):
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (stock, slim)]
     for step in range(3):
         losses = []
-        for m, opt in zip((stock, slim), opts):
+        for m in (stock, slim):
             loss = m(**kw).loss
             loss.backward()
             losses.append(loss.detach())

@@ -922,6 +922,23 @@ def _mask_facts(kwargs):
     return masking, ignore, packed, mask, real_mask, mask_all_ones, no_padding, positions_packed
 
 
+def _one_name_per_slot(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (a name per path, tied ones sharing a value) with one name per module attribute: a module reached
+    by two paths (transformers 4.x T5's ``shared`` is also ``encoder.embed_tokens``) has one slot under two names.
+    torch's reparametrization swaps name by name, so the second name's "original" is the value the first swapped
+    in, and restoring left a fake tensor in the user's model (T5's shared embedding, untied from its lm_head).
+    Tied parameters in distinct modules (an lm_head tied to the embedding) keep a name each, with one value."""
+    seen: set[tuple[int, str]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        owner_path, _, attr = name.rpartition(".")
+        key = (id(model.get_submodule(owner_path) if owner_path else model), attr)
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
+
+
 def _first_parameter(fn) -> str | None:
     import inspect
 
@@ -1008,8 +1025,15 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
 
     with fake_mode:
         steady = _STEADY_DTYPES.get() or {}
-        params = {n: fake(p) if n not in steady else nn.Parameter(fake(p).to(steady[n]), p.requires_grad)
-                  for n, p in model.named_parameters(remove_duplicate=False)}
+        fake_param: dict[int, torch.Tensor] = {}  # one fake per real parameter: tied names share it
+
+        def fake_parameter(n, p):
+            if id(p) not in fake_param:
+                fake_param[id(p)] = fake(p) if n not in steady else nn.Parameter(fake(p).to(steady[n]),
+                                                                                 p.requires_grad)
+            return fake_param[id(p)]
+
+        params = {n: fake_parameter(n, p) for n, p in model.named_parameters(remove_duplicate=False)}
         expected_dtypes = {n: f.dtype for n, f in params.items()}
         for n, p in model.named_parameters(remove_duplicate=False):
             params[n].requires_grad_(p.requires_grad)
@@ -1056,8 +1080,9 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         first_event = len(sim.events)
         sim.phase = "forward"
         # the fake parameters stay in place through backward: checkpointed blocks run their forward again there
-        with _reparametrize_module(model, {**{n: p for n, p in params.items() if n not in packed}, **buffers},
-                                   tie_weights=True, strict=False), \
+        with _reparametrize_module(model, _one_name_per_slot(model, {**{n: p for n, p in params.items()
+                                                                         if n not in packed}, **buffers}),
+                                   strict=False), \
                 _data_dependence_explained(sim), _packed_restored(model), \
                 _masks_decided_on_real_values(mask_facts, kwargs, f_kwargs, notes):
             with _tracked_forwards(model, sim, paths, {}, block_inputs):
