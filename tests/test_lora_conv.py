@@ -38,6 +38,9 @@ def peft_net(dtype=torch.float32, adapter_dtype=None, *, nd=2, groups=1, dropout
     net = Net(nd, groups).to(dtype)
     model = get_peft_model(net, LoraConfig(r=R, lora_alpha=8, target_modules=["conv", "emb"], lora_dropout=dropout,
                                            init_lora_weights=False))
+    # a scaling that is no bf16 or fp16 number (alpha / r = 5 / 3, or rsLoRA's alpha / sqrt(r)): the core once
+    # multiplied by it rounded to the model's dtype (C++'s in-place mul_(double)), which 8 / 4 = 2 hid
+    model.base_model.model.conv.scaling["default"] = 5 / 3
     if adapter_dtype is not None:  # diffusers' mixed precision: fp32 adapters on a half-precision model
         for n, p in model.named_parameters():
             if "lora_" in n:

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ScalarOps.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
@@ -38,6 +39,11 @@ torch::autograd::variable_list once_differentiable(torch::autograd::variable_lis
 
 // The LoRA Functions' tensor inputs by slot: `tensors` holds only the defined ones, `present` flags which slots
 // they fill; returns every slot (undefined where absent) and whether each requires grad.
+// A Python float as Python passes it to an in-place op (`t.mul_(v)`: a wrapped number, which the kernel reads in the
+// tensor's opmath type). C++'s `t.mul_(double)` runs aten's mul_.Scalar, which first rounds v to t's dtype: in bf16
+// and fp16 that is another product (x * 1.702 in bf16 is not x * bf16(1.702)). Out-of-place `t * v` is unaffected.
+inline at::Tensor py_float(double v) { return at::native::wrapped_scalar_tensor(v); }
+
 inline std::pair<std::vector<at::Tensor>, std::vector<bool>> present_slots(at::TensorList tensors,
                                                                            const std::vector<int64_t>& present) {
   std::vector<at::Tensor> t(present.size());

@@ -139,7 +139,7 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
     dropped.reset();  // temporaries go as soon as they are read: the step's peak stays at peft's
     if (i == n - 1) xa.reset();
     at::Tensor u = conv(ti, B, bias, unpack(opts[2 * i + 1], nd));
-    result = result + u.mul_(scalings[i]);  // u * s, in place on a tensor of our own (same bits)
+    result = result + u.mul_(py_float(scalings[i]));  // u * s, in place on a tensor of our own (same bits)
     u.reset();
     sum_dtype = at::promote_types(sum_dtype, ti.scalar_type());
     t_dtypes[i] = static_cast<int64_t>(ti.scalar_type());
@@ -241,7 +241,7 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
       const auto u_dtype = static_cast<at::ScalarType>(t_dtypes[i]);
       const Opts a = unpack(opt_list.get(2 * i).toIntVector(), nd);
       const Opts b = unpack(opt_list.get(2 * i + 1).toIntVector(), nd);
-      at::Tensor g_u = (i == last && g_own && g.scalar_type() == u_dtype) ? g.mul_(scalings[i])
+      at::Tensor g_u = (i == last && g_own && g.scalar_type() == u_dtype) ? g.mul_(py_float(scalings[i]))
                                                                           : g.to(u_dtype) * scalings[i];
       if (i == last) g.reset();
       const bool need_t = need_x || need_a;
