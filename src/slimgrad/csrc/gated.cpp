@@ -73,27 +73,63 @@ std::pair<Tensor, Tensor> act_backward(int64_t kind, const Tensor& grad, const T
       return {at::gelu_backward(grad, x, "none"), need_out ? act_forward(kind, x) : Tensor()};
     case kGeluTanh:
       return {at::gelu_backward(grad, x, "tanh"), need_out ? act_forward(kind, x) : Tensor()};
+    // gated.py's activation_backward, temporary for temporary: each made where first needed, freed after its last
+    // use, fresh ones updated in place (the same element-wise ops, so the same bits)
     case kGeluNew: {
-      auto a = x * 0.5;
-      auto t = at::tanh((x + at::pow(x, 3.0) * kCubic) * kTanhC);
-      auto v = t + 1.0;
-      auto gs = at::tanh_backward(grad * a, t) * kTanhC;
-      auto g_pow = (gs * kCubic) * (x.pow(2.0) * 3.0);
-      auto dx = (gs + g_pow) + (grad * v) * 0.5;
-      return {dx, need_out ? a * v : Tensor()};
+      Tensor t = at::pow(x, 3.0);
+      t.mul_(py_float(kCubic)).add_(x).mul_(py_float(kTanhC)).tanh_();
+      Tensor a = x * 0.5;
+      Tensor ga = grad * a;
+      if (!need_out) a.reset();
+      Tensor gs = at::tanh_backward(ga, t);
+      gs.mul_(py_float(kTanhC));
+      ga.reset();
+      Tensor v = t.add_(py_float(1.0));
+      t.reset();
+      Tensor hv = grad * v;
+      hv.mul_(py_float(0.5));
+      Tensor out = need_out ? a * v : Tensor();
+      v.reset();
+      a.reset();
+      {
+        Tensor g_pow = gs * kCubic;
+        Tensor sq = x.pow(2.0);
+        sq.mul_(py_float(3.0));
+        g_pow.mul_(sq);
+        sq.reset();
+        gs.add_(g_pow);
+      }
+      return {gs.add_(hv), out};
     }
     case kGeluPython: {
-      auto a = x * 0.5;
-      auto d = x / kSqrt2;
-      auto v = at::erf(d) + 1.0;
-      auto g_d = (at::exp(-(d.pow(c10::Scalar(static_cast<int64_t>(2))))) * kErfC) * (grad * a);
-      auto dx = g_d / kSqrt2 + (grad * v) * 0.5;
-      return {dx, need_out ? a * v : Tensor()};
+      Tensor d = x / kSqrt2;
+      Tensor v = at::erf(d);
+      v.add_(py_float(1.0));
+      Tensor g_d = d.pow(c10::Scalar(static_cast<int64_t>(2)));
+      g_d.neg_().exp_().mul_(py_float(kErfC));
+      d.reset();
+      Tensor a = x * 0.5;
+      {
+        Tensor ga = grad * a;
+        g_d.mul_(ga);
+      }
+      if (!need_out) a.reset();
+      Tensor hv = grad * v;
+      hv.mul_(py_float(0.5));
+      Tensor out = need_out ? a * v : Tensor();
+      v.reset();
+      a.reset();
+      return {g_d.div_(py_float(kSqrt2)).add_(hv), out};
     }
     default: {  // kQuickGelu
-      auto s = at::sigmoid(x * kQuick);
-      auto dx = grad * s + at::sigmoid_backward(grad * x, s) * kQuick;
-      return {dx, need_out ? x * s : Tensor()};
+      Tensor s = x * kQuick;
+      s.sigmoid_();
+      Tensor d_s = grad * x;
+      at::sigmoid_backward_out(d_s, d_s, s);  // (element-wise: into grad * x)
+      d_s.mul_(py_float(kQuick));
+      Tensor out = need_out ? x * s : Tensor();
+      s.mul_(grad).add_(d_s);  // grad * s + d_s
+      return {s, out};
     }
   }
 }

@@ -88,29 +88,49 @@ def activation_backward(kind: str, grad: torch.Tensor, x: torch.Tensor, need_out
         else:
             dx = _aten.gelu_backward(grad, x, approximate="tanh" if kind == "gelu_pytorch_tanh" else "none")
         return dx, (activation_forward(kind, x) if need_out else None)
+    # The formula activations below recompute the intermediates stock kept. Each temporary is made where it is
+    # first needed and dropped after its last use, and fresh temporaries are updated in place (the same element-wise
+    # op, so the same bits; ``1.0 + t`` as ``t + 1.0``, ``x + b`` as ``b + x``: IEEE addition and multiplication
+    # commute): stock's engine frees each node's tensors as it goes, and an expression holding every intermediate
+    # to its end peaked 1-3x the input above stock's step (csrc/gated.cpp's act_backward runs the same sequence).
     if kind == "gelu_new":
         # y = a * v, a = 0.5 x, v = 1 + tanh(c * (x + 0.044715 x^3)). Autograd's engine runs the node
         # created last first, so x receives d(x + b) first, then d(pow), then d(0.5 x).
+        t = torch.tanh_(torch.pow(x, 3.0).mul_(0.044715).add_(x).mul_(0.7978845608028654))
         a = 0.5 * x
-        t = torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0)))
-        v = 1.0 + t
-        gs = _aten.tanh_backward(grad * a, t) * 0.7978845608028654
-        g_pow = (gs * 0.044715) * (x.pow(2.0) * 3.0)
-        dx = (gs + g_pow) + (grad * v) * 0.5
-        return dx, (a * v if need_out else None)
+        ga = grad * a
+        if not need_out:
+            a = None
+        gs = _aten.tanh_backward(ga, t).mul_(0.7978845608028654)
+        del ga
+        v = t.add_(1.0)
+        del t
+        hv = (grad * v).mul_(0.5)
+        out = a * v if need_out else None
+        del v, a
+        dx = gs.add_((gs * 0.044715).mul_(x.pow(2.0).mul_(3.0)))  # gs + g_pow
+        return dx.add_(hv), out
     if kind == "gelu_python":
         # y = a * v, a = x * 0.5, v = 1 + erf(d), d = x / sqrt(2): x receives d(d) first, then d(a).
-        a = x * 0.5
         d = x / 1.4142135623730951
-        v = 1.0 + torch.erf(d)
-        g_d = (torch.exp(-(d.pow(2))) * 1.1283791670955126) * (grad * a)
-        dx = g_d / 1.4142135623730951 + (grad * v) * 0.5
-        return dx, (a * v if need_out else None)
+        v = torch.erf(d).add_(1.0)
+        g_d = torch.exp_(d.pow(2).neg_()).mul_(1.1283791670955126)
+        del d
+        a = x * 0.5
+        g_d.mul_(grad * a)
+        if not need_out:
+            a = None
+        hv = (grad * v).mul_(0.5)
+        out = a * v if need_out else None
+        del v, a
+        return g_d.div_(1.4142135623730951).add_(hv), out
     if kind == "quick_gelu":
         # y = x * s, s = sigmoid(1.702 x): x receives d(x * s) first, then d(1.702 x).
-        s = torch.sigmoid(1.702 * x)
-        dx = grad * s + _aten.sigmoid_backward(grad * x, s) * 1.702
-        return dx, (x * s if need_out else None)
+        s = torch.sigmoid_(1.702 * x)
+        gx = grad * x
+        d_s = _aten.sigmoid_backward.grad_input(gx, s, grad_input=gx).mul_(1.702)  # (element-wise: into gx)
+        out = x * s if need_out else None
+        return s.mul_(grad).add_(d_s), out  # grad * s + d_s
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
 
 
