@@ -151,7 +151,16 @@ reduction; LayerNorm/GroupNorm pass stock's `output_mask` with dW off). fp64 inp
 
 ## Exactness
 RMSNorm (every style) replays autograd's backward of the reference op for op, so outputs and gradients
-are bitwise equal on CPU in fp32, fp64, bf16 and fp16 (tested per class). LayerNorm and GroupNorm call
+are bitwise equal on CPU in fp32, fp64, bf16 and fp16 (tested per class). Where the reference's formula
+gives x two gradients (x feeds both the square and the product: T5 always, the other styles when x is
+already in the statistics' dtype, e.g. fp32), slimgrad hands both over apart (x goes into its Function
+twice) rather than their sum, so a residual that reads the same x (every decoder layer) gets
+`(residual + product's) + square's` as stock does: whole-model training steps of Llama and T5 are bitwise
+(`tests/test_hf_norms.py::test_whole_model_training_steps_are_bitwise`). Under `torch.compile` the sum goes
+over (dynamo refuses one tensor passed twice): within rounding there. The backward frees each temporary
+after its last use; a step's peak is at or below stock's where the core's one-pass kernels run (CPU, fp32,
+bf16, fp16), and otherwise at most a few per-row statistics above it
+(`tests/test_hf_norms.py::test_input_that_also_feeds_a_residual`). LayerNorm and GroupNorm call
 stock's kernels (bitwise). On CUDA `torch.rms_norm` runs the fused kernel; so does slimgrad (with stock's
 `output_mask`). PolyNorm's forward is bitwise the formula; its backward is analytic (fp32 rounding).
 

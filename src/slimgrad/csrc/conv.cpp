@@ -201,7 +201,10 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
   if (need_x && !need_w) {
     bool pointwise = !c.transposed;
     for (int64_t d = 2; d < weight.dim(); ++d) pointwise = pointwise && weight.size(d) == 1;
-    st->carrier_dx = pointwise || st->xp_format != at::MemoryFormat::Contiguous;
+    // (and stock's CPU fallback kernels, fp64/fp16: see functional/conv.py's setup_context)
+    const bool fallback_kernel = x.device().is_cpu() && x.scalar_type() != at::kFloat &&
+                                 x.scalar_type() != at::kBFloat16;
+    st->carrier_dx = pointwise || fallback_kernel || st->xp_format != at::MemoryFormat::Contiguous;
     if (st->carrier_dx || st->x_format != at::MemoryFormat::Contiguous) {
       st->x_stride = x.strides().vec();
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());

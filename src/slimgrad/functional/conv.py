@@ -12,7 +12,8 @@ In the channels-last layout the transposed convolution sums in another order tha
 kernel, so there dX is ``aten.convolution_backward`` itself, fed a tensor of X's shape and layout whose
 values it never reads (``_shape_carrier``: X while alive, a view of the gradient's storage, or a fresh one
 where stock holds X). A pointwise (1x1) convolution takes that route in every layout: there stock's kernel is
-faster than the transposed convolution (1.8x on a MobileNet shape at one thread), with the same bits.
+faster than the transposed convolution (1.8x on a MobileNet shape at one thread), with the same bits; so does
+every convolution on stock's CPU fallback kernels (fp64, fp16), whose transposed counterpart needs more scratch.
 
 Eager CPU and CUDA calls run the compiled core's ``conv_forward`` (``csrc/conv.cpp``): one C++ autograd Function
 with these same decisions, which costs about what stock's convolution costs per call, where the Python Function
@@ -199,7 +200,7 @@ class _ConvFunction(_common.Function):
         ctx.w_shape = tuple(weight.shape)
         ctx.has_bias = bias is not None
         ctx.x_ref = None
-        ctx.pointwise = False
+        ctx.carrier_dx = False
         if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
             # Under torch.func: gradients in the contiguous layout, from plain torch ops (see _transforms)
             ctx.xp_format = ctx.x_format = _transforms.TRANSFORM_LAYOUT
@@ -212,10 +213,13 @@ class _ConvFunction(_common.Function):
         # A pointwise (1x1) convolution's dX through aten's convolution_backward (a carrier of X's shape, as for
         # channels-last) rather than the transposed convolution: stock's own kernel, 1.3-1.8x faster at one
         # thread on MobileNet/ResNet 1x1 shapes (issue 22); for larger kernels the transposed convolution is the
-        # faster of the two (a 3x3 64-channel conv: 11.5 against 14.9 ms), with the same bits.
+        # faster of the two (a 3x3 64-channel conv: 11.5 against 14.9 ms), with the same bits. So does every
+        # convolution stock runs on its CPU fallback kernels (fp64, fp16: no oneDNN), whose transposed counterpart
+        # unfolds into other column buffers: its dX peaked 1-13.5x X above stock's (a 3-d transposed conv).
         if need_x and not need_w and not torch.compiler.is_compiling():
-            ctx.pointwise = not transposed and all(k == 1 for k in ctx.w_shape[2:])
-            if (ctx.pointwise or ctx.xp_format != torch.contiguous_format
+            ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:]))
+                              or (x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16)))
+            if (ctx.carrier_dx or ctx.xp_format != torch.contiguous_format
                     or ctx.x_format != torch.contiguous_format):
                 ctx.x_ref = weakref.ref(x)
                 ctx.x_stride = x.stride()
@@ -248,7 +252,7 @@ class _ConvFunction(_common.Function):
             dx, dw, db = _convolution_backward(ctx, grad, x, weight, (True, True, need_b))
             return (_unpad_uncast(ctx, dx), dw, db if need_b else None) + tail
 
-        if need_x and (ctx.xp_format != torch.contiguous_format or ctx.pointwise):
+        if need_x and (ctx.xp_format != torch.contiguous_format or ctx.carrier_dx):
             # Channels-last X: stock's own kernel (oneDNN's channels-last backward-data kernel and its transposed
             # convolution sum in different orders: depthwise, 1x1 and grouped convs came out up to 1 ulp apart),
             # fed a tensor of X's shape and layout whose values it never reads (a zero-stride stand-in would be
