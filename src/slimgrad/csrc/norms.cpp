@@ -70,6 +70,7 @@ RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndi
     auto up = x.to(opmath(x.scalar_type()));
     auto rstd = at::rsqrt(mean_of_square(up, trailing_dims(x, ndim)).add_(eps));
     auto h = up * rstd;
+    up.reset();  // (x's upcast copy, freed before the output is made, as _rms_forward_impl's del)
     auto out = (w.defined() ? h * w : h).type_as(x);
     if (x.suggest_memory_format() == at::MemoryFormat::Contiguous) out = out.contiguous();
     return {out, rstd, h};
@@ -98,8 +99,10 @@ RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndi
   auto rstd = at::rsqrt(shifted);
   shifted.reset();
   auto h = up * rstd;
+  up.reset();
   if (style == kLlama) {
     auto normed = h.to(x.scalar_type());
+    h.reset();
     return {w * normed, rstd, normed};
   }
   if (style == kOlmo2) return {(w * h).to(x.scalar_type()), rstd, h};

@@ -451,6 +451,7 @@ def _rms_forward_impl(x, weight, eps, dims, style):
         up = x.to(_opmath(x.dtype))
         rstd = torch.rsqrt(up.pow(2).mean(dims, keepdim=True).add_(eps))
         h = up * rstd
+        del up  # (x's upcast copy, freed before the output is made; csrc/norms.cpp's rms_forward frees it there too)
         out = (h * weight if weight is not None else h).type_as(x)
         # Stock's composite makes its result contiguous unless x is channels-last (the same values; code
         # that views the output relies on it). Cast first: the copy is then in x's dtype, not fp32.
@@ -464,8 +465,10 @@ def _rms_forward_impl(x, weight, eps, dims, style):
     up = x.to(torch.float32)
     rstd = torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + eps)
     h = up * rstd
+    del up
     if style == "llama":
         normed = h.to(x.dtype)
+        del h
         return weight * normed, rstd, normed
     if style == "olmo2":
         return (weight * h).to(x.dtype), rstd, h
