@@ -41,9 +41,9 @@ from slimgrad.kernels import max_pool
 from slimgrad.kernels.max_pool import (  # the family's torch reference pieces, shared with its kernels
     _MAX_BACKWARD,
     _MAX_FORWARD,
-    _indices_from_positions,
     _positions_from_indices,
     position_dtype,
+    scatter_backward,
 )
 
 __all__ = [
@@ -194,6 +194,7 @@ class MaxPoolFunction(_common.Function):
         # (The family's input is contiguous, and so is its gradient.)
         ctx.grad_format = TRANSFORM_LAYOUT if transformed or ctx.family else _grad_format(x, nd)
         ctx.kept_indices = pos is None
+        ctx.transformed = transformed
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(indices if ctx.kept_indices else pos)
 
@@ -207,10 +208,12 @@ class MaxPoolFunction(_common.Function):
             grad = max_pool.choose(grad_out).backward(grad_out, pos, shape, kernel, stride, padding, dilation,
                                                       ceil_mode)
             return (grad,) + (None,) * 8
-        if ctx.kept_indices:
-            indices = pos
-        else:
-            indices = _indices_from_positions(pos, shape[-nd:], kernel, stride, padding, dilation)
+        if not ctx.kept_indices:
+            # stock's indices rebuilt piece by piece (scatter_backward), where no transform is active
+            grad = scatter_backward(grad_out, pos, shape, kernel, stride, padding, dilation, ceil_mode,
+                                    ctx.grad_format, chunked=not ctx.transformed)
+            return (grad,) + (None,) * 8
+        indices = pos
         del pos
         if nd == 1:
             shape = shape[:-1] + (1, shape[-1])

@@ -131,30 +131,113 @@ def _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation
     return pos.to(dtype)
 
 
+_TABLE_VOLUME = 2**16  # window volumes up to which indices are rebuilt by a table of window offsets
+
+
 def _indices_from_positions(pos, in_sizes, kernel, stride, padding, dilation):
     """Stock's flat int64 argmax indices, rebuilt from window-local positions.
 
-    index = origin + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. Starting from
-    dilation_last * pos removes the last digit's term; the other digits are extracted in the positions'
-    small dtype, so the only large allocation is the int64 result itself.
+    index = origin + sum_i k_i * dilation_i * flat_i, with pos = sum_i k_i * mult_i. For windows of up to
+    ``_TABLE_VOLUME`` positions the window offsets are a small int64 table, looked up by position (an int32 copy
+    of narrower positions is the only temporary besides the int64 result). Larger windows extract the digits
+    in the positions' dtype: dilation_last * pos removes the last digit's term, the others are added in.
     """
     nd = len(in_sizes)
     out_sizes = pos.shape[-nd:]
     base, flat = _window_starts(out_sizes, in_sizes, stride, padding, pos.device, torch.int64)
+    volume = _prod(kernel)
+    if volume <= _TABLE_VOLUME:
+        offsets = _window_offsets(kernel, dilation, flat, pos.device)
+        index = pos if pos.dtype in (torch.int32, torch.int64) else pos.to(torch.int32)
+        idx = torch.index_select(offsets, 0, index.reshape(-1))
+        del index
+        return idx.view(pos.shape).add_(base)
     mult = [math.prod(kernel[i + 1:]) for i in range(nd)]
-    digits = []
-    for i in range(nd - 1):
-        digit = torch.div(pos, mult[i], rounding_mode="floor")
-        if i > 0:
-            digit.remainder_(kernel[i])
-        digits.append(digit)
     idx = pos.to(torch.int64)
     if dilation[-1] != 1:
         idx.mul_(dilation[-1])
     for i in range(nd - 1):
-        idx.add_(digits[i], alpha=dilation[i] * flat[i] - dilation[-1] * mult[i])
-        digits[i] = None
+        digit = torch.div(pos, mult[i], rounding_mode="floor")
+        if i > 0:
+            digit.remainder_(kernel[i])
+        # in int64 (same dtype: aten adds a narrower tensor through a full int64 copy of it anyway)
+        idx.add_(digit.to(torch.int64), alpha=dilation[i] * flat[i] - dilation[-1] * mult[i])
+        del digit
     return idx.add_(base)
+
+
+_CHUNKS = 4  # pieces the index rebuild of backward is split into (along the leading dims), when it can be
+
+
+def scatter_backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode,
+                     memory_format=torch.contiguous_format, chunked=True):
+    """Stock's ``max_poolNd_with_indices_backward`` on the int64 indices rebuilt from ``positions``.
+
+    ``chunked``: the planes (leading dims; for a channels-last layout, the batch) are handed to stock's kernel
+    in up to ``_CHUNKS`` pieces, each with its own indices, written into slices of one gradient buffer: stock's
+    kernel zeroes and fills each plane on its own, in the same order either way (bitwise the same gradient), and
+    only a piece's int64 indices exist at a time. Stock keeps the full int64 indices through its backward, and
+    the positions stay saved during ours, so whole indices would peak above stock's by the positions. Not under
+    torch.func or tracing (out= variants), nor for a single plane (``chunked=False``, or nothing to split: then
+    the indices are whole and the positions' bytes remain above stock's).
+
+    ``memory_format``: the gradient's (stock's: the input's suggested format).
+    """
+    nd = len(kernel)
+    in_sizes = tuple(x_shape)[-nd:]
+    shape = tuple(x_shape)
+    if nd == 1:  # stock's 2-d kernel on x.unsqueeze(-2); the positions' geometry stays 1-d
+        shape = shape[:-1] + (1, shape[-1])
+        grad_out, positions = grad_out.unsqueeze(-2), positions.unsqueeze(-2)
+        kernel2, stride2, padding2, dilation2 = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
+    else:
+        kernel2, stride2, padding2, dilation2 = kernel, stride, padding, dilation
+    op = _MAX_BACKWARD[max(nd, 2)]
+    nd2 = max(nd, 2)
+    lead = len(shape) - nd2
+    channels_last = memory_format != torch.contiguous_format
+    # the planes to split: the leading dims flattened (contiguous), or the batch (channels last)
+    rows = shape[0] if channels_last else _prod(shape[:lead])
+    pieces = min(_CHUNKS, rows) if chunked and not torch.compiler.is_compiling() else 1
+    if channels_last and lead != 2:  # an unbatched input in a permuted layout: left whole
+        pieces = 1
+    if pieces <= 1:
+        indices = _indices_from_positions(positions, in_sizes, kernel, stride, padding, dilation)
+        if not channels_last:
+            # backward reads only the input's shape: a one-element stand-in expanded to it
+            standin = torch.empty((), dtype=grad_out.dtype, device=grad_out.device).expand(shape)
+            grad = op.default(grad_out, standin, kernel2, stride2, padding2, dilation2, ceil_mode, indices)
+        else:
+            grad = _into_buffer(op, grad_out, indices, shape, memory_format, kernel2, stride2, padding2, dilation2,
+                                ceil_mode)
+        return grad.squeeze(-2) if nd == 1 else grad
+    if not channels_last:
+        grad_out = grad_out.reshape((rows,) + tuple(grad_out.shape[lead:]))
+        positions = positions.reshape((rows,) + tuple(positions.shape[lead:]))
+        grad = torch.empty((rows,) + shape[lead:], dtype=grad_out.dtype, device=grad_out.device)
+    else:
+        grad = torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=memory_format)
+    step = -(-rows // pieces)
+    for start in range(0, rows, step):
+        piece = slice(start, min(start + step, rows))
+        buf = grad[piece]
+        indices = _indices_from_positions(positions[piece], in_sizes, kernel, stride, padding, dilation)
+        # The kernels never read the input's values (they zero the buffer, then scatter) and pick their loop
+        # from its suggested format: the buffer itself serves as the input.
+        op.grad_input(grad_out[piece], buf, kernel2, stride2, padding2, dilation2, ceil_mode, indices,
+                      grad_input=buf)
+        del indices, buf
+    if not channels_last:
+        grad = grad.view(shape)
+    return grad.squeeze(-2) if nd == 1 else grad
+
+
+def _into_buffer(op, grad_out, indices, shape, memory_format, kernel, stride, padding, dilation, ceil_mode):
+    """Stock's backward into a buffer of ``memory_format``: the kernels pick their channels-last or contiguous
+    loop from the *input* argument's suggested format, and never read its values, so the buffer serves as it."""
+    buffer = torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=memory_format)
+    return op.grad_input(grad_out, buffer, kernel, stride, padding, dilation, ceil_mode, indices,
+                         grad_input=buffer)
 
 
 class TorchMaxPoolPositions:
@@ -174,18 +257,7 @@ class TorchMaxPoolPositions:
 
     @staticmethod
     def backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode):
-        nd = len(kernel)
-        shape = tuple(x_shape)
-        indices = _indices_from_positions(positions, shape[-nd:], kernel, stride, padding, dilation)
-        if nd == 1:
-            shape = shape[:-1] + (1, shape[-1])
-            grad_out, indices = grad_out.unsqueeze(-2), indices.unsqueeze(-2)
-            kernel, stride, padding, dilation = (1,) + kernel, (1,) + stride, (0,) + padding, (1,) + dilation
-        op = _MAX_BACKWARD[max(nd, 2)]
-        # backward reads only the input's shape: a one-element stand-in expanded to it
-        x_standin = torch.empty((), dtype=grad_out.dtype, device=grad_out.device).expand(shape)
-        grad = op(grad_out, x_standin, kernel, stride, padding, dilation, ceil_mode, indices)
-        return grad.squeeze(-2) if nd == 1 else grad
+        return scatter_backward(grad_out, positions, x_shape, kernel, stride, padding, dilation, ceil_mode)
 
 
 def output_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
