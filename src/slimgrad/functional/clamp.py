@@ -62,7 +62,7 @@ from slimgrad.functional.activation import (
     _unwrap_if_dead,
 )
 from slimgrad.kernels import bitmask as _bitmask
-from slimgrad.kernels import range_mask
+from slimgrad.kernels import range_mask, registry
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "threshold", "threshold_", "hardsigmoid", "RangeMaskFunction"]
 
@@ -122,12 +122,32 @@ def _pack_traced(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tens
     return _shared_masks.pack(lambda t: range_mask.mask_torch(t, rule, lo, hi), x, _bitmask.planar_layout(x))
 
 
-def _select(grad: torch.Tensor, packed: torch.Tensor, ctx) -> torch.Tensor:
-    """``mask ? grad : +0`` through the kernel family, in the mask's memory order."""
+def _select(grad: torch.Tensor, packed: torch.Tensor, ctx, hardsigmoid: bool = False) -> torch.Tensor:
+    """``mask ? grad : +0`` through the kernel family, in the mask's memory order (``hardsigmoid``: stock's factor
+    applied first). A tensor of ours, made here (the contiguous copy of a gradient in another order, or the
+    factor's result), is overwritten in place by the family's ``select_`` where the kernel has one (the torch
+    reference): one gradient-sized tensor made, as stock's backward makes."""
     perm = ctx.perm
     g = grad if perm is None else grad.permute(perm)
     # the forward's kernel; traced (compiled autograd over an eager forward), the registry's answer there
-    g = (range_mask.choose(g) if torch.compiler.is_compiling() else ctx.impl).select(g.contiguous(), packed)
+    compiling = torch.compiler.is_compiling()
+    impl = range_mask.choose(g) if compiling else ctx.impl
+    select_into = getattr(impl, "select_into", None)
+    if (perm is not None and select_into is not None and not compiling and ctx.x_strides is not None
+            and not g.is_contiguous()):
+        # The gradient is not in the mask's order: written straight into stock's layout with the mask read
+        # permuted, not through a contiguous copy of the gradient and a copy back into stock's layout.
+        out = torch.empty_strided(grad.shape, _stock_grad_strides(ctx.kind, grad, ctx.x_strides),
+                                  dtype=grad.dtype, device=grad.device)
+        source = _hardsigmoid_factor(grad, out=out) if hardsigmoid else grad
+        return select_into(source, packed, ctx.packed_shape, _inverse(perm), out)
+    gc = g.contiguous()
+    owned = gc is not g
+    if hardsigmoid:
+        gc = _hardsigmoid_factor(gc, out=gc if owned and not compiling else None)
+        owned = True
+    select_ = getattr(impl, "select_", None)
+    g = select_(gc, packed) if select_ is not None and owned and not compiling else impl.select(gc, packed)
     return g if perm is None else g.permute(_inverse(perm))
 
 
@@ -255,10 +275,11 @@ def _input_grad(ctx, grad):
     if ctx.mode == _OUTPUT and ctx.kind == THRESHOLD:
         dx = torch.ops.aten.threshold_backward(grad, saved, ctx.lo)
         return dx
+    if ctx.mode == _MASK and not (ctx.vmappable or ctx.planar or grad.requires_grad):
+        # the kernel family's select (hardsigmoid's factor applied there, into a tensor of ours)
+        return _select(grad, saved, ctx, hardsigmoid=ctx.kind == HARDSIGMOID)
     if ctx.kind == HARDSIGMOID:
-        # Stock's kernel applies its factor (a zero stand-in lies inside the pass region everywhere).
-        zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-        grad = torch.ops.aten.hardsigmoid_backward(grad, zero)
+        grad = _hardsigmoid_factor(grad)
     if ctx.mode == _MASK and ctx.vmappable:
         return torch.where(_bitmask.unpack_vmappable(saved, ctx.shape), grad, 0)
     if ctx.mode == _MASK and ctx.planar:
@@ -271,8 +292,22 @@ def _input_grad(ctx, grad):
         if grad.requires_grad or ctx.vmappable:
             return torch.where(mask, grad, 0)
         bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-        return (bits * mask).view(grad.dtype)
+        if type(grad) is not torch.Tensor and registry.simulates_core(range_mask.FAMILY, grad):
+            # the estimate's fakes for the compiled core, whose backward (csrc/range_mask.cpp) multiplies here:
+            # its allocations, the mask's integer copy included
+            return (bits * mask).view(grad.dtype)
+        # (where on the bits: a product would widen the bool mask to a full-size integer copy on CPU)
+        return torch.where(mask, bits, 0).view(grad.dtype)
     return _select(grad, saved, ctx)
+
+
+def _hardsigmoid_factor(grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stock's kernel applies hardsigmoid's factor (a zero stand-in lies inside the pass region everywhere);
+    ``out``: into it (grad itself, element for element, is allowed)."""
+    zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+    if out is None:
+        return torch.ops.aten.hardsigmoid_backward(grad, zero)
+    return torch.ops.aten.hardsigmoid_backward.grad_input(grad, zero, grad_input=out)
 
 
 def _stock_operand_strides(input: torch.Tensor, kind: str, inplace: bool) -> tuple[int, ...]:

@@ -25,6 +25,8 @@ Dtypes: float32, float64, bfloat16, float16 for the torch backend; a fast backen
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -40,23 +42,56 @@ _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def mask_torch(x: torch.Tensor, rule: str, lo: float, hi: float) -> torch.Tensor:
-    """The bool mask of ``rule`` with torch ops (also what the Functions use under torch.compile)."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()  # exact values; the bounds are fp32 numbers
+    """The bool mask of ``rule`` with torch ops (also what the Functions use under torch.compile).
+
+    Eager, fp16/bf16 ``x`` is compared in its own dtype with the bounds rounded outward to it (:func:`_outward`:
+    the same answer for every value of that dtype, NaN included), not widened to fp32 (a float copy of x and
+    bool temporaries: the step peaked 1-2x x above stock's); the mask is formed in place (one bool temporary).
+    """
     if torch.compiler.is_compiling():
+        if x.dtype in (torch.float16, torch.bfloat16):
+            x = x.float()  # exact values; the bounds are fp32 numbers
         # Bounds as given (symbolic under dynamic=True, see clamp._bounds): rounded to x's dtype here, in
         # the graph, as the eager path rounds them before the call.
         lo = torch.full((), lo, dtype=x.dtype, device=x.device)
         hi = None if hi is None else torch.full((), hi, dtype=x.dtype, device=x.device)
+        if rule == "above":
+            return ~(x <= lo)
+        return (x > lo) & (x < hi)
+    lo, hi = _outward(lo, hi, x.dtype)
     if rule == "above":
-        return ~(x <= lo)
-    return (x > lo) & (x < hi)
+        return torch.le(x, lo).logical_not_()
+    return torch.gt(x, lo).logical_and_(torch.lt(x, hi))
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=256)
+def _outward(lo: float, hi: float | None, dtype: torch.dtype) -> tuple[float, float | None]:
+    """For fp16/bf16: ``lo`` rounded down and ``hi`` rounded up to ``dtype`` (other dtypes: as given). For every
+    x of that dtype, ``x <= lo`` iff ``x <= lo'``, ``x > lo`` iff ``x > lo'`` and ``x < hi`` iff ``x < hi'`` (no
+    value of the dtype lies strictly between a bound and its rounding), so comparing in x's dtype, where the
+    rounded bounds are exact, gives the fp32 comparison's mask; NaN bounds stay NaN (every comparison false)."""
+    if dtype not in _HALF:
+        return lo, hi
+    return _round_toward(lo, dtype, down=True), None if hi is None else _round_toward(hi, dtype, down=False)
+
+
+def _round_toward(v: float, dtype: torch.dtype, down: bool) -> float:
+    t = torch.tensor(v, dtype=torch.float32, device="cpu").to(dtype)  # nearest (v is an fp32 number)
+    r = float(t)
+    if (r > v) if down else (r < v):
+        toward = torch.tensor(float("-inf") if down else float("inf"), dtype=dtype, device="cpu")
+        r = float(torch.nextafter(t, toward))
+    return r
 
 
 class TorchRangeMask:
     """The reference: numpy comparisons into a padded buffer and ``packbits`` on CPU in eager mode, torch
-    comparisons elsewhere; backward multiplies the gradient's bits by the 0/1 mask (``where(mask, grad,
-    +0)`` bit for bit, faster than ``torch.where`` on CPU)."""
+    comparisons elsewhere (written into that buffer, fp16/bf16 in their own dtype); backward selects the
+    gradient's bits by the mask (``where(mask, bits, 0)``: ``where(mask, grad, +0)`` bit for bit, with no
+    full-size integer copy of the mask, which a product with it costs on CPU)."""
 
     name = "torch"
 
@@ -77,17 +112,51 @@ class TorchRangeMask:
             else:
                 np.greater(a, lo, out=o)
                 o &= np.less(a, hi)
+        elif rule == "above":
+            lo, _ = _outward(lo, None, x.dtype)
+            torch.le(x, lo, out=view)
+            view.logical_not_()
         else:
-            view.copy_(mask_torch(x, rule, lo, hi))
+            # Each comparison written into the one bool buffer and packed on its own, the packs and-ed: no
+            # bool temporary beside the buffer.
+            lo, hi = _outward(lo, hi, x.dtype)
+            torch.gt(x, lo, out=view)
+            packed = _bitmask.pack(flat)
+            torch.lt(x, hi, out=view)
+            return packed.bitwise_and_(_bitmask.pack(flat))
         return _bitmask.pack(flat)
 
     @staticmethod
     def select(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """``where`` on the gradient's bits: the bool mask is read as it is (a product with it would widen it
+        to a full-size integer copy first, on CPU)."""
         from slimgrad.kernels import bitmask as _bitmask
 
         mask = _bitmask.unpack(packed, grad.shape)
         bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-        return (bits * mask).view(grad.dtype)
+        return torch.where(mask, bits, 0).view(grad.dtype)
+
+    @staticmethod
+    def select_(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """:meth:`select` into ``grad`` itself (contiguous, a tensor the caller owns), returned."""
+        from slimgrad.kernels import bitmask as _bitmask
+
+        mask = _bitmask.unpack(packed, grad.shape)
+        bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
+        torch.where(mask, bits, bits.new_zeros(()), out=bits)
+        return grad
+
+    @staticmethod
+    def select_into(grad: torch.Tensor, packed: torch.Tensor, shape, inverse, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`select` of a gradient in another memory order than the mask's: ``packed`` holds the mask of
+        ``shape`` (the contiguous order), which ``permute(inverse)`` turns into grad's logical order; written into
+        ``out`` (grad's shape, any strides; grad itself allowed), returned."""
+        from slimgrad.kernels import bitmask as _bitmask
+
+        mask = _bitmask.unpack(packed, shape).permute(inverse)
+        bits = out.view(_SAME_SIZE_INT[out.element_size()])
+        torch.where(mask, grad.view(bits.dtype), bits.new_zeros(()), out=bits)
+        return out
 
 
 TORCH_IMPL = TorchRangeMask()
