@@ -13,6 +13,7 @@ from tests._util import assert_same, saved_bytes, slim_copy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import slimgrad
 import slimgrad.functional.pooling as P
 import slimgrad.nn.pooling  # noqa: F401  (registers the replacements for slim_copy)
 from slimgrad._registry import FACADE
@@ -396,3 +397,37 @@ def test_compile_fullgraph(stock, channels_last):
         out_s, out_c = out_s[0], out_c[0]
     assert_same(out_c, out_s)
     assert_same(g_c, g_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make", [lambda: nn.MaxPool2d(3, 1, 1), lambda: nn.Hardtanh()],
+                         ids=["MaxPool2d(3,1,1)", "Hardtanh"])
+def test_python_path_step_peak_at_most_stock(make, dtype):
+    """The Python path (core off) of max pooling and the range-mask activations: gradients bitwise stock's and the
+    step's peak at most stock's. Max pooling's backward rebuilt stock's int64 indices whole (with an int64 copy
+    of each window digit) while the positions stayed saved; Hardtanh's select widened the bool mask to a
+    full-size integer copy, and its bf16 pack compared an fp32 copy of x. The slack: the 0-dim zero ``where``
+    takes for its ``+0`` (one element of the gradient's width; stock's kernels take none)."""
+    import copy
+
+    from slimgrad import csrc
+
+    torch.manual_seed(0)
+    stock = make()
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x0 = torch.randn(4, 8, 24, 24, dtype=dtype)
+    g = torch.randn(stock(x0).shape, dtype=dtype)
+    peaks, grads = [], []
+    for m in (stock, slim):
+        x = x0.clone().requires_grad_()
+
+        def step(m=m, x=x):
+            (m(x) * g).sum().backward()
+
+        with csrc.disabled():
+            peaks.append(peak_bytes(step))
+            x.grad = None
+            step()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert peaks[1] <= peaks[0] + dtype.itemsize, peaks
