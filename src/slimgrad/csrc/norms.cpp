@@ -115,10 +115,6 @@ Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, at:
   return dy.to(at::promote_types(w.scalar_type(), h_dtype));
 }
 
-Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, const Tensor& h) {
-  return upstream_of_product(dy, style, w, h.scalar_type());
-}
-
 Tensor weight_grad(const Tensor& g, const Tensor& h, const Tensor& w) {
   return (g * h).sum_to_size(w.sizes()).to(w.scalar_type());
 }
@@ -547,7 +543,7 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
         w = at::empty({}, dy.options().dtype(dtype)).expand(ctx->saved_data["w_shape"].toIntVector());
       }
       if (normed.defined()) {
-        dw = weight_grad(upstream_of_product(dy, style, w, normed), normed, w);
+        dw = weight_grad(upstream_of_product(dy, style, w, normed.scalar_type()), normed, w);
       } else {
         auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
         auto ndim = ctx->saved_data["ndim"].toInt();

@@ -125,7 +125,7 @@ def _pack_traced(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tens
 def _select(grad: torch.Tensor, packed: torch.Tensor, ctx, hardsigmoid: bool = False) -> torch.Tensor:
     """``mask ? grad : +0`` through the kernel family, in the mask's memory order (``hardsigmoid``: stock's factor
     applied first). A tensor of ours, made here (the contiguous copy of a gradient in another order, or the
-    factor's result), is overwritten in place by the family's ``select_`` where the kernel has one (the torch
+    factor's result), is overwritten in place by the family's ``select_into`` where the kernel has one (the torch
     reference): one gradient-sized tensor made, as stock's backward makes."""
     perm = ctx.perm
     g = grad if perm is None else grad.permute(perm)
@@ -146,8 +146,10 @@ def _select(grad: torch.Tensor, packed: torch.Tensor, ctx, hardsigmoid: bool = F
     if hardsigmoid:
         gc = _hardsigmoid_factor(gc, out=gc if owned and not compiling else None)
         owned = True
-    select_ = getattr(impl, "select_", None)
-    g = select_(gc, packed) if select_ is not None and owned and not compiling else impl.select(gc, packed)
+    if select_into is not None and owned and not compiling:
+        g = select_into(gc, packed, gc.shape, tuple(range(gc.dim())), gc)  # in place, the mask's own order
+    else:
+        g = impl.select(gc, packed)
     return g if perm is None else g.permute(_inverse(perm))
 
 

@@ -281,7 +281,7 @@ class _CoreRmsSimulation:
 
     def weight_grad_from_normed(self, grad_out, normed, n, w_shape, w_dtype):
         weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
-        return _weight_grad(_upstream_of_product(grad_out, self.style, weight, normed), normed, weight)
+        return _weight_grad(_upstream_of_product(grad_out, self.style, weight, normed.dtype), normed, weight)
 
 
 class _CoreFusedAddSimulation(_CoreRmsSimulation):
@@ -412,8 +412,8 @@ class RMSNormFunction(_common.Function):
             w_shape, w_dtype = ctx.w_meta
             weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
         if normed is not None:
-            return None, _weight_grad(_upstream_of_product(grad_out, ctx.style, weight, normed), normed, weight), \
-                *tail
+            g = _upstream_of_product(grad_out, ctx.style, weight, normed.dtype)
+            return None, _weight_grad(g, normed, weight), *tail
         if ctx.fused:
             dx, dw = _aten._fused_rms_norm_backward(grad_out, x, list(x.shape[x.dim() - len(ctx.dims):]), rstd,
                                                     weight, [need_x, need_w])
@@ -475,15 +475,15 @@ def _rms_forward_impl(x, weight, eps, dims, style):
     return (h * (1.0 + weight.float())).type_as(x), rstd, h  # gemma
 
 
-def _upstream_of_product(dy, style, weight, h):
+def _upstream_of_product(dy, style, weight, h_dtype):
     """The gradient reaching the ``weight × normalised`` product: dY itself where the product is the output
     (Llama, T5), dY cast to the product's dtype where a cast follows it (torch, Olmo2: promoted; Gemma: fp32).
-    ``h``: the normalised input, or its dtype."""
+    ``h_dtype``: the normalised input's dtype."""
     if style in ("llama", "t5"):
         return dy
     if style == "gemma":
         return dy.to(torch.float32)
-    return dy.to(torch.promote_types(weight.dtype, h if isinstance(h, torch.dtype) else h.dtype))
+    return dy.to(torch.promote_types(weight.dtype, h_dtype))
 
 
 def _weight_grad(g, h, weight):

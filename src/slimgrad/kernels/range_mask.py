@@ -137,20 +137,10 @@ class TorchRangeMask:
         return torch.where(mask, bits, 0).view(grad.dtype)
 
     @staticmethod
-    def select_(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """:meth:`select` into ``grad`` itself (contiguous, a tensor the caller owns), returned."""
-        from slimgrad.kernels import bitmask as _bitmask
-
-        mask = _bitmask.unpack(packed, grad.shape)
-        bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-        torch.where(mask, bits, bits.new_zeros(()), out=bits)
-        return grad
-
-    @staticmethod
     def select_into(grad: torch.Tensor, packed: torch.Tensor, shape, inverse, out: torch.Tensor) -> torch.Tensor:
         """:meth:`select` of a gradient in another memory order than the mask's: ``packed`` holds the mask of
         ``shape`` (the contiguous order), which ``permute(inverse)`` turns into grad's logical order; written into
-        ``out`` (grad's shape, any strides; grad itself allowed), returned."""
+        ``out`` (grad's shape, any strides; grad itself allowed: in place), returned."""
         from slimgrad.kernels import bitmask as _bitmask
 
         mask = _bitmask.unpack(packed, shape).permute(inverse)
