@@ -9,6 +9,11 @@ each saving layer's Python Function), with rows for the families CUDA runs there
 dropout, the mask activations in place and not, frozen-weight conv, batch norm, max pool, RMSNorm, the gated
 activation); ``--rounds`` repeats the interleaved measurement and reports the median of the rounds' medians.
 
+``--device cuda`` (a lent GPU) runs the same rows on CUDA tensors: with tiny tensors the GPU finishes each kernel
+long before the host has launched the next, so the wall time of a call is its host time, the cost that makes
+small-batch CUDA steps host-bound. The core column is then what the core serves on CUDA (conv, batch norm, average
+pooling, LoRA without dropout), the rest running their Python Functions and Triton kernels.
+
 Tiny tensors, so the time is the Python and autograd bookkeeping around the kernels: forward + backward
 of one layer, stock vs converted with the core vs converted with the core disabled (``slimgrad.csrc.disabled``),
 interleaved call by call; median over ``--repeats`` calls, reported as slimgrad minus stock in microseconds.
@@ -213,7 +218,10 @@ _CLOCK = time.perf_counter
 
 
 def _round(stock, slim, x, keep, repeats, with_core):
-    """One interleaved round: per provider, the median of ``repeats`` calls (seconds)."""
+    """One interleaved round: per provider, the median of ``repeats`` calls (seconds; on CUDA, host time: the
+    queue is drained before the round and not inside it)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
     clock = _CLOCK
     ts = {"stock": [], "core": [], "python": []}
     providers = (("stock", stock, True),) + ((("core", slim, True),) if with_core else ()) + (
@@ -227,15 +235,16 @@ def _round(stock, slim, x, keep, repeats, with_core):
     return {k: (statistics.median(v) if v else float("nan")) for k, v in ts.items()}
 
 
-def measure(repeats: int, rounds: int = 1, with_core: bool = True, only=None):
+def measure(repeats: int, rounds: int = 1, with_core: bool = True, only=None, device: str = "cpu"):
     rows = []
     cases = ((*c, None) for c in _cases()) if with_core else _python_path_cases()
     for name, stock, make_x, x_grad, policy in cases:
         if only and not any(o.lower() in name.lower() for o in only):
             continue
+        stock = stock.to(device)
         slim = _convert(stock, policy)
         keep = "consumer keeps" in name
-        x = make_x().requires_grad_(x_grad)
+        x = make_x().to(device).requires_grad_(x_grad)
         for m in (stock, slim):
             for _ in range(20):  # warm-up (and the ReLU learns that its output is kept)
                 with contextlib.nullcontext() if with_core else csrc.disabled():
@@ -254,12 +263,28 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="thread: this thread's CPU time (steadier on a shared machine)")
+    parser.add_argument("--device", default="cpu", help="cuda: the rows on CUDA tensors (host time per call)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     only = [o for o in args.only.split(",") if o]
     global _CLOCK
     _CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
-    rows = measure(args.repeats, args.rounds, args.core == "on", only)
+    rows = measure(args.repeats, args.rounds, args.core == "on", only, args.device)
+    if args.device != "cpu":
+        lines = [
+            f"## Per-call host time on {args.device}",
+            "",
+            f"`python benchmarks/call_overhead.py --device {args.device} --core {args.core} --repeats {args.repeats} "
+            f"--rounds {args.rounds}` — {torch.cuda.get_device_name()}, torch {torch.__version__}. One layer, "
+            f"forward + backward, tiny input: wall time per call, which is host time here (module docstring).",
+            "",
+            "| layer | stock µs | slimgrad µs (core on) | overhead µs (core on) | overhead µs (Python path) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, s, g, p in rows:
+            lines.append(f"| {name} | {s:.1f} | {g:.1f} | {g - s:+.1f} | {p - s:+.1f} |")
+        print("\n".join(lines))
+        return
     if args.core == "off":
         clock = "the thread's CPU time" if args.clock == "thread" else "wall time"
         lines = [

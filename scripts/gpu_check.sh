@@ -73,11 +73,14 @@ fi
 if [ "$PHASE" != 1 ]; then
   core_ready
   export SLIMGRAD_CORE=1
-  step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
-  step budget 200 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
+  # issue 22's host-bound rows first, then the per-call host time that names their cause
   step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
+  step host-overhead 60 $PY benchmarks/call_overhead.py --device cuda --repeats 200 --rounds 3 \
+    --only "BatchNorm2d eval,Conv2d frozen,ReLU,MaxPool,Dropout,RMSNorm,LoRA Linear"
+  step budget 200 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
+  step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
+  step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
   step estimate 120 $PY benchmarks/estimate_accuracy.py --device cuda --time-limit 90 --write \
     --out "$OUT/estimate_gpu.md"
-  step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
 fi
 log "done"

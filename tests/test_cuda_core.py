@@ -1,7 +1,7 @@
 """CUDA only (skipped elsewhere): the compiled core on CUDA tensors (issue 22) against the Python path on CUDA.
 
-The core serves CUDA tensors for the families whose C++ is aten's ops alone: convolution, batch norm, average
-pooling and LoRA linear whose adapters do not drop (``csrc.for_eager(x, cuda=True)``). For each, on independent
+The core serves CUDA tensors for the families whose C++ is aten's ops alone: convolution, batch norm (cuDNN where
+stock runs it), average pooling and LoRA linear whose adapters do not drop (``csrc.for_eager(x, cuda=True)``). For each, on independent
 copies, the core and the Python path (``csrc.disabled()``) give the same output, every requested gradient bit for
 bit (strides too) and the same saved bytes, and the core really ran where it serves the call (its node is the C++
 Function's, ``CppNode<slimgrad::...>``) and did not where it must not (dropping LoRA adapters, 3-d pooling under
@@ -228,21 +228,22 @@ BN = [(nn.BatchNorm1d, (6, 4), True), (nn.BatchNorm1d, (6, 4, 5), True), (nn.Bat
 
 def _bn_expect_core(stock, x, rx, rw, training):
     """Whether the converted module's call runs the core: where stock keeps what slimgrad would (a trainable
-    weight, or batch statistics with x needing grad) stock's functional runs; where stock's ``torch.batch_norm``
-    runs cuDNN (torch's own selector) the Python Function runs stock's cuDNN kernel and the core (aten's native
-    kernels) stands aside. None (not asserted): evaluation on a channels-last x, which functional/batch_norm.py
-    also leaves to the Python Function on CUDA (its direct dX rounds as stock's CPU kernel)."""
+    weight, or batch statistics with x needing grad) stock's functional runs; elsewhere the core, which runs cuDNN
+    where stock's ``torch.batch_norm`` does (torch's own selector) and aten's native kernels elsewhere. None (not
+    asserted): evaluation on a channels-last x, which functional/batch_norm.py leaves to the Python Function on
+    CUDA (its direct dX rounds as stock's CPU kernel)."""
     if rw or (training and rx):
         return False
-    if stock.weight is not None:
-        mean = stock.running_mean if stock.running_mean is not None else stock.weight
-        var = stock.running_var if stock.running_var is not None else stock.weight
-        backend = torch._C._select_batch_norm_backend(x, stock.weight, stock.bias, mean, var, training, stock.eps)
-        if backend == torch._C._BatchNormBackend.Cudnn:
-            return False
     if not training and x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         return None
     return True
+
+
+def _stock_runs_cudnn(stock, x, training) -> bool:
+    mean = stock.running_mean if stock.running_mean is not None else stock.weight
+    var = stock.running_var if stock.running_var is not None else stock.weight
+    return (stock.weight is not None and torch._C._select_batch_norm_backend(
+        x, stock.weight, stock.bias, mean, var, training, stock.eps) == torch._C._BatchNormBackend.Cudnn)
 
 
 def _bn_case(cls, shape, affine, flags, training, dtype, param_dtype=None, layout=None):
@@ -292,12 +293,39 @@ def test_batch_norm_channels_last(flags, training, dtype):
 
 
 def test_batch_norm_core_serves_cuda():
-    """The cases above where the core serves a CUDA call exist (no cuDNN for stock: a 2-d input, no affine
-    parameters, bf16), so the comparisons above did compare the core with the Python path."""
-    served = [_bn_case(nn.BatchNorm1d, (6, 4), True, (True, False, False), False, torch.float32),
-              _bn_case(nn.BatchNorm2d, (4, 4, 5, 6), False, (True, False, False), False, torch.float32),
-              _bn_case(nn.BatchNorm2d, (4, 4, 5, 6), True, (True, False, True), False, torch.bfloat16)]
-    assert served == [True, True, True], served
+    """The cases above where the core serves a CUDA call exist, with stock's cuDNN (a 4-d affine input, in
+    evaluation and in training with only the bias trainable) and without it (a 2-d input, no affine parameters,
+    bf16), so the comparisons above did compare the core with the Python path on both of its CUDA routes."""
+    cases = [(nn.BatchNorm1d, (6, 4), True, (True, False, False), False, torch.float32, False),
+             (nn.BatchNorm2d, (4, 4, 5, 6), False, (True, False, False), False, torch.float32, False),
+             (nn.BatchNorm2d, (4, 4, 5, 6), True, (True, False, True), False, torch.bfloat16, False),
+             (nn.BatchNorm2d, (4, 4, 5, 6), True, (True, False, True), False, torch.float32, True),
+             (nn.BatchNorm2d, (4, 4, 5, 6), True, (False, False, True), True, torch.float32, True)]
+    for cls, shape, affine, flags, training, dtype, cudnn in cases:
+        stock = cls(shape[1], affine=affine).to(DEVICE, dtype).train(training)
+        x = torch.randn(shape, device=DEVICE, dtype=dtype)
+        assert _stock_runs_cudnn(stock, x, training) == cudnn, (cls, shape, dtype, training)
+        assert _bn_case(cls, shape, affine, flags, training, dtype) is True, (cls, shape, dtype, training)
+
+
+def test_batch_norm_cudnn_training_core_keeps_what_the_python_path_keeps():
+    """Training with only dB on cuDNN: the core keeps cuDNN's statistics and reserve (C-sized, and what cuDNN
+    sizes for itself), never x, and dB is stock's bit for bit."""
+    torch.manual_seed(0)
+    stock = nn.BatchNorm2d(8).to(DEVICE).train()
+    stock.weight.requires_grad_(False)
+    x = torch.randn(4, 8, 6, 5, device=DEVICE)
+    assert _stock_runs_cudnn(stock, x, True)
+    slim = slim_copy(stock)
+    out = slim(x)
+    assert _ran_core(out, "BatchNorm"), _node(out)
+    g = _grad_like(out)
+    out.backward(g)
+    stock(x).backward(g)
+    assert_same(slim.bias.grad, stock.bias.grad, what="bias grad core/stock")
+    reserve = torch._C._get_cudnn_batch_norm_reserve_space_size(x, True)
+    assert saved_bytes(slim, x) <= 2 * 8 * 4 + reserve
+    assert saved_bytes(stock, x) >= x.numel() * x.element_size()
 
 
 # -------------------------------------------------------------------------------------------------- avg pool

@@ -1,6 +1,8 @@
 // Batch norm of slimgrad's compiled eager core: the C++ twin of slimgrad.functional.batch_norm.BatchNormFunction,
 // with its decisions (what is kept, what stands in for x, where dX is computed directly), so its numbers and saved
-// bytes are the Python path's and stock's. aten's own kernels: native_batch_norm, native_batch_norm_backward.
+// bytes are the Python path's and stock's. aten's own kernels: native_batch_norm, native_batch_norm_backward, and on
+// CUDA, where stock's selector picks cuDNN (the caller asks it), cudnn_batch_norm and its backward, as stock runs
+// them (the Python Function's cuDNN branch, with no Python in the call: host-bound CUDA steps).
 //
 // Kept: x only where a requested gradient reads it (dW; dX in training), the running statistics in evaluation
 // (buffers), the weight (a parameter), in training with x not kept the bias (a C-sized tensor of the statistics'
@@ -24,6 +26,9 @@ struct BatchNormState : torch::CustomClassHolder {
   bool x_dense = false;
   std::optional<at::MemoryFormat> x_format;  // channels-last layout of x, else none
   at::ScalarType stat_dtype = at::kFloat;
+  // cuDNN in training: dB from cudnn_batch_norm_backward, handed dY in the layout cuDNN got x in
+  bool cudnn_training = false;
+  at::MemoryFormat cudnn_format = at::MemoryFormat::Contiguous;
 };
 
 // slimgrad.functional.batch_norm._dense: the elements fill [offset, offset + numel) exactly.
@@ -58,11 +63,24 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight_,
                             const std::optional<at::Tensor>& bias_, const std::optional<at::Tensor>& running_mean,
                             const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps,
-                            bool grad_mode) {
+                            bool cudnn, bool grad_mode) {
     const at::Tensor& weight = value_or_undefined(weight_);
     const at::Tensor& bias = value_or_undefined(bias_);
-    auto [out, save_mean, save_invstd] =
-        at::native_batch_norm(input, weight_, bias_, running_mean, running_var, training, momentum, eps);
+    // cuDNN (stock's pick on CUDA): the operands _batch_norm_impl_index hands it, the same copies if any
+    const at::MemoryFormat cudnn_format = !cudnn || input.is_contiguous() ? at::MemoryFormat::Contiguous
+                                                                           : input.suggest_memory_format();
+    at::Tensor out, save_mean, save_invstd, reserve;
+    if (cudnn) {
+      auto contiguous = [](const std::optional<at::Tensor>& t) {
+        return t.has_value() && t->defined() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+      };
+      std::tie(out, save_mean, save_invstd, reserve) =
+          at::cudnn_batch_norm(input.contiguous(cudnn_format), weight.contiguous(), contiguous(bias_),
+                               contiguous(running_mean), contiguous(running_var), training, momentum, eps);
+    } else {
+      std::tie(out, save_mean, save_invstd) =
+          at::native_batch_norm(input, weight_, bias_, running_mean, running_var, training, momentum, eps);
+    }
     auto st = c10::make_intrusive<BatchNormState>();
     st->need_x = grad_mode && input.requires_grad();
     st->need_w = grad_mode && weight.defined() && weight.requires_grad();
@@ -74,10 +92,24 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
     st->x_stride = input.strides().vec();
     st->x_dense = dense(input);
     st->x_format = channels_last_format(input);
-    st->stat_dtype = save_mean.scalar_type();
+    // (cuDNN: the dtype slimgrad.functional.batch_norm._stat_dtype gives CUDA, for evaluation's unread statistics)
+    st->stat_dtype = !cudnn ? save_mean.scalar_type()
+                     : input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16 ? at::kFloat
+                                                                                                : input.scalar_type();
     // dW always reads x; in training dX reads it as well (through x̂ and the batch statistics). The Python caller
     // notes a kept x for its producer (slimgrad.functional._common.note_input_kept).
     const bool keep_x = st->need_w || (training && st->need_x);
+    if (cudnn && training) {
+      // The caller runs stock itself wherever x is read, so only dB is requested here; cuDNN's backward reads its
+      // own statistics and reserve (C-sized, and a reserve cuDNN sizes for itself: stock keeps both, and x).
+      TORCH_CHECK(!keep_x, "slimgrad: batch_norm_forward with cuDNN in training serves a gradient of the bias only");
+      st->cudnn_training = true;
+      st->cudnn_format = cudnn_format;
+      ctx->save_for_backward({at::Tensor(), weight, at::Tensor(), value_or_undefined(running_mean),
+                              value_or_undefined(running_var), save_mean, save_invstd, reserve});
+      ctx->saved_data["s"] = c10::IValue::make_capsule(st);
+      return out;
+    }
     const bool bias_as_stats = training && !keep_x;
     ctx->save_for_backward({
         keep_x ? input : at::Tensor(),
@@ -94,10 +126,22 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto it = ctx->saved_data.find("s");
-    if (it == ctx->saved_data.end()) return variable_list(10);  // no gradient was requested of x, w or b
+    if (it == ctx->saved_data.end()) return variable_list(11);  // no gradient was requested of x, w or b
     auto st = c10::static_intrusive_pointer_cast<BatchNormState>(it->second.toCapsule());
     auto saved = ctx->get_saved_variables();
     at::Tensor dx, dw, db;
+    if (st->cudnn_training) {
+      at::NoGradGuard no_grad;
+      // dB = sum(dY) from stock's kernel, which computes dX and dW as well (as it does for stock); its x operand is
+      // dY itself, laid out as stock lays x out for it: dB does not read x, and dX/dW, which do, are dropped.
+      const at::Tensor grad_out = grads[0].contiguous(st->cudnn_format);
+      db = std::get<2>(at::cudnn_batch_norm_backward(grad_out, grad_out, saved[1], saved[3], saved[4], saved[5],
+                                                     saved[6], st->eps, saved[7]));
+      variable_list out{at::Tensor(), at::Tensor(), db};
+      out = once_differentiable(std::move(out), grads, "BatchNormFunction");
+      out.resize(11);
+      return out;
+    }
     {
       at::NoGradGuard no_grad;
       const at::Tensor& grad_out = grads[0];
@@ -151,7 +195,7 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
     variable_list out{st->need_x ? dx : at::Tensor(), st->need_w ? dw : at::Tensor(),
                       st->need_b ? db : at::Tensor()};
     out = once_differentiable(std::move(out), grads, "BatchNormFunction");
-    out.resize(10);
+    out.resize(11);
     return out;
   }
 };
@@ -163,9 +207,9 @@ static Register reg_batch_norm([](pybind11::module_& m) {
       "batch_norm_forward",
       [](const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
          const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-         double momentum, double eps) {
+         double momentum, double eps, bool cudnn) {
         return BatchNormFunction::apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                        at::GradMode::is_enabled());
+                                        cudnn, at::GradMode::is_enabled());
       },
       "slimgrad's batch norm (see batch_norm.cpp): keeps x only where a requested gradient reads it");
 });

@@ -18,10 +18,9 @@ is not dense).
 Eager CPU and CUDA calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++
 autograd Function with these same decisions and aten's same kernels, at about stock's cost per call where the
 Python Function and its checks cost tens of microseconds more. On CUDA, where stock's ``F.batch_norm`` picks cuDNN
-(aten's selector, asked with the same arguments), the Python Function runs cuDNN as stock does and the core (aten's
-native kernels) stands aside, as it does for evaluation on a channels-last x (tests/test_cuda_exact.py compares
-the bits with stock); ``SLIMGRAD_CORE_CUDA=0`` leaves all of CUDA to the Python Function. Autocast,
-torch.compile, torch.func, tensor subclasses and other devices run the Python Function, the reference the core is
+(aten's selector, asked with the same arguments), both run cuDNN as stock does; evaluation on a channels-last CUDA
+x runs the Python Function (tests/test_cuda_exact.py compares the bits with stock); ``SLIMGRAD_CORE_CUDA=0``
+leaves all of CUDA to the Python Function. Autocast, torch.compile, torch.func, tensor subclasses and other devices run the Python Function, the reference the core is
 tested against bit for bit.
 """
 
@@ -151,11 +150,7 @@ class BatchNormFunction(_common.Function):
     @staticmethod
     def forward(input, weight, bias, running_mean, running_var, training, momentum, eps, transformed):
         if input.is_cuda and not transformed and not torch.compiler.is_compiling():
-            # batch_norm() hands over the selector's answer where it asked already (the core's check, eager CUDA):
-            # asked once a call
-            pending = _PENDING.__dict__.pop("bn_cudnn", None)
-            cudnn = (pending[1] if pending is not None and pending[0] is input
-                     else _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps))
+            cudnn = _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps)
         else:
             cudnn = False
         if cudnn:
@@ -330,19 +325,18 @@ def batch_norm(
         _common.note_input_kept(input)
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                               momentum, eps)
-    # (CUDA too: the core's kernels are native_batch_norm and its backward, not cuDNN's, so where stock runs cuDNN
-    # the Python Function does, as stock does; so does evaluation on a channels-last x, whose direct dX the core
-    # rounds as stock's CPU kernel does)
+    # (CUDA too, where stock runs cuDNN as well: the core runs cuDNN there as stock does, with no Python Function
+    # in the call. Evaluation on a channels-last CUDA x stays with the Python Function: its direct dX there is
+    # CUDA's kernel, the core's is rounded as stock's CPU kernel rounds it)
     core = csrc.for_eager(input, cuda=True)
-    cudnn = None  # the selector's answer, where asked here: handed to the Function's forward (one question a call)
     if (core is not None and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE
             and type(running_mean) in _PLAIN_OR_NONE and type(running_var) in _PLAIN_OR_NONE
             and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled(input.device.type)
-            and not (input.is_cuda and ((not training and _channels_last_format(input) is not None)
-                                        or (cudnn := _stock_uses_cudnn(input, weight, bias, running_mean,
-                                                                       running_var, training, eps))))):
+            and not (input.is_cuda and not training and _channels_last_format(input) is not None)):
         _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
-        return core.batch_norm_forward(input, weight, bias, running_mean, running_var, training, momentum, eps)
+        cudnn = input.is_cuda and _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps)
+        return core.batch_norm_forward(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                       cudnn)
     if has_torch_function_variadic(input, running_mean, running_var, weight, bias):
         return handle_torch_function(
             batch_norm, (input, running_mean, running_var, weight, bias), input, running_mean,
@@ -359,9 +353,7 @@ def batch_norm(
         out = BatchNormFunction.apply(input, weight, bias, running_mean, running_var, training, momentum, eps, False)
     else:
         # _common.Function.apply's eager branch, called directly: its generic argument handling cost ~2 µs a call on
-        # the Python path (CUDA's where stock runs cuDNN). Tensors unwrapped as its unwrap_dead_wrappers does.
-        if cudnn is not None:
-            _PENDING.bn_cudnn = (input, cudnn)
+        # the Python path. Tensors unwrapped as its unwrap_dead_wrappers does.
         out = _C_APPLY(BatchNormFunction, _unwrap_if_dead(input), _unwrap(weight), _unwrap(bias),
                        _unwrap(running_mean), _unwrap(running_var), training, momentum, eps, False)
     return out[0] if training else out
@@ -369,8 +361,6 @@ def batch_norm(
 
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _C_APPLY = _common._C_APPLY
-# batch_norm() -> BatchNormFunction.forward, one eager CUDA call: (input, whether stock's selector picked cuDNN)
-_PENDING = _common.EAGER_HANDOFF
 _unwrap_if_dead = _common.unwrap_if_dead
 
 
