@@ -1,11 +1,11 @@
 """CUDA only (skipped elsewhere): the compiled core on CUDA tensors (issue 22) against the Python path on CUDA.
 
 The core serves CUDA tensors for the families whose C++ is aten's ops alone: convolution, batch norm (cuDNN where
-stock runs it), average pooling and LoRA linear whose adapters do not drop (``csrc.for_eager(x, cuda=True)``). For each, on independent
-copies, the core and the Python path (``csrc.disabled()``) give the same output, every requested gradient bit for
-bit (strides too) and the same saved bytes, and the core really ran where it serves the call (its node is the C++
-Function's, ``CppNode<slimgrad::...>``) and did not where it must not (dropping LoRA adapters, 3-d pooling under
-autocast, ``SLIMGRAD_CORE_CUDA=0``).
+stock runs it), average pooling and LoRA linear whose adapters do not drop (``csrc.for_eager(x, cuda=True)``). For
+each, on independent copies, the core and the Python path (``csrc.disabled()``) give the same output, every
+requested gradient bit for bit (strides too) and the same saved bytes, and the core really ran where it serves the
+call (its node is the C++ Function's, ``CppNode<slimgrad::...>``) and did not where it must not (dropping LoRA
+adapters, 3-d pooling under autocast, ``SLIMGRAD_CORE_CUDA=0``).
 
 cuDNN runs in its deterministic mode here, and the pooling shapes avoid CUDA's atomic backward kernels (adaptive
 pooling with non-divisible sizes, overlapping 3-d windows): with atomics two runs of the same kernel can round

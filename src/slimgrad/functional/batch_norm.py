@@ -15,13 +15,13 @@ product, which is then not requested: a view of dY itself when both are dense (s
 code path it takes for stock), else a zero-stride stand-in (stock then takes the strided path too, as dY or x
 is not dense).
 
-Eager CPU and CUDA calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++
-autograd Function with these same decisions and aten's same kernels, at about stock's cost per call where the
-Python Function and its checks cost tens of microseconds more. On CUDA, where stock's ``F.batch_norm`` picks cuDNN
-(aten's selector, asked with the same arguments), both run cuDNN as stock does; evaluation on a channels-last CUDA
-x runs the Python Function (tests/test_cuda_exact.py compares the bits with stock); ``SLIMGRAD_CORE_CUDA=0``
-leaves all of CUDA to the Python Function. Autocast, torch.compile, torch.func, tensor subclasses and other devices run the Python Function, the reference the core is
-tested against bit for bit.
+Eager CPU and CUDA calls run the compiled core's ``batch_norm_forward`` (``csrc/batch_norm.cpp``): one C++ autograd
+Function with these same decisions and aten's same kernels, at about stock's cost per call where the Python Function
+and its checks cost tens of microseconds more. On CUDA, where stock's ``F.batch_norm`` picks cuDNN (aten's selector,
+asked with the same arguments), both run cuDNN as stock does; evaluation on a channels-last CUDA x runs the Python
+Function (tests/test_cuda_exact.py compares the bits with stock); ``SLIMGRAD_CORE_CUDA=0`` leaves all of CUDA to the
+Python Function. Autocast, torch.compile, torch.func, tensor subclasses and other devices run the Python Function,
+the reference the core is tested against bit for bit.
 """
 
 from __future__ import annotations
