@@ -190,6 +190,65 @@ def test_odd_sizes(case, dtype, shape):
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def aten_route():
+    """The core's aten route (what it runs on CUDA tensors) on these CPU tensors."""
+    old = csrc.core().relu_mask_force_aten(True)
+    try:
+        yield
+    finally:
+        csrc.core().relu_mask_force_aten(old)
+
+
+@pytest.mark.parametrize("case", list(RELU_CASES))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed", "sliced"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_aten_route_matches_python_path_and_stock(case, dtype, layout, inplace):
+    """ReLU / LeakyReLU's aten route (relu_mask.cpp: the kernels the core launches for CUDA tensors) gives the
+    bits, strides and saved bytes of the Python path and stock, special values included."""
+    if inplace and case == "leaky(-0.3)":
+        pytest.skip("stock refuses it in backward; the Python Function runs it (tested in test_activation)")
+    with aten_route():
+        _check(case, dtype, layout, inplace)
+
+
+@pytest.mark.parametrize("case", ["relu", "leaky(0.01)"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 1, 1, 7), (1, 1, 1, 9), (1, 1, 3, 17), (3, 5, 7, 331)])
+def test_aten_route_odd_sizes(case, shape):
+    """The last partial mask byte of the aten route (its padding bits packed as zeros, never read)."""
+    with aten_route():
+        _check(case, torch.float32, "contiguous", False, shape)
+
+
+def test_aten_route_double_backward_and_module():
+    """Double backward through the aten route's mask, and the module path (nn.ReLU, inplace) with it."""
+    x0 = torch.randn(3, 4, 5, dtype=torch.float64) * 4
+    g0 = torch.randn_like(x0)
+    results = []
+    for route in (aten_route, contextlib.nullcontext):
+        x, g = x0.clone().requires_grad_(), g0.clone().requires_grad_()
+        with route():
+            y = A.leaky_relu(x, 0.1)
+            assert ran_core(y, "ReluMaskFunction")
+            (gx,) = torch.autograd.grad(y, x, g, create_graph=True)
+            (gg,) = torch.autograd.grad((gx * gx).sum(), g)
+        results.append((gx.detach(), gg))
+    for a, b in zip(*results, strict=True):
+        assert_bitwise(a, b, "aten route vs kernels")
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)).requires_grad_(False)
+    slim = slimgrad.convert(stock)
+    xi = torch.randn(2, 3, 8, 8)
+    want_x = xi.clone().requires_grad_()
+    stock(want_x).sum().backward()
+    got_x = xi.clone().requires_grad_()
+    with aten_route():
+        out = slim(got_x)
+        assert ran_core(out, "ReluMaskFunction")
+        out.sum().backward()
+    assert_bitwise(got_x.grad, want_x.grad, "input grad through conv + inplace ReLU")
+
+
 def test_inplace_leaky_negative_slope_runs_python_function():
     x = torch.randn(4, 5, requires_grad=True)
     y = A.leaky_relu(x * 1.0, -0.3, inplace=True)

@@ -1,11 +1,11 @@
 """CUDA only (skipped elsewhere): the compiled core on CUDA tensors (issue 22) against the Python path on CUDA.
 
 The core serves CUDA tensors for the families whose C++ is aten's ops alone: convolution, batch norm (cuDNN where
-stock runs it), average pooling and LoRA linear whose adapters do not drop (``csrc.for_eager(x, cuda=True)``). For
-each, on independent copies, the core and the Python path (``csrc.disabled()``) give the same output, every
-requested gradient bit for bit (strides too) and the same saved bytes, and the core really ran where it serves the
-call (its node is the C++ Function's, ``CppNode<slimgrad::...>``) and did not where it must not (dropping LoRA
-adapters, 3-d pooling under autocast, ``SLIMGRAD_CORE_CUDA=0``).
+stock runs it), average pooling, ReLU / LeakyReLU on small tensors (its aten route) and LoRA linear whose adapters
+do not drop (``csrc.for_eager(x, cuda=True)``). For each, on independent copies, the core and the Python path
+(``csrc.disabled()``) give the same output, every requested gradient bit for bit (strides too) and the same saved
+bytes, and the core really ran where it serves the call (its node is the C++ Function's, ``CppNode<slimgrad::...>``)
+and did not where it must not (dropping LoRA adapters, 3-d pooling under autocast, ``SLIMGRAD_CORE_CUDA=0``).
 
 cuDNN runs in its deterministic mode here, and the pooling shapes avoid CUDA's atomic backward kernels (adaptive
 pooling with non-divisible sizes, overlapping 3-d windows): with atomics two runs of the same kernel can round
@@ -326,6 +326,76 @@ def test_batch_norm_cudnn_training_core_keeps_what_the_python_path_keeps():
     reserve = torch._C._get_cudnn_batch_norm_reserve_space_size(x, True)
     assert saved_bytes(slim, x) <= 2 * 8 * 4 + reserve
     assert saved_bytes(stock, x) >= x.numel() * x.element_size()
+
+
+# ---------------------------------------------------------------------------------------------- ReLU / leaky
+
+RELU = {"relu": lambda: nn.ReLU(), "relu_inplace": lambda: nn.ReLU(inplace=True),
+        "leaky": lambda: nn.LeakyReLU(0.1), "leaky_inplace": lambda: nn.LeakyReLU(0.2, inplace=True)}
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _relu_input(shape, dtype, layout):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3
+    x.view(-1)[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.0])
+    x = x.to(device=DEVICE, dtype=dtype)
+    return x if layout is None else x.contiguous(memory_format=layout)
+
+
+def _relu_run(module, x, g, core: bool):
+    from slimgrad.measure import SavedTensors
+
+    xi = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    with csrc.disabled() if not core else _null():
+        h = xi * 1.0  # a non-leaf, so that the in-place modules may run
+        with SavedTensors() as counter:
+            out = module(h)
+        node = _node(out)
+        out.backward(g)
+    return out.detach(), xi.grad, counter.bytes, node
+
+
+def _same_bits(a, b, what):
+    """Bitwise, signed zeros included (NaN positions equal; payloads not compared)."""
+    assert a.stride() == b.stride(), f"{what}: strides {a.stride()} != {b.stride()}"
+    nan = torch.isnan(b)
+    assert torch.equal(torch.isnan(a), nan), f"{what}: NaN positions"
+    assert torch.equal(a.view(_INT[a.element_size()])[~nan], b.view(_INT[b.element_size()])[~nan]), what
+
+
+@pytest.mark.parametrize("layout", [None, torch.channels_last], ids=["contig", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *LOW], ids=str)
+@pytest.mark.parametrize("rid", list(RELU))
+def test_relu_core_on_cuda(rid, dtype, layout):
+    """Small CUDA tensors run the core's aten route (one C++ Function): output, input gradient (strides too) and
+    saved bytes (the 1-bit mask) equal to the Python path's Triton kernel and to stock, NaN, ±inf and ±0 included."""
+    x = _relu_input((4, 6, 5, 7), dtype, layout)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(device=DEVICE, dtype=dtype)
+    stock = RELU[rid]()
+    y_s, dx_s, _, _ = _relu_run(stock, x, g, True)
+    y_c, dx_c, kept_c, node_c = _relu_run(slim_copy(stock), x, g, True)
+    y_p, dx_p, kept_p, node_p = _relu_run(slim_copy(stock), x, g, False)
+    assert "CppNode<slimgrad::" in node_c and "ReluMask" in node_c, node_c
+    assert "CppNode" not in node_p, node_p
+    for (a, b), what in (((y_c, y_p), "output core/python"), ((dx_c, dx_p), "input grad core/python"),
+                         ((y_c, y_s), "output core/stock"), ((dx_c, dx_s), "input grad core/stock")):
+        _same_bits(a, b, what)
+    assert kept_c == kept_p == (x.numel() + 7) // 8, (kept_c, kept_p)
+
+
+def test_relu_large_cuda_tensors_run_the_triton_kernel(monkeypatch):
+    """Above CORE_CUDA_MAX_NUMEL the Python Function (one-pass Triton kernel) runs; the bits agree either way."""
+    from slimgrad.functional import activation
+
+    x = _relu_input((2, 4, 8, 8), torch.float32, None)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4), device="cpu").to(DEVICE)
+    small = _relu_run(slim_copy(nn.ReLU()), x, g, True)
+    monkeypatch.setattr(activation, "CORE_CUDA_MAX_NUMEL", x.numel() - 1)
+    large = _relu_run(slim_copy(nn.ReLU()), x, g, True)
+    assert "CppNode" in small[3] and "CppNode" not in large[3], (small[3], large[3])
+    _same_bits(small[0], large[0], "output")
+    _same_bits(small[1], large[1], "input grad")
+    assert small[2] == large[2]
 
 
 # -------------------------------------------------------------------------------------------------- avg pool

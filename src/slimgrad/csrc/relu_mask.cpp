@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -455,6 +456,63 @@ bool leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b
   return nan != 0 && std::is_same_v<T, at::BFloat16>;
 }
 
+// --------------------------------------------------------------------------------------------- the aten route
+// CUDA tensors (the core is built without a CUDA compiler) run the same contract as a few aten kernels launched
+// from C++: stock's own relu / leaky_relu for the output, a compare for the bits, a multiply and a byte sum packing
+// them (bit j of byte b is element 8b + j, as the CPU kernels and unpack lay it out); backward unpacks with an
+// and and a compare, then `where` (relu) or stock's leaky_relu_backward on the mask (leaky: x > 0 read as 1 > 0).
+// About twice the bytes stock's relu moves, in five small launches, but no Python Function and no Python Triton
+// launch: for the small tensors of host-bound CUDA steps (slimgrad.functional.activation sends larger ones to the
+// Triton kernels). `relu_mask_force_aten` runs it on CPU tensors too, so CPU tests check it against the kernels.
+bool g_force_aten = false;
+
+bool aten_route(const at::Tensor& t) { return !t.is_cpu() || g_force_aten; }
+
+// 1, 2, 4, ..., 128 as bytes on t's device, made once per device (never freed: a CUDA tensor must not outlive
+// its context in a static destructor at exit)
+at::Tensor bit_values(const at::Tensor& t) {
+  static std::mutex lock;
+  static auto* cache = new std::vector<std::pair<at::Device, at::Tensor>>();
+  std::lock_guard<std::mutex> guard(lock);
+  for (const auto& [device, values] : *cache)
+    if (device == t.device()) return values;
+  at::NoGradGuard no_grad;
+  cache->emplace_back(t.device(), at::bitwise_left_shift(at::ones({8}, t.options().dtype(at::kByte)),
+                                                         at::arange(8, t.options().dtype(at::kByte))));
+  return cache->back().second;
+}
+
+// The packed bits of a 0/1 byte tensor of (at least) 8 * packed.numel() elements, written into packed.
+void pack_bytes_into(const at::Tensor& bits, at::Tensor& packed) {
+  at::sum_out(packed, at::mul(bits.view({packed.numel(), 8}), bit_values(bits)), {1}, false, at::kByte);
+}
+
+// x contiguous; out is x (in place) or undefined (made here); packed preallocated.
+at::Tensor aten_forward(const at::Tensor& x, bool inplace, at::Tensor& packed, std::optional<double> slope) {
+  const int64_t n = x.numel(), nb = packed.numel();
+  at::Tensor bits = at::empty({nb * 8}, x.options().dtype(at::kByte));
+  if (nb * 8 != n) bits.narrow(0, n, nb * 8 - n).zero_();
+  at::Tensor head = bits.narrow(0, 0, n).view(x.sizes());
+  at::Tensor out;
+  if (!slope) {
+    // bit out != 0: NaN keeps its gradient, +-0 does not (stock's threshold_backward reads out <= 0)
+    out = inplace ? at::relu_(const_cast<at::Tensor&>(x)) : at::relu(x);
+    at::ne_out(head, out, 0);
+  } else {
+    at::gt_out(head, x, 0);  // read before an in-place op overwrites x
+    out = inplace ? at::leaky_relu_(const_cast<at::Tensor&>(x), *slope) : at::leaky_relu(x, *slope);
+  }
+  pack_bytes_into(bits, packed);
+  return out;
+}
+
+at::Tensor aten_backward(const at::Tensor& grad, const at::Tensor& packed, std::optional<double> slope) {
+  at::Tensor mask = at::bitwise_and(packed.unsqueeze(-1), bit_values(packed)).ne(0).view({-1})
+                        .narrow(0, 0, grad.numel()).view(grad.sizes());
+  if (!slope) return at::where(mask, grad, at::Scalar(0));
+  return at::leaky_relu_backward(grad, mask.view(at::kByte), *slope, false);
+}
+
 // The contract's forward on contiguous tensors: out (may be x itself) and the packed mask, one pass.
 void forward_kernel(const at::Tensor& x, at::Tensor& out, at::Tensor& packed, std::optional<double> slope) {
   const int64_t n = x.numel(), nb = packed.numel();
@@ -550,13 +608,23 @@ struct ReluMaskFunction : public torch::autograd::Function<ReluMaskFunction> {
       at::Tensor packed = new_packed(x);
       if (dense) {
         at::Tensor xc = perm.empty() ? x : x.permute(perm);
-        at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
-        forward_kernel(xc, oc, packed, slope);
+        at::Tensor oc;
+        if (aten_route(x)) {
+          oc = aten_forward(xc, inplace, packed, slope);
+        } else {
+          oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+          forward_kernel(xc, oc, packed, slope);
+        }
         out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
       } else {  // a slice: the kernels take contiguous tensors
         at::Tensor xc = x.contiguous();
-        at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
-        forward_kernel(xc, oc, packed, slope);
+        at::Tensor oc;
+        if (aten_route(x)) {
+          oc = aten_forward(xc, inplace, packed, slope);
+        } else {
+          oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+          forward_kernel(xc, oc, packed, slope);
+        }
         if (inplace) const_cast<at::Tensor&>(x).copy_(oc);
         out = inplace ? x : oc;
       }
@@ -585,6 +653,8 @@ struct ReluMaskFunction : public torch::autograd::Function<ReluMaskFunction> {
       if (grad.requires_grad()) {  // double backward: stay differentiable in grad, as the Python path
         at::Tensor mask = masks::unpack(saved, g.sizes());
         gi = relu ? at::where(mask, g, at::Scalar(0)) : at::where(mask, g, g * *slope);
+      } else if (aten_route(g)) {
+        gi = aten_backward(g.contiguous(), saved, slope);
       } else {
         gi = backward_kernel(g.contiguous(), saved, slope);
       }
@@ -638,6 +708,11 @@ at::Tensor relu_mask_backward(const at::Tensor& grad, const at::Tensor& packed, 
 
 static Register reg_relu_mask([](pybind11::module_& m) {
   m.def("relu_mask_apply", &relu_mask_apply);
+  m.def("relu_mask_force_aten", [](bool flag) {
+    const bool old = g_force_aten;
+    g_force_aten = flag;
+    return old;
+  }, "tests: run the aten route (CUDA's) on CPU tensors too; returns the previous setting");
   m.def("relu_mask_forward", &relu_mask_forward);
   m.def("relu_mask_backward", &relu_mask_backward);
 });
