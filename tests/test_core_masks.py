@@ -190,14 +190,7 @@ def test_odd_sizes(case, dtype, shape):
         torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
-def aten_route():
-    """The core's aten route (what it runs on CUDA tensors) on these CPU tensors."""
-    old = csrc.core().relu_mask_force_aten(True)
-    try:
-        yield
-    finally:
-        csrc.core().relu_mask_force_aten(old)
+aten_route = relu_mask.aten_route_on_cpu
 
 
 @pytest.mark.parametrize("case", list(RELU_CASES))

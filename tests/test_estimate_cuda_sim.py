@@ -350,10 +350,49 @@ CUDA_CASES = ["max_pool2d", "relu", "gated_silu", "rms_llama", "fused_add_rms", 
 @pytest.mark.parametrize("name", CUDA_CASES)
 def test_cuda_simulated_step_allocates_what_the_triton_step_allocates(name):
     pytest.importorskip("triton")
-    real, fake, ran, simulated, log_real, log_fake = _real_and_simulated(name, "cuda")
+    with csrc.disabled():  # the Python Functions and their Triton kernels (small ReLUs run the core's aten route)
+        real, fake, ran, simulated, log_real, log_fake = _real_and_simulated(name, "cuda")
     assert ran > 0, f"{name}: no Triton kernel ran in the real CUDA step"
     assert simulated == 0, f"{name}: {simulated} Triton launch(es) ran on fake tensors"
     assert fake == real, f"{name}: simulated {log_fake} != real {log_real}"
+
+
+def _aten_route_logs(name, device):
+    """(real step's storages, simulated step's) for a ReLU case whose real step runs the core's aten route."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, specs, step = CASES[name]
+    _step(step, _inputs(specs, device))  # the route's bit values, made once per device
+    real = _inputs(specs, device)
+    log_real = _recorded(step, real)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t.detach()).requires_grad_(t.requires_grad) for t in real]
+    with mode:
+        log_fake = _recorded(step, fakes)
+    return log_real, log_fake
+
+
+@pytest.mark.skipif(csrc.core() is None, reason="needs the compiled core")
+@pytest.mark.parametrize("name", ["relu", "leaky_relu"])
+def test_simulated_step_allocates_what_the_core_aten_route_allocates(name):
+    """The core's aten route (what small CUDA ReLUs run, here on CPU tensors) and the estimate's simulation of it
+    (``relu_mask.CORE_ATEN_SIMULATION``): the same storages, of the same bytes, in the same order. The route's 0/1
+    bytes are there (the CPU kernels allocate none), so the comparison can fail."""
+    from slimgrad.kernels import relu_mask
+
+    with relu_mask.aten_route_on_cpu():
+        log_real, log_fake = _aten_route_logs(name, "cpu")
+    numel = CASES[name][1][0][0][0] * CASES[name][1][0][0][1]
+    assert sum(1 for _, n in log_real if n == (numel + 7) // 8 * 8) >= 2, log_real
+    assert [n for _, n in log_fake] == [n for _, n in log_real], (log_fake, log_real)
+
+
+@cuda_only
+@pytest.mark.skipif(CUDA and csrc.core() is None, reason="needs the compiled core")
+@pytest.mark.parametrize("name", ["relu", "leaky_relu"])
+def test_cuda_simulated_step_allocates_what_the_core_aten_route_allocates(name):
+    log_real, log_fake = _aten_route_logs(name, "cuda")
+    assert [n for _, n in log_fake] == [n for _, n in log_real], (log_fake, log_real)
 
 
 def _resnet(converted):

@@ -459,9 +459,9 @@ bool leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b
 // --------------------------------------------------------------------------------------------- the aten route
 // CUDA tensors (the core is built without a CUDA compiler) run the same contract as a few aten kernels launched
 // from C++: stock's own relu / leaky_relu for the output, a compare for the bits, a multiply and a byte sum packing
-// them (bit j of byte b is element 8b + j, as the CPU kernels and unpack lay it out); backward unpacks with an
-// and and a compare, then `where` (relu) or stock's leaky_relu_backward on the mask (leaky: x > 0 read as 1 > 0).
-// About twice the bytes stock's relu moves, in five small launches, but no Python Function and no Python Triton
+// them (bit j of byte b is element 8b + j, as the CPU kernels and unpack lay it out); backward isolates each bit
+// with an and, then runs stock's threshold_backward / leaky_relu_backward on it (aten_backward).
+// About twice the bytes stock's relu moves, in four small launches, but no Python Function and no Python Triton
 // launch: for the small tensors of host-bound CUDA steps (slimgrad.functional.activation sends larger ones to the
 // Triton kernels). `relu_mask_force_aten` runs it on CPU tensors too, so CPU tests check it against the kernels.
 bool g_force_aten = false;
@@ -506,11 +506,14 @@ at::Tensor aten_forward(const at::Tensor& x, bool inplace, at::Tensor& packed, s
   return out;
 }
 
+// Each element's bit, left in place in its byte (0, or a power of two): stock's own backward kernels read it where
+// they would read the output (relu: `bits <= 0 ? +0 : grad`) or the input (leaky: `bits > 0 ? grad : grad * slope`),
+// in grad's dtype, with no scalar scratch tensor.
 at::Tensor aten_backward(const at::Tensor& grad, const at::Tensor& packed, std::optional<double> slope) {
-  at::Tensor mask = at::bitwise_and(packed.unsqueeze(-1), bit_values(packed)).ne(0).view({-1})
+  at::Tensor bits = at::bitwise_and(packed.unsqueeze(-1), bit_values(packed)).view({-1})
                         .narrow(0, 0, grad.numel()).view(grad.sizes());
-  if (!slope) return at::where(mask, grad, at::Scalar(0));
-  return at::leaky_relu_backward(grad, mask.view(at::kByte), *slope, false);
+  if (!slope) return at::threshold_backward(grad, bits, 0);
+  return at::leaky_relu_backward(grad, bits, *slope, false);
 }
 
 // The contract's forward on contiguous tensors: out (may be x itself) and the packed mask, one pass.

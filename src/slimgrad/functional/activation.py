@@ -27,9 +27,9 @@ reference and the fallback (torch.compile, torch.func, ``SLIMGRAD_CORE=0``, no c
 negative-slope refusal), and runs the same core kernels through the registry. Why: a Python Function and its
 bookkeeping cost ~55 µs a call over stock (issue 22); the core call costs ~5. For modules, the producer's
 bookkeeping is lazy on the core path (:class:`LazyUseCell`): the learning hook is registered only when a
-consumer keeps the output. Eager CUDA calls on tensors up to ``CORE_CUDA_MAX_NUMEL`` elements run the same C++
-Function with aten's kernels in place of the CPU loops (no Python in the call: small CUDA steps are bound by host
-time); larger CUDA tensors run the Python Function and its Triton kernel.
+consumer keeps the output. Eager CUDA calls on tensors up to ``relu_mask.CORE_CUDA_MAX_NUMEL`` elements run
+the same C++ Function with aten's kernels in place of the CPU loops (no Python in the call: small CUDA steps
+are bound by host time); larger CUDA tensors run the Python Function and its Triton kernel.
 """
 
 from __future__ import annotations
@@ -346,15 +346,9 @@ def _input_grad(ctx, grad):
     return gi
 
 
-# CUDA tensors of up to this many elements run the core's aten route (relu_mask.cpp: a few small kernels launched
-# from C++, no Python Function, about twice the bytes stock's relu moves); larger ones the Python Function's one-pass
-# Triton kernel, whose host cost a step that large hides behind the GPU's work.
-CORE_CUDA_MAX_NUMEL = 1 << 22
-
-
 def _core_for(input):
     """The core module where an eager ReLU / LeakyReLU call on ``input`` runs it (csrc.for_eager), else None."""
-    return csrc.for_eager(input, cuda=input.numel() <= CORE_CUDA_MAX_NUMEL)
+    return csrc.for_eager(input, cuda=relu_mask.core_serves_cuda(input))
 
 
 def _check_slope(negative_slope) -> float:

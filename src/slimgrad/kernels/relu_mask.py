@@ -36,6 +36,8 @@ handles (the registry falls back to torch for the rest).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -154,9 +156,85 @@ class CoreReluMaskSimulation:
 CORE_SIMULATION = CoreReluMaskSimulation()
 
 
+# CUDA tensors of up to this many elements run the core's aten route (relu_mask.cpp: a few small kernels launched
+# from C++, no Python Function, about twice the bytes stock's relu moves); larger ones the Python Function's one-pass
+# Triton kernel, whose host cost a step that large hides behind the GPU's work.
+CORE_CUDA_MAX_NUMEL = 1 << 22
+
+
+class CoreAtenReluMaskSimulation:
+    """What the core's aten route allocates on CUDA (relu_mask.cpp's ``aten_forward`` / ``aten_backward``), in its
+    order, without data: forward the packed mask, the 0/1 bytes, the output unless in place, and the bytes weighted
+    by their bit values while they are summed; backward each element's bit in its byte, then the gradient.
+    For fake CUDA tensors (``slimgrad.estimate``) whose real ones would run that route."""
+
+    name = "core-aten-simulation"
+
+    @staticmethod
+    def forward(x, negative_slope, inplace):
+        nb = (x.numel() + 7) // 8
+        packed = torch.empty((nb,), dtype=torch.uint8, device=x.device)
+        bits = torch.empty((nb * 8,), dtype=torch.uint8, device=x.device)
+        out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        weighted = torch.empty((nb * 8,), dtype=torch.uint8, device=x.device)
+        del weighted, bits
+        return out, packed
+
+    @staticmethod
+    def backward(grad, packed, negative_slope):
+        bits = torch.empty((packed.numel() * 8,), dtype=torch.uint8, device=grad.device)
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        del bits
+        return out
+
+
+CORE_ATEN_SIMULATION = CoreAtenReluMaskSimulation()
+
+
+def core_serves_cuda(x: torch.Tensor) -> bool:
+    """Whether an eager call on CUDA tensor ``x`` (or its fake) runs the core's aten route, by size; the caller
+    asks the core's own conditions (slimgrad.csrc.for_eager)."""
+    return x.numel() <= CORE_CUDA_MAX_NUMEL
+
+
+_ATEN_ON_CPU = [False]
+
+
+@contextlib.contextmanager
+def aten_route_on_cpu():
+    """Tests: inside, the core runs its aten route (CUDA's) on CPU tensors too, and the estimate's fake CPU tensors
+    simulate that route, so both are checked without a GPU."""
+    from slimgrad import csrc
+
+    old = csrc.core().relu_mask_force_aten(True)
+    _ATEN_ON_CPU[0] = True
+    try:
+        yield
+    finally:
+        csrc.core().relu_mask_force_aten(old)
+        _ATEN_ON_CPU[0] = old
+
+
+def _simulates_aten_route(x: torch.Tensor) -> bool:
+    if x.device.type == "cpu":
+        if not _ATEN_ON_CPU[0]:
+            return False
+    elif x.device.type != "cuda" or not core_serves_cuda(x):
+        return False
+    if torch.compiler.is_compiling() or not registry._is_fake(x):
+        return False
+    from slimgrad import csrc
+
+    return csrc.enabled() and csrc._STATE["cuda"] and csrc.core() is not None
+
+
 def choose(x: torch.Tensor):
     """The implementation for ``x`` (the registry's choice; the torch reference while compiling, since
-    the fast backends are eager-only; for the estimate's fake tensors the core's allocations)."""
-    if type(x) is not torch.Tensor and registry.simulates_core(FAMILY, x):
-        return CORE_SIMULATION
+    the fast backends are eager-only; for the estimate's fake tensors the core's allocations, on CPU its kernels',
+    on CUDA its aten route's)."""
+    if type(x) is not torch.Tensor:
+        if _simulates_aten_route(x):
+            return CORE_ATEN_SIMULATION
+        if registry.simulates_core(FAMILY, x):
+            return CORE_SIMULATION
     return registry.choose_or_reference(FAMILY, x, TORCH_IMPL)
