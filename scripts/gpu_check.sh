@@ -2,8 +2,9 @@
 # One lent GPU session's checks, in priority order, each bounded by a timeout so that one overrun does not
 # cost the rest. Results (logs and Markdown tables) go to $OUT (default /tmp/gpu-check):
 #   bash scripts/gpu_check.sh [1|2]      (device tool: carry .devwhl, the pinned wheels the GPU image lacks)
-# Phase 1 is correctness (CUDA tests, core off then on), phase 2 the benchmarks; no argument runs both. One
-# command may run 10 minutes: run phase 2 as the next call on the still-warm machine (its build is kept).
+# Phase 1 is correctness (CUDA tests, core off then on) and the speed rows, phase 2 the budget table and the other
+# CUDA checks; no argument runs both. One command may run 10 minutes: run phase 2 as the next call on the
+# still-warm machine (its build is kept).
 # The compiled core is built in the background from the start; the checks that do not need it run with
 # SLIMGRAD_CORE=0 meanwhile (the Python path, what CUDA ran before the core served CUDA tensors), the core's own
 # CUDA checks and the speed rows after it.
@@ -54,33 +55,31 @@ core_ready() {
 }
 
 if [ "$PHASE" != 2 ]; then
+  # phase 1: correctness on CUDA (the Python path while the core builds, then the core), and issue 22's speed rows
   export SLIMGRAD_CORE=0
   step cuda-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_exact.py \
     tests/test_triton_max_pool.py tests/test_triton_masks.py tests/test_triton_norms.py tests/test_triton_gated.py \
     --maxfail=25 -k "not slow"
-  step estimate-probe 50 $PY scripts/gpu_estimate_probe.py
-  # the seed kernel under compiled autograd, and LoRA conv's seed dropout through the Triton kernel (CPU-interpreted
-  # only so far)
+  core_ready
+  export SLIMGRAD_CORE=1
+  step cuda-core 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py --maxfail=30
+  step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
+  step host-overhead 60 $PY benchmarks/call_overhead.py --device cuda --repeats 200 --rounds 3 \
+    --only "BatchNorm2d eval,Conv2d frozen,ReLU,MaxPool,Dropout,RMSNorm,LoRA Linear"
+  step estimate-sim 90 $PY -m pytest -v -s -p no:cacheprovider tests/test_estimate_cuda_sim.py -k "test_cuda"
+fi
+if [ "$PHASE" != 1 ]; then
+  # phase 2 (the next call, on the still-warm machine): the budget table, then the remaining CUDA checks
+  core_ready
+  export SLIMGRAD_CORE=1
+  step budget 200 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
+  step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
+  # the seed kernel under compiled autograd, and LoRA conv's seed dropout through the Triton kernel
   step seed-cuda 60 $PY -m pytest -q -p no:cacheprovider tests/test_seed_compiled_autograd.py \
     tests/test_core_lora_conv.py -k cuda --maxfail=20
   # MoE experts (Mixtral's gated product through the Triton gated kernel, GPT-OSS's clamped SwiGLU) against stock
   step moe-cuda 40 $PY -m pytest -q -p no:cacheprovider tests/test_hf_moe.py -k cuda
-  core_ready
-  export SLIMGRAD_CORE=1
-  step cuda-core 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py --maxfail=30
-  step estimate-sim 90 $PY -m pytest -v -s -p no:cacheprovider tests/test_estimate_cuda_sim.py -k test_cuda
-fi
-if [ "$PHASE" != 1 ]; then
-  core_ready
-  export SLIMGRAD_CORE=1
-  # issue 22's host-bound rows first, then the per-call host time that names their cause
-  step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
-  step host-overhead 60 $PY benchmarks/call_overhead.py --device cuda --repeats 200 --rounds 3 \
-    --only "BatchNorm2d eval,Conv2d frozen,ReLU,MaxPool,Dropout,RMSNorm,LoRA Linear"
-  step budget 200 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
-  step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
   step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
-  step estimate 120 $PY benchmarks/estimate_accuracy.py --device cuda --time-limit 90 --write \
-    --out "$OUT/estimate_gpu.md"
+  step estimate-probe 50 $PY scripts/gpu_estimate_probe.py
 fi
 log "done"
