@@ -242,7 +242,7 @@ def measure(repeats: int, rounds: int = 1, with_core: bool = True, only=None, de
         if only and not any(o.lower() in name.lower() for o in only):
             continue
         stock = stock.to(device)
-        slim = _convert(stock, policy)
+        slim = _convert(stock, policy).to(device)
         keep = "consumer keeps" in name
         x = make_x().to(device).requires_grad_(x_grad)
         for m in (stock, slim):

@@ -385,12 +385,12 @@ def test_relu_core_on_cuda(rid, dtype, layout):
 
 def test_relu_large_cuda_tensors_run_the_triton_kernel(monkeypatch):
     """Above CORE_CUDA_MAX_NUMEL the Python Function (one-pass Triton kernel) runs; the bits agree either way."""
-    from slimgrad.functional import activation
+    from slimgrad.kernels import relu_mask
 
     x = _relu_input((2, 4, 8, 8), torch.float32, None)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4), device="cpu").to(DEVICE)
     small = _relu_run(slim_copy(nn.ReLU()), x, g, True)
-    monkeypatch.setattr(activation, "CORE_CUDA_MAX_NUMEL", x.numel() - 1)
+    monkeypatch.setattr(relu_mask, "CORE_CUDA_MAX_NUMEL", x.numel() - 1)
     large = _relu_run(slim_copy(nn.ReLU()), x, g, True)
     assert "CppNode" in small[3] and "CppNode" not in large[3], (small[3], large[3])
     _same_bits(small[0], large[0], "output")
