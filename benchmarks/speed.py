@@ -284,7 +284,7 @@ def main() -> None:
     core = csrc.status()
     core_note = ("compiled core on" if core["loaded"] else f"compiled core unavailable ({core['reason']})")
     if device.type == "cuda" and core["loaded"]:  # (it serves CUDA tensors for its aten-only families)
-        core_note += (" (on CUDA tensors: conv, average pooling, LoRA without dropout, non-cuDNN batch norm)"
+        core_note += (" (on CUDA tensors: conv, average pooling, LoRA without dropout, batch norm, small ReLUs)"
                       if core["cuda"] else " (CPU tensors only: SLIMGRAD_CORE_CUDA=0)")
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)

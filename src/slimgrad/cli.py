@@ -301,8 +301,9 @@ def _core_lines(status: dict) -> list[str]:
     state = ("loaded" if status["loaded"] else "built (cached), not loaded in this process" if status["cached"]
              else "not built yet (built on first use, or `python -m slimgrad build`)")
     lines = [f"compiled core: {'enabled' if status['enabled'] else 'disabled (SLIMGRAD_CORE=0)'}; {state}",
-             "  CUDA tensors: " + ("conv, average pooling, LoRA linear without dropout, batch norm where stock's "
-                                   "is not cuDNN's (the other families: CPU only)" if status.get("cuda", True)
+             "  CUDA tensors: " + ("conv, average pooling, LoRA linear without dropout, batch norm (cuDNN where "
+                                   "stock runs it), ReLU / LeakyReLU up to 4M elements (the other families: CPU "
+                                   "only)" if status.get("cuda", True)
                                    else "none (SLIMGRAD_CORE_CUDA=0)"),
              f"  cache: {status['cache']}",
              f"  sources: {', '.join(status['sources'])}"]

@@ -16,15 +16,16 @@ exists, or the build fails, the Python path runs and :func:`status` (``python -m
 ``SLIMGRAD_CORE=0`` (or :func:`set_enabled`/:func:`disabled`) turns the core off: every op then runs its
 Python Function, the reference the core is tested against bit for bit.
 
-CUDA tensors: the families whose core is aten's ops only (convolution, batch norm where stock's is not cuDNN's,
-average pooling, LoRA linear whose adapters do not drop) serve them too (``for_eager(x, cuda=True)``): the binary
-is built without nvcc, and aten dispatches on the tensors' device at run time, so the core runs the CUDA kernels
-the Python Function runs, in the same order, without the Python Function's per-call host cost (45-80 µs a layer
-call, which made host-bound CUDA steps 1.15-2.56x stock). ``SLIMGRAD_CORE_CUDA=0`` at start-up keeps CUDA tensors
-on the Python path (the core still serves CPU ones): the switch for a GPU problem, no code change needed. The
-families with their own CPU loops (masks, dropout bits, max-pool positions, the norms) serve CPU tensors only, and
-so do the gated activations, aten's ops only but served on CUDA by their Triton kernel, and LoRA on convolutions
-(its CUDA default, the "seed" dropout policy, is the Python Function's Triton kernel).
+CUDA tensors: the families whose core is aten's ops only (convolution, batch norm, cuDNN's where stock runs it,
+average pooling, LoRA linear whose adapters do not drop) serve them too, and so does ReLU / LeakyReLU on tensors up
+to 4M elements, through an aten route in place of its CPU loops (``for_eager(x, cuda=True)``): the binary is built
+without nvcc, and aten dispatches on the tensors' device at run time, so the core runs the CUDA kernels the Python
+Function runs, in the same order, without the Python Function's per-call host cost (45-80 µs a layer call, which
+made host-bound CUDA steps 1.15-2.56x stock). ``SLIMGRAD_CORE_CUDA=0`` at start-up keeps CUDA tensors on the Python
+path (the core still serves CPU ones): the switch for a GPU problem, no code change needed. The other families with
+their own CPU loops (the clamp masks, dropout bits, max-pool positions, the norms) serve CPU tensors only, and so do
+the gated activations, aten's ops only but served on CUDA by their Triton kernel, and LoRA on convolutions (its CUDA
+default, the "seed" dropout policy, is the Python Function's Triton kernel).
 """
 
 from __future__ import annotations
