@@ -242,6 +242,39 @@ def test_aten_route_double_backward_and_module():
     assert_bitwise(got_x.grad, want_x.grad, "input grad through conv + inplace ReLU")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("act", [nn.ReLU6(), nn.Hardtanh(-1.0, 1.0), nn.ReLU6(inplace=True)], ids=repr)
+def test_output_kept_step_peak_not_above_stock(act, dtype):
+    """A clamp whose consumer keeps its output (a trainable conv after it) tests the output in backward. The core
+    compared a float copy of it and multiplied the gradient's bits by the bool mask (a full-size integer copy on
+    CPU): its step peaked up to 3 bytes an element above stock's. Now the Python path's ops: at or below stock's,
+    equal to the Python path's, every gradient bitwise stock's."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(8, 16, 1).requires_grad_(False), act, nn.Conv2d(16, 8, 1)).to(dtype)
+    slim = slimgrad.convert(stock)
+    x = torch.randn(4, 8, 32, 32, dtype=dtype)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        m(xi).float().sum().backward()
+        return xi.grad
+
+    for _ in range(2):  # the clamp learns that its consumer keeps the output
+        step(slim)
+    assert slim[1].__dict__.get("_slimgrad_output_kept"), "the output-kept mode did not engage"
+    assert_bitwise(step(slim), step(stock), "input grad", strides=False)
+    assert_bitwise(slim[2].weight.grad, stock[2].weight.grad, "consumer weight grad")
+    out = slim[1](slim[0](x.clone().requires_grad_()))
+    assert ran_core(out, "RangeMaskFunction")
+    peak_stock = slimgrad.peak_bytes(lambda: step(stock))
+    peak_core = slimgrad.peak_bytes(lambda: step(slim))
+    with csrc.disabled():
+        peak_python = slimgrad.peak_bytes(lambda: step(slim))
+    assert peak_core == peak_python, (peak_core, peak_python)
+    assert peak_core <= peak_stock, (peak_core, peak_stock)
+
+
 def test_inplace_leaky_negative_slope_runs_python_function():
     x = torch.randn(4, 5, requires_grad=True)
     y = A.leaky_relu(x * 1.0, -0.3, inplace=True)

@@ -441,11 +441,11 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
       }
       if (keep_output || grad.requires_grad()) {
         at::Tensor mask;
-        if (keep_output) {  // hardtanh with its output kept: the pass test on the output, in fp32/fp64
-          const at::Tensor s = saved.scalar_type() == at::kDouble || saved.scalar_type() == at::kFloat
-                                   ? saved : saved.to(at::kFloat);
-          const double rlo = round_bound(lo, saved.scalar_type()), rhi = round_bound(hi, saved.scalar_type());
-          mask = at::gt(s, rlo).logical_and_(at::lt(s, rhi));
+        if (keep_output) {
+          // hardtanh with its output kept: the pass test on the output, in its own dtype (the output stands in
+          // only where both bounds are exact in it, slimgrad.functional.clamp.output_can_stand_in), the mask
+          // formed in place: one bool temporary, no float copy (range_mask.mask_torch, the Python path's test)
+          mask = at::gt(saved, lo).logical_and_(at::lt(saved, hi));
         } else {
           const Strides perm = ctx->saved_data["perm"].toIntVector();
           mask = masks::unpack(saved, ctx->saved_data["pshape"].toIntVector());
@@ -454,8 +454,10 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
         if (grad.requires_grad()) {
           dx = at::where(mask, grad, at::Scalar(0));
         } else {
+          // `where` on the gradient's bits (+0 where the test fails); a product would widen the bool mask to a
+          // full-size integer copy on CPU
           const auto itype = grad.element_size() == 8 ? at::kLong : grad.element_size() == 4 ? at::kInt : at::kShort;
-          dx = (grad.view(itype) * mask).view(grad.scalar_type());
+          dx = at::where(mask, grad.view(itype), at::Scalar(0)).view(grad.scalar_type());
         }
       } else {
         const Strides perm = ctx->saved_data["perm"].toIntVector();

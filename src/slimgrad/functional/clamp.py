@@ -62,7 +62,7 @@ from slimgrad.functional.activation import (
     _unwrap_if_dead,
 )
 from slimgrad.kernels import bitmask as _bitmask
-from slimgrad.kernels import range_mask, registry
+from slimgrad.kernels import range_mask
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "threshold", "threshold_", "hardsigmoid", "RangeMaskFunction"]
 
@@ -294,11 +294,8 @@ def _input_grad(ctx, grad):
         if grad.requires_grad or ctx.vmappable:
             return torch.where(mask, grad, 0)
         bits = grad.view(_SAME_SIZE_INT[grad.element_size()])
-        if type(grad) is not torch.Tensor and registry.simulates_core(range_mask.FAMILY, grad):
-            # the estimate's fakes for the compiled core, whose backward (csrc/range_mask.cpp) multiplies here:
-            # its allocations, the mask's integer copy included
-            return (bits * mask).view(grad.dtype)
-        # (where on the bits: a product would widen the bool mask to a full-size integer copy on CPU)
+        # (where on the bits: a product would widen the bool mask to a full-size integer copy on CPU; the core's
+        # backward, csrc/range_mask.cpp, runs the same ops, so the estimate's fakes need no branch of their own)
         return torch.where(mask, bits, 0).view(grad.dtype)
     return _select(grad, saved, ctx)
 
