@@ -482,9 +482,12 @@ at::Tensor bit_values(const at::Tensor& t) {
   return cache->back().second;
 }
 
-// The packed bits of a 0/1 byte tensor of (at least) 8 * packed.numel() elements, written into packed.
-void pack_bytes_into(const at::Tensor& bits, at::Tensor& packed) {
-  at::sum_out(packed, at::mul(bits.view({packed.numel(), 8}), bit_values(bits)), {1}, false, at::kByte);
+// The packed bits of a 0/1 byte tensor of 8 * packed.numel() elements (weighted by their bit values in place,
+// then summed by eights), written into packed.
+void pack_bytes_into(at::Tensor& bits, at::Tensor& packed) {
+  at::Tensor eights = bits.view({packed.numel(), 8});
+  eights.mul_(bit_values(bits));
+  at::sum_out(packed, eights, {1}, false, at::kByte);
 }
 
 // x contiguous; out is x (in place) or undefined (made here); packed preallocated.

@@ -164,8 +164,8 @@ CORE_CUDA_MAX_NUMEL = 1 << 22
 
 class CoreAtenReluMaskSimulation:
     """What the core's aten route allocates on CUDA (relu_mask.cpp's ``aten_forward`` / ``aten_backward``), in its
-    order, without data: forward the packed mask, the 0/1 bytes, the output unless in place, and the bytes weighted
-    by their bit values while they are summed; backward each element's bit in its byte, then the gradient.
+    order, without data: forward the packed mask, the 0/1 bytes (weighted in place, then summed into the mask) and
+    the output unless in place; backward each element's bit in its byte, then the gradient.
     For fake CUDA tensors (``slimgrad.estimate``) whose real ones would run that route."""
 
     name = "core-aten-simulation"
@@ -176,8 +176,7 @@ class CoreAtenReluMaskSimulation:
         packed = torch.empty((nb,), dtype=torch.uint8, device=x.device)
         bits = torch.empty((nb * 8,), dtype=torch.uint8, device=x.device)
         out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        weighted = torch.empty((nb * 8,), dtype=torch.uint8, device=x.device)
-        del weighted, bits
+        del bits
         return out, packed
 
     @staticmethod
