@@ -774,6 +774,41 @@ def test_frozen_weight_on_stocks_fallback_kernels(cls, shape, stride, dtype, cor
     assert peaks[1] <= peaks[0], peaks
 
 
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("case", ["batch1_small_x", "small_dy", "small_dx_transposed", "onednn_off", "onednn_off_3d"])
+def test_frozen_weight_where_onednn_does_not_run(case, core):
+    """fp32 where stock's kernel or the transposed convolution on dY is not oneDNN's (batch 1 with a small X; a
+    small dY, 64 -> 3 channels; oneDNN switched off): the slow transposed kernel unfolded dY into a column buffer
+    stock's backward never makes, up to 8x X above stock's peak. dX now comes from stock's own backward kernel
+    wherever aten's selector says either call would leave oneDNN: bitwise, and the step's peak is stock's."""
+    from slimgrad import csrc
+
+    if core and csrc.core() is None:
+        pytest.skip("the compiled core is unavailable here")
+    cls, cin, cout, shape = {
+        "batch1_small_x": (nn.Conv2d, 16, 32, (1, 16, 16, 16)),
+        "small_dy": (nn.Conv2d, 64, 3, (1, 64, 32, 32)),
+        "small_dx_transposed": (nn.ConvTranspose2d, 64, 3, (1, 64, 8, 8)),
+        "onednn_off": (nn.Conv2d, 16, 32, (4, 16, 16, 16)),
+        "onednn_off_3d": (nn.Conv3d, 8, 8, (2, 8, 6, 8, 8)),
+    }[case]
+    torch.manual_seed(0)
+    stock = cls(cin, cout, 3, padding=1).requires_grad_(False)
+    slim = slim_copy(stock)
+    x = torch.randn(shape)
+
+    def step(m, xi):
+        m(xi).square().sum().backward()
+        return xi.grad
+
+    onednn = torch.backends.mkldnn.flags(enabled=not case.startswith("onednn_off"))
+    with onednn, contextlib.nullcontext() if core else csrc.disabled():
+        grads = [step(m, x.clone().requires_grad_()) for m in (stock, slim)]
+        peaks = [peak_bytes(step, m, x.clone().requires_grad_()) for m in (stock, slim)]
+    assert_same(grads[1], grads[0], what="dX")
+    assert peaks[1] <= peaks[0], peaks
+
+
 @pytest.mark.parametrize(
     "fn,xs,ws,kw",
     [

@@ -11,6 +11,7 @@
 // a compact copy there) stay with the Python Function.
 #include "common.h"
 
+#include <ATen/native/ConvUtils.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -176,6 +177,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const ConvCfg& c, c
                                   c.output_padding, c.groups, mask);
 }
 
+// slimgrad.functional.conv._dx_route_on_onednn: stock's convolution (on X) and the one computing dX without dW
+// (transposed to it, on dY, shaped as the output) both on oneDNN, by aten's own backend selector.
+bool dx_route_on_onednn(const ConvCfg& c, const at::Tensor& xp, const at::Tensor& weight, const at::Tensor& out) {
+  using at::native::ConvBackend;
+  auto onednn = [](ConvBackend b) {
+    return b == ConvBackend::Mkldnn || b == ConvBackend::MkldnnTranspose || b == ConvBackend::MkldnnEmpty;
+  };
+  const std::vector<int64_t> zeros(c.stride.size(), 0);
+  auto sym = [](const std::vector<int64_t>& v) { return c10::fromIntArrayRefSlow(v); };
+  if (!onednn(at::native::select_conv_backend(xp, weight, std::nullopt, sym(c.stride), sym(c.padding),
+                                              sym(c.dilation), c.transposed, sym(c.output_padding),
+                                              c10::SymInt(c.groups), std::nullopt)))
+    return false;
+  return onednn(at::native::select_conv_backend(out, weight, std::nullopt, sym(c.stride), sym(c.padding),
+                                                sym(c.dilation), !c.transposed, sym(zeros), c10::SymInt(c.groups),
+                                                std::nullopt));
+}
+
 // The forward and backward shared by the two Functions below (with and without a bias: autograd cannot take an
 // undefined tensor as an input).
 at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -201,10 +220,12 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
   if (need_x && !need_w) {
     bool pointwise = !c.transposed;
     for (int64_t d = 2; d < weight.dim(); ++d) pointwise = pointwise && weight.size(d) == 1;
-    // (and stock's CPU fallback kernels, fp64/fp16: see functional/conv.py's setup_context)
+    // (and stock's CPU fallback kernels, fp64/fp16, and wherever stock's kernel or the transposed convolution on dY
+    // would not run oneDNN: see functional/conv.py's setup_context)
     const bool fallback_kernel = x.device().is_cpu() && x.scalar_type() != at::kFloat &&
                                  x.scalar_type() != at::kBFloat16;
-    st->carrier_dx = pointwise || fallback_kernel || st->xp_format != at::MemoryFormat::Contiguous;
+    const bool not_onednn = x.device().is_cpu() && !dx_route_on_onednn(c, xp, weight, out);
+    st->carrier_dx = pointwise || fallback_kernel || not_onednn || st->xp_format != at::MemoryFormat::Contiguous;
     if (st->carrier_dx || st->x_format != at::MemoryFormat::Contiguous) {
       st->x_stride = x.strides().vec();
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());

@@ -34,6 +34,7 @@ differentiable ops (``xc``), so double backward reaches X through them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 
@@ -216,9 +217,14 @@ class _ConvFunction(_common.Function):
         # faster of the two (a 3x3 64-channel conv: 11.5 against 14.9 ms), with the same bits. So does every
         # convolution stock runs on its CPU fallback kernels (fp64, fp16: no oneDNN), whose transposed counterpart
         # unfolds into other column buffers: its dX peaked 1-13.5x X above stock's (a 3-d transposed conv).
+        # And every convolution where stock's kernel or the transposed convolution on dY would not run oneDNN on CPU
+        # (fp32 at batch 1 with a small X, a small dY, oneDNN switched off): the slow transposed kernel unfolds dY
+        # into a column buffer stock's backward never makes (up to 8x X above stock's peak).
         if need_x and not need_w and not torch.compiler.is_compiling():
             ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:]))
-                              or (x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16)))
+                              or (x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16))
+                              or (x.device.type == "cpu"
+                                  and not _dx_route_on_onednn(xp, weight, output if pad is None else output[0], cfg)))
             if (ctx.carrier_dx or ctx.xp_format != torch.contiguous_format
                     or ctx.x_format != torch.contiguous_format):
                 ctx.x_ref = weakref.ref(x)
@@ -294,6 +300,27 @@ class _ConvFunction(_common.Function):
             else:
                 db = grad.sum([0] + list(range(2, grad.dim())))
         return (dx, dw, db if need_b else None) + tail
+
+
+def _dx_route_on_onednn(xp, weight, out, cfg) -> bool:
+    """Whether stock's convolution (on X) and the convolution that computes dX here without dW (transposed to it, on
+    dY, shaped as the output) both run oneDNN: aten's own backend selector, asked with the calls' arguments."""
+    nd, transposed, stride, padding, dilation, output_padding, groups = cfg[:7]
+    select = torch._C._select_conv_backend
+    onednn = _onednn_backends()
+    stock = select(xp, weight, None, stride, padding, dilation, transposed, output_padding, groups, None)
+    if stock.value not in onednn:
+        return False
+    return select(out, weight, None, stride, padding, dilation, not transposed, (0,) * nd, groups,
+                  None).value in onednn
+
+
+@functools.cache
+def _onednn_backends() -> frozenset:
+    """aten's ConvBackend values Mkldnn, MkldnnTranspose, MkldnnEmpty: consecutive in its enum (torch's Python
+    binding leaves MkldnnTranspose unnamed, so values, not members)."""
+    backend = torch._C._ConvBackend
+    return frozenset(range(backend.Mkldnn.value, backend.MkldnnEmpty.value + 1))
 
 
 def _dense_strides(shape, fmt) -> tuple[int, ...]:
