@@ -327,9 +327,11 @@ RmsForward rms_forward_fast(const Tensor& x, const Tensor& w, double eps, int64_
     return k;
   }();
   const int64_t rows = x.numel() / n;
+  // The squares are freed before the output and the normalised input are made: x, the squares and the row
+  // statistics, then x, the output and the normalised input (stock's expression never holds more than three of
+  // x's size at once; made together they were four)
   auto sq = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  auto out = at::empty(x.sizes(), x.options());
-  Tensor normed = keep_normed ? at::empty(x.sizes(), x.options().dtype(normed_dtype)) : Tensor();
+  Tensor out, normed;
   Tensor rstd;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "slimgrad_rms_fwd", [&] {
     using T = scalar_t;
@@ -347,6 +349,8 @@ RmsForward rms_forward_fast(const Tensor& x, const Tensor& w, double eps, int64_
       rstd = at::rsqrt(sq.mean({-1}, true) + eps);
     }
     sq.reset();
+    out = at::empty(x.sizes(), x.options());
+    if (keep_normed) normed = at::empty(x.sizes(), x.options().dtype(normed_dtype));
     const float* rp = rstd.data_ptr<float>();
     const auto wf = widened_weight(w, style, n);
     const bool has_w = w.defined();

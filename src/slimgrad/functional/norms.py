@@ -239,8 +239,6 @@ class _CoreRmsSimulation:
 
     def forward(self, input, weight, eps, style, n, normed=None):
         sq = torch.empty(input.shape, dtype=torch.float32, device=input.device)
-        out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-        h = None if normed is None else torch.empty(input.shape, dtype=normed, device=input.device)
         if style == "torch":
             rstd = torch.rsqrt(sq.mean(self.dims, keepdim=True).add_(eps))
         else:  # C++ temporaries live to the end of the full expression: the mean's while rsqrt allocates
@@ -248,7 +246,9 @@ class _CoreRmsSimulation:
             shifted = mean + eps
             rstd = torch.rsqrt(shifted)
             del mean, shifted
-        del sq
+        del sq  # (before the output and the normalised input are made)
+        out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        h = None if normed is None else torch.empty(input.shape, dtype=normed, device=input.device)
         return (out, rstd) if h is None else (out, rstd, h)
 
     def backward(self, grad_out, x, rstd, weight, style, n, need_x, need_w, stand_in=True, split=False):
