@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import slimgrad  # noqa: E402
 from slimgrad._registry import ORIGINALS, REPLACEMENTS  # noqa: E402
+from slimgrad.convert import qualified_name  # noqa: E402
 from slimgrad.integrations import hf_mlp  # noqa: E402
 from slimgrad.measure import SavedTensors, saved_bytes  # noqa: E402
 
@@ -129,6 +130,28 @@ def test_unsupported_activation_is_left_alone(act):
     assert type(slim) is type(mlp)
     (skip,) = [s for s in rep.skipped if s.path == ""]
     assert type(mlp.act_fn).__name__ in skip.reason
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu"])
+def test_activation_of_a_stock_mlp_stays_stock(act):
+    """An MLP left as stock for its activation keeps that activation's output in its product (for up's gradient),
+    and never reports it: converted, a ReLU kept its 1-bit mask on top (+1/8 of the activation; a Llama config with
+    hidden_act="relu"). The activation stays stock, said so in the report, and the step keeps what stock keeps."""
+    mlp = build("llama", act=act)
+    slim, rep = slimgrad.convert(mlp, report=True)
+    assert type(slim) is type(mlp) and type(slim.act_fn) is type(mlp.act_fn), type(slim.act_fn)
+    assert qualified_name(type(mlp.act_fn)) in rep.stock_minimal, rep
+    for p in (*mlp.parameters(), *slim.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(*TOKENS, H)
+    kept = []
+    for m in (mlp, slim):
+        for _ in range(2):  # (a converted ReLU would have learned by now, were there anything to learn)
+            m(x.clone().requires_grad_()).sum().backward()
+        with SavedTensors(exclude=[m]) as counter:
+            m(x.clone().requires_grad_())
+        kept.append(counter.bytes)
+    assert kept[1] == kept[0], kept
 
 
 def test_hooked_activation_is_left_alone_and_projection_hooks_still_fire():

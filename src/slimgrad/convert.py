@@ -309,6 +309,9 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     result = ConversionReport()
     gaps, disabled = model_gap(target)
     swaps = []  # (module, replacement): applied only once strict has found no gap
+    # modules a parent left as stock keeps the outputs of in its own forward (kept_children below): converted, they
+    # would keep a mask on top of what the stock parent keeps
+    kept_by_stock_parent: set[int] = set()
     for path, module in target.named_modules():
         kind = type(module)
         if kind in ORIGINALS:  # already converted (shared module seen twice, or converting twice)
@@ -316,6 +319,9 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         name = qualified_name(kind)
         if (not included.empty and not included.selects(path, module)) or excluded.selects(path, module):
             continue  # the user's choice: not a gap
+        if id(module) in kept_by_stock_parent:
+            result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
+            continue
         replacement = REPLACEMENTS.get(kind) or subclass_twin(kind)
         if kind in OPTIONS and not options.get(OPTIONS[kind], False):
             continue
@@ -339,6 +345,9 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             family = OPTIONS.get(kind) or claimed_family(module)
             if family is not None:
                 result.add_gap(family_gap(kind, family, reason), path)
+            kept_children = getattr(replacement, "kept_children", None)
+            if kept_children is not None:
+                kept_by_stock_parent.update(id(child) for child in kept_children(module))
             continue
         swaps.append((module, replacement))
         result.converted.append((path, kind.__name__))

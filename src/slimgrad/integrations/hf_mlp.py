@@ -148,6 +148,18 @@ def _mlp_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _mlp_kept_children(module: nn.Module) -> list[nn.Module]:
+    """Where convert leaves a verified gated MLP as stock for its activation (one slimgrad cannot fuse exactly, or a
+    hooked one), stock's ``act(gate) * up`` keeps the activation's output for up's gradient: the activation module
+    stays stock too (converted, a ReLU would keep its 1-bit mask on top of that output, and the stock product never
+    reports keeping it)."""
+    stock = type(module)
+    if _VERIFIED.get(stock) is not stock.forward:
+        return []
+    act = getattr(module, _MLP_LAYOUT[stock][1], None)
+    return [act] if isinstance(act, nn.Module) else []
+
+
 def _runtime_kind(self, act_attr: str) -> str | None:
     act = getattr(self, act_attr)
     if _has_hooks(act) or _global_hooks():
@@ -224,7 +236,8 @@ def _register_mlp(cls: type) -> bool:
         return False
     _VERIFIED[cls] = cls.forward
     _MLP_LAYOUT[cls] = layout
-    _unique_register(cls, _split_forward if layout[0] == "split" else _fused_forward, _mlp_reason)
+    replacement = _unique_register(cls, _split_forward if layout[0] == "split" else _fused_forward, _mlp_reason)
+    replacement.kept_children = staticmethod(_mlp_kept_children)
     return True
 
 
