@@ -587,6 +587,15 @@ at::Tensor backward_kernel(const at::Tensor& grad, const at::Tensor& packed, std
   return out;
 }
 
+// The contract's forward on a contiguous xc, by the CPU kernels or the aten route: the output (xc itself in place),
+// the mask written into packed.
+at::Tensor forward_contiguous(const at::Tensor& xc, bool inplace, at::Tensor& packed, std::optional<double> slope) {
+  if (aten_route(xc)) return aten_forward(xc, inplace, packed, slope);
+  at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+  forward_kernel(xc, oc, packed, slope);
+  return oc;
+}
+
 at::Tensor new_packed(const at::Tensor& x) {
   return at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
 }
@@ -614,23 +623,11 @@ struct ReluMaskFunction : public torch::autograd::Function<ReluMaskFunction> {
       at::Tensor packed = new_packed(x);
       if (dense) {
         at::Tensor xc = perm.empty() ? x : x.permute(perm);
-        at::Tensor oc;
-        if (aten_route(x)) {
-          oc = aten_forward(xc, inplace, packed, slope);
-        } else {
-          oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
-          forward_kernel(xc, oc, packed, slope);
-        }
+        at::Tensor oc = forward_contiguous(xc, inplace, packed, slope);
         out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
       } else {  // a slice: the kernels take contiguous tensors
         at::Tensor xc = x.contiguous();
-        at::Tensor oc;
-        if (aten_route(x)) {
-          oc = aten_forward(xc, inplace, packed, slope);
-        } else {
-          oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
-          forward_kernel(xc, oc, packed, slope);
-        }
+        at::Tensor oc = forward_contiguous(xc, inplace, packed, slope);
         if (inplace) const_cast<at::Tensor&>(x).copy_(oc);
         out = inplace ? x : oc;
       }
