@@ -221,10 +221,10 @@ class _ConvFunction(_common.Function):
         # (fp32 at batch 1 with a small X, a small dY, oneDNN switched off): the slow transposed kernel unfolds dY
         # into a column buffer stock's backward never makes (up to 8x X above stock's peak).
         if need_x and not need_w and not torch.compiler.is_compiling():
+            out = output if pad is None else output[0]
             ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:]))
-                              or (x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16))
-                              or (x.device.type == "cpu"
-                                  and not _dx_route_on_onednn(xp, weight, output if pad is None else output[0], cfg)))
+                              or (x.device.type == "cpu" and (x.dtype not in (torch.float32, torch.bfloat16)
+                                                              or not _dx_route_on_onednn(xp, weight, out, cfg))))
             if (ctx.carrier_dx or ctx.xp_format != torch.contiguous_format
                     or ctx.x_format != torch.contiguous_format):
                 ctx.x_ref = weakref.ref(x)
