@@ -237,6 +237,14 @@ def _bias_exact(dtype, rw):
 BIAS_TOL = dict(exact=False, rtol=1e-5, atol=1e-5)
 
 
+def _bias_tol(g: torch.Tensor) -> dict:
+    """Two fp32 sums of one channel's gradient in different orders differ by a few ulps of the sum of the terms'
+    magnitudes, not of the result: where the terms cancel (a channel summing to 0.1 from terms near 1), a fixed
+    absolute 1e-5 fails (a ConvTranspose3d found by the property test: 1.3e-5 apart)."""
+    magnitude = g.abs().sum([d for d in range(g.dim()) if d != 1]).max().item()
+    return dict(exact=False, rtol=0, atol=16 * torch.finfo(torch.float32).eps * magnitude)
+
+
 def _compare(stock, x, rx, rw, rb, fk=None, dtype=torch.float32, layout=None, exact=True):
     """Run stock and an independent slim copy on clones of x; compare outputs, grads, layouts."""
     fk = fk or {}
@@ -261,7 +269,8 @@ def _compare(stock, x, rx, rw, rb, fk=None, dtype=torch.float32, layout=None, ex
     assert_same(slim.weight.grad, stock.weight.grad, what="weight grad", **tol)
     if stock.bias is not None:
         exact_b = exact and _bias_exact(dtype, rw)
-        tol_b = {} if exact_b else (BIAS_TOL if dtype == torch.float32 else dict(exact=False))
+        tol_b = {} if exact_b else (_bias_tol(g) if dtype == torch.float32 and o1.requires_grad
+                                    else dict(exact=False))
         assert_same(slim.bias.grad, stock.bias.grad, what="bias grad", **tol_b)
     if layout is not None and rx:
         assert x1.grad.is_contiguous(memory_format=layout) == x2.grad.is_contiguous(memory_format=layout)
