@@ -11,9 +11,13 @@
 // a compact copy there) stay with the Python Function.
 #include "common.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/native/ConvUtils.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include <map>
+#include <mutex>
 
 namespace slimgrad {
 namespace {
@@ -179,7 +183,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const ConvCfg& c, c
 
 // slimgrad.functional.conv._dx_route_on_onednn: stock's convolution (on X) and the one computing dX without dW
 // (transposed to it, on dY, shaped as the output) both on oneDNN, by aten's own backend selector.
-bool dx_route_on_onednn(const ConvCfg& c, const at::Tensor& xp, const at::Tensor& weight, const at::Tensor& out) {
+bool select_dx_route_on_onednn(const ConvCfg& c, const at::Tensor& xp, const at::Tensor& weight,
+                               const at::Tensor& out) {
   using at::native::ConvBackend;
   auto onednn = [](ConvBackend b) {
     return b == ConvBackend::Mkldnn || b == ConvBackend::MkldnnTranspose || b == ConvBackend::MkldnnEmpty;
@@ -193,6 +198,39 @@ bool dx_route_on_onednn(const ConvCfg& c, const at::Tensor& xp, const at::Tensor
   return onednn(at::native::select_conv_backend(out, weight, std::nullopt, sym(c.stride), sym(c.padding),
                                                 sym(c.dilation), !c.transposed, sym(zeros), c10::SymInt(c.groups),
                                                 std::nullopt));
+}
+
+// Asked once per key (sizes, strides, dtypes, the options, the thread count, oneDNN's switch: all the selector
+// reads here), as the Python path asks it.
+bool dx_route_on_onednn(const ConvCfg& c, const at::Tensor& xp, const at::Tensor& weight, const at::Tensor& out) {
+  std::vector<int64_t> key;
+  auto add = [&](at::IntArrayRef v) {
+    key.push_back(static_cast<int64_t>(v.size()));
+    key.insert(key.end(), v.begin(), v.end());
+  };
+  add(xp.sizes());
+  add(xp.strides());
+  add(weight.sizes());
+  add(out.sizes());
+  add(c.stride);
+  add(c.padding);
+  add(c.dilation);
+  add(c.output_padding);
+  key.insert(key.end(), {static_cast<int64_t>(xp.scalar_type()), static_cast<int64_t>(weight.scalar_type()),
+                         c.transposed, c.groups, at::get_num_threads(),
+                         at::globalContext().userEnabledMkldnn()});
+  static std::mutex lock;
+  static std::map<std::vector<int64_t>, bool> answers;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    auto it = answers.find(key);
+    if (it != answers.end()) return it->second;
+  }
+  const bool answer = select_dx_route_on_onednn(c, xp, weight, out);
+  std::lock_guard<std::mutex> guard(lock);
+  if (answers.size() >= 1024) answers.clear();
+  answers.emplace(std::move(key), answer);
+  return answer;
 }
 
 // The forward and backward shared by the two Functions below (with and without a bias: autograd cannot take an

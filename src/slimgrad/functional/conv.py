@@ -304,15 +304,27 @@ class _ConvFunction(_common.Function):
 
 def _dx_route_on_onednn(xp, weight, out, cfg) -> bool:
     """Whether stock's convolution (on X) and the convolution that computes dX here without dW (transposed to it, on
-    dY, shaped as the output) both run oneDNN: aten's own backend selector, asked with the calls' arguments."""
-    nd, transposed, stride, padding, dilation, output_padding, groups = cfg[:7]
-    select = torch._C._select_conv_backend
-    onednn = _onednn_backends()
-    stock = select(xp, weight, None, stride, padding, dilation, transposed, output_padding, groups, None)
-    if stock.value not in onednn:
-        return False
-    return select(out, weight, None, stride, padding, dilation, not transposed, (0,) * nd, groups,
-                  None).value in onednn
+    dY, shaped as the output) both run oneDNN: aten's own backend selector, asked with the calls' arguments. The
+    answer depends only on what the key holds (sizes, dtypes, the options, the thread count, oneDNN's switch): asked
+    once per key (two selector calls cost the Python path ~20 µs a call)."""
+    key = (xp.shape, xp.stride(), xp.dtype, weight.shape, weight.dtype, out.shape, cfg[:7], torch.get_num_threads(),
+           torch._C._get_mkldnn_enabled())
+    answer = _ONEDNN_ROUTE.get(key)
+    if answer is None:
+        nd, transposed, stride, padding, dilation, output_padding, groups = cfg[:7]
+        select = torch._C._select_conv_backend
+        onednn = _onednn_backends()
+        answer = (select(xp, weight, None, stride, padding, dilation, transposed, output_padding, groups,
+                         None).value in onednn
+                  and select(out, weight, None, stride, padding, dilation, not transposed, (0,) * nd, groups,
+                             None).value in onednn)
+        if len(_ONEDNN_ROUTE) >= 1024:
+            _ONEDNN_ROUTE.clear()
+        _ONEDNN_ROUTE[key] = answer
+    return answer
+
+
+_ONEDNN_ROUTE: dict = {}  # _dx_route_on_onednn's answers
 
 
 @functools.cache
