@@ -58,6 +58,14 @@ def _randomize(module):
             p.uniform_(-1.5, 1.5)
 
 
+def _node_names(fn, depth=3) -> str:
+    """The names of the nodes within ``depth`` of the output's: the Function's node, or the stock cast (and copy) a
+    style's output ends in after it (functional/norms.py's _finish_output)."""
+    if fn is None or depth == 0:
+        return ""
+    return type(fn).__name__ + fn.name() + "".join(_node_names(f, depth - 1) for f, _ in fn.next_functions)
+
+
 def _run(module, x0, g0, rg_x, core, grad_layout=None):
     """One step on fresh copies: (output, input grad, parameter grads, saved bytes, grad_fn name)."""
     x = x0.clone(memory_format=torch.preserve_format) if x0.is_contiguous() or x0.is_contiguous(
@@ -66,7 +74,7 @@ def _run(module, x0, g0, rg_x, core, grad_layout=None):
     ctx = csrc.disabled if core is False else contextlib.nullcontext
     with ctx(), SavedTensors(exclude=[module]) as counter:
         y = module(x)
-    name = type(y.grad_fn).__name__ + (y.grad_fn.name() if y.grad_fn is not None else "")
+    name = _node_names(y.grad_fn)
     if y.requires_grad:
         g = g0.to(y.dtype)
         if grad_layout == "transposed":
@@ -158,8 +166,12 @@ def test_rms_norm_hf_styles(style, dtype):
         slim = slim_cls(h, eps, dtype)
         slim.load_state_dict(ref.state_dict())
         for rg in grad_combos(2):
-            # the references keep more (fp32 copies); ours never more, checked where stock's count is meaningful
-            check_three_ways(ref, slim, _x((3, 5, h), dtype), rg, core_name="RMSNormFn")
+            # the references keep more (fp32 copies); ours never more, checked where stock's count is meaningful.
+            # Only dX of an fp64 x in Llama/Olmo2 style saves nothing: stock's ops run (functional/norms.py
+            # _apply_rms), in both paths
+            stock_runs = dtype == torch.float64 and style in ("llama", "olmo2") and rg == (True, False)
+            check_three_ways(ref, slim, _x((3, 5, h), dtype), rg,
+                             core_name="MulBackward0" if stock_runs else "RMSNormFn")
 
 
 @pytest.mark.parametrize("style", ["torch", "llama", "t5"])

@@ -63,17 +63,25 @@ Tensor mean_of_square(const Tensor& t, at::IntArrayRef dims) {
   return sq.mean(dims, true);
 }
 
+bool cast_last(int64_t style) { return style == kTorch || style == kOlmo2 || style == kGemma; }
+
+// functional/norms.py's _finish_output: the final cast of a cast_last style's output (a no-op on a finished one).
+Tensor finish_output(const Tensor& out, const Tensor& x, int64_t style) {
+  auto o = out.type_as(x);
+  if (style == kTorch && x.suggest_memory_format() == at::MemoryFormat::Contiguous) o = o.contiguous();
+  return o;
+}
+
 // _rms_forward_impl (statement by statement where the Python expression frees a temporary before the next op
-// allocates: the same ops, values and allocations)
-RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndim, int64_t style) {
+// allocates: the same ops, values and allocations); cast=false: a cast_last style's output before its final cast
+RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndim, int64_t style, bool cast = true) {
   if (style == kTorch) {
     auto up = x.to(opmath(x.scalar_type()));
     auto rstd = at::rsqrt(mean_of_square(up, trailing_dims(x, ndim)).add_(eps));
     auto h = up * rstd;
     up.reset();  // (x's upcast copy, freed before the output is made, as _rms_forward_impl's del)
-    auto out = (w.defined() ? h * w : h).type_as(x);
-    if (x.suggest_memory_format() == at::MemoryFormat::Contiguous) out = out.contiguous();
-    return {out, rstd, h};
+    auto out = w.defined() ? h * w : h;
+    return {cast ? finish_output(out, x, style) : out, rstd, h};
   }
   if (style == kT5) {
     Tensor shifted;
@@ -105,8 +113,8 @@ RmsForward rms_forward(const Tensor& x, const Tensor& w, double eps, int64_t ndi
     h.reset();
     return {w * normed, rstd, normed};
   }
-  if (style == kOlmo2) return {(w * h).to(x.scalar_type()), rstd, h};
-  return {(h * w.to(at::kFloat).add(1.0)).type_as(x), rstd, h};  // gemma: Python's 1.0 + w.float()
+  auto out = style == kOlmo2 ? w * h : h * w.to(at::kFloat).add(1.0);  // gemma: Python's 1.0 + w.float()
+  return {cast ? finish_output(out, x, style) : out, rstd, h};
 }
 
 Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, at::ScalarType h_dtype) {
@@ -115,8 +123,37 @@ Tensor upstream_of_product(const Tensor& dy, int64_t style, const Tensor& w, at:
   return dy.to(at::promote_types(w.scalar_type(), h_dtype));
 }
 
+bool plain_contiguous(const Tensor& t);
+
+// (the product freed before the cast allocates, as Python's temporary is and as stock's engine frees its product
+// after the reduction: a C++ temporary would live to the end of the full expression)
 Tensor weight_grad(const Tensor& g, const Tensor& h, const Tensor& w) {
-  return (g * h).sum_to_size(w.sizes()).to(w.scalar_type());
+  Tensor reduced;
+  {
+    auto product = g * h;
+    reduced = product.sum_to_size(w.sizes());
+  }
+  return reduced.to(w.scalar_type());
+}
+
+// functional/norms.py's _weight_grad with h_is_temporary: h, made by this backward (and handed over), holds the
+// product where it has the product's dtype and g's layout (h plain contiguous: the out-of-place product's layout, so
+// the same reduction), freed before the cast as Python frees it
+Tensor weight_grad_into(const Tensor& g, Tensor h, const Tensor& w) {
+  if (!(h.sizes() == g.sizes() && h.scalar_type() == at::promote_types(g.scalar_type(), h.scalar_type()) &&
+        h.strides() == g.strides() && plain_contiguous(h)))
+    return weight_grad(g, h, w);
+  h.mul_(g);
+  Tensor reduced = h.sum_to_size(w.sizes());
+  h.reset();
+  return reduced.to(w.scalar_type());
+}
+
+// _normalised: x.to(hd) * rstd, into x's copy where the cast made one
+Tensor normalised(const Tensor& x, at::ScalarType hd, const Tensor& rstd) {
+  auto up = x.to(hd);
+  if (!up.is_same(x) && plain_contiguous(up)) return up.mul_(rstd);
+  return up * rstd;
 }
 
 // _variance_row_factor and _variance_path_grad of functional/norms.py, each temporary freed where Python frees it.
@@ -129,8 +166,13 @@ Tensor variance_row_factor(const Tensor& d_rstd, const Tensor& rstd, int64_t n) 
   return d_var / n;
 }
 
+// (in one x-sized temporary where it may be written in place, as the Python function does)
 Tensor variance_path_grad(const Tensor& c, const Tensor& up) {
-  auto two_up = up.pow(1) * 2.0;  // (up.pow(1) freed here, as Python's 2.0 * up.pow(1) frees it)
+  auto t = up.pow(1);
+  if (t.scalar_type() == at::promote_types(t.scalar_type(), c.scalar_type()) && plain_contiguous(t))
+    return t.mul_(2.0).mul_(c);
+  auto two_up = t * 2.0;
+  t.reset();  // (freed here, as Python's 2.0 * t drops it)
   return c * two_up;
 }
 
@@ -148,9 +190,12 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
     const auto hd = at::promote_types(x.scalar_type(), rstd.scalar_type());  // x * rstd's dtype
     const auto ht = is_half(w.scalar_type()) ? w.scalar_type() : hd;
     if (need_w) {
-      auto h = x * rstd;
-      auto normed = h.to(ht);
-      dw = weight_grad(dy, normed, w);
+      Tensor normed;
+      {
+        Tensor h = normalised(x, hd, rstd);  // (freed as the cast returns, as Python's temporary is)
+        normed = h.to(ht);
+      }
+      dw = weight_grad_into(dy, std::move(normed), w);
     }
     if (!need_x) return {dx, dw};
     Tensor dh;
@@ -158,8 +203,7 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
       Tensor low = (dy * w).to(ht);  // dy * w freed before the next cast allocates (Python's order)
       dh = low.to(hd);
     }
-    auto dx1 = (dh * rstd).to(x.scalar_type());
-    Tensor c;
+    Tensor c;  // before dX's first term, as Python's order: the two x-sized temporaries never live together
     {
       Tensor s;
       {
@@ -169,6 +213,7 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
       s = s.to(rstd.scalar_type());
       c = variance_row_factor(s, rstd, n);
     }
+    auto dx1 = (dh * rstd).to(x.scalar_type());
     dh.reset();
     Tensor dx2;
     {
@@ -190,14 +235,10 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
     if (need_w) {
       Tensor normed;
       {
-        Tensor h;
-        {
-          auto up = x.to(hd);
-          h = up * rstd;
-        }
+        Tensor h = normalised(x, hd, rstd);  // (freed as the cast returns, as Python's temporary is)
         normed = h.to(x_dtype);
       }
-      dw = weight_grad(dy, normed, w);
+      dw = weight_grad_into(dy, std::move(normed), w);
     }
     if (need_x) {
       Tensor low = (dy * w).to(x_dtype);  // dy * w freed before the next cast allocates (Python's order)
@@ -206,12 +247,7 @@ std::pair<Tensor, Tensor> rms_backward(const Tensor& dy, const Tensor& x, const 
   } else {
     auto g = upstream_of_product(dy, style, w, hd);
     if (need_w) {
-      Tensor h;
-      {
-        auto up = x.to(hd);
-        h = up * rstd;
-      }
-      dw = weight_grad(g, h, w);
+      dw = weight_grad_into(g, normalised(x, hd, rstd), w);
     }
     if (need_x) g_h = style == kGemma ? g * w.to(at::kFloat).add(1.0) : (g * w).to(hd);
   }
@@ -516,10 +552,12 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     if (!narrow) kept_bytes = std::max<int64_t>(kept_bytes, static_cast<int64_t>(x.storage().nbytes()));
     int64_t rows = 1;
     for (int64_t d = 0; d < x.dim() - ndim; ++d) rows *= x.size(d);
-    bool keep_normed = !need_x && x.numel() * static_cast<int64_t>(c10::elementSize(normed_dtype)) <=
-                                      kept_bytes + rows * stat_size;
+    // (narrow: kept too, as save_rms says why)
+    bool keep_normed = !need_x && (narrow || x.numel() * static_cast<int64_t>(c10::elementSize(normed_dtype)) <=
+                                                 kept_bytes + rows * stat_size);
+    // (the aten path leaves a cast_last style's final cast to rms(), after the Function: _finish_output says why)
     auto f = rms_fast_ok(x, w, style) ? rms_forward_fast(x, w, eps, ndim, style, keep_normed, normed_dtype)
-                                      : rms_forward(x, w, eps, ndim, style);
+                                      : rms_forward(x, w, eps, ndim, style, false);
     if (keep_normed) {
       ctx->save_for_backward({Tensor(), Tensor(), Tensor(), f.normed});
     } else {
@@ -542,9 +580,11 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
       Tensor x = saved[0], rstd = saved[1], w = saved[2], normed = saved[3];
       const auto& dy = grads[0];
       int64_t style = ctx->saved_data["style"].toInt();
-      if (!w.defined() && ctx->saved_data["has_w"].toBool()) {  // the weight's shape and dtype are all dW reads
+      if (!w.defined() && ctx->saved_data["has_w"].toBool()) {  // the weight's shape and dtype are all dW reads:
+        // a meta tensor carries them without allocating (functional/norms.py's _WeightShape)
         auto dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-        w = at::empty({}, dy.options().dtype(dtype)).expand(ctx->saved_data["w_shape"].toIntVector());
+        w = at::empty({}, at::TensorOptions().dtype(dtype).device(at::kMeta))
+                .expand(ctx->saved_data["w_shape"].toIntVector());
       }
       if (normed.defined()) {
         dw = weight_grad(upstream_of_product(dy, style, w, normed.scalar_type()), normed, w);
@@ -821,11 +861,16 @@ py::object rms(py::handle x_obj, py::handle w_obj, py::handle eps_obj, py::handl
                                         : rms_forward(*x, *w, eps, ndim, style);
     return wrap(f.out, x_obj, note);
   }
+  // only dX of an fp64 x in Llama/Olmo2 style: nothing to save, stock's ops run (functional/norms.py's _apply_rms
+  // says why)
+  if (need_x && !need_w && x->scalar_type() == at::kDouble && (style == kLlama || style == kOlmo2))
+    return py::none();
   // stock_hands_two (functional/norms.py): T5 style, or x already in the statistics' dtype
   bool split = need_x && (style == kT5 || x->scalar_type() == (style == kTorch ? opmath(x->scalar_type()) : at::kFloat));
-  return wrap(RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w,
-                               split ? std::optional<Tensor>(*x) : std::nullopt),
-              x_obj, note);
+  auto out = RMSNormFn::apply(*x, std::optional<Tensor>(*w), eps, ndim, style, need_x, need_w,
+                              split ? std::optional<Tensor>(*x) : std::nullopt);
+  if (cast_last(style) && !rms_fast_ok(*x, *w, style)) out = finish_output(out, *x, style);
+  return wrap(out, x_obj, note);
 }
 
 // fused_add_rms_norm (styles 1-4): (out, s), or None.

@@ -41,6 +41,8 @@ runs (vmap batches it). Each Function's ``stock`` is stock's computation, run un
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch._prims_common import suggest_memory_format as _prims_suggest_memory_format
 from torch.overrides import handle_torch_function, has_torch_function_variadic
@@ -115,6 +117,14 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+class _WeightShape(NamedTuple):
+    """What the weight's gradient reads of the weight where only dW is requested: its shape and dtype. A one-element
+    tensor standing in for it would be an allocation stock's step does not make (stock's product reads the
+    parameter itself): a few bytes above stock's peak where that peak falls in dW's reduction."""
+    shape: torch.Size
+    dtype: torch.dtype
+
+
 def _variance_row_factor(d_rstd, rstd, n):
     """The per-row factor of the gradient reaching ``up`` through ``rsqrt(mean(up²) + eps)``, as autograd computes
     it: rsqrt's ``-0.5·g·r³``, then mean's ``g/n`` (on the per-row tensor; the expand autograd does first changes no
@@ -123,8 +133,14 @@ def _variance_row_factor(d_rstd, rstd, n):
 
 
 def _variance_path_grad(c, up):
-    """That gradient: the row factor ``c`` times pow's ``2·up``."""
-    return c * (2.0 * up.pow(1))
+    """That gradient: the row factor ``c`` times pow's ``2·up``; in one x-sized temporary where it may be written in
+    place (stock's pow backward holds three at once: ``up.pow(1)``, twice it, the product)."""
+    t = up.pow(1)
+    if t.dtype == torch.promote_types(t.dtype, c.dtype) and _in_place_ok(t):
+        return t.mul_(2.0).mul_(c)
+    two_up = 2.0 * t
+    del t
+    return c * two_up
 
 
 def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
@@ -135,11 +151,13 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
     # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
     # and half its size.
     narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
-    if not need_x and normed is not None and _normed_no_bigger(normed, input, narrow, rstd):
+    if not need_x and normed is not None and (narrow or _normed_no_bigger(normed, input, narrow, rstd)):
         # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
         # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there. The
         # weight's shape and dtype are all dW reads of it: a plain-tensor weight is not kept (stock's
-        # product keeps only the normalised input when x needs no grad).
+        # product keeps only the normalised input when x needs no grad). ``narrow`` (an fp64 x): kept too, though
+        # Llama's (fp64) is twice x's fp32 copy: rebuilding it would hold the copy, fp32 x·rstd and the fp64
+        # normalised input at once, above stock's peak (which holds it and the product).
         ctx.save_for_backward(None, None, None, normed)
     else:
         _common.note_input_kept(input)
@@ -252,9 +270,9 @@ class _CoreRmsSimulation:
         return (out, rstd) if h is None else (out, rstd, h)
 
     def backward(self, grad_out, x, rstd, weight, style, n, need_x, need_w, stand_in=True, split=False):
-        if stand_in and weight is not None and not need_x:  # the core keeps the weight only for dX: a one-element
-            # stand-in
-            weight = torch.empty((), dtype=weight.dtype, device=grad_out.device).expand(weight.shape)
+        if stand_in and weight is not None and not need_x:  # the core keeps the weight only for dX: its shape and
+            # dtype, no tensor
+            weight = _WeightShape(weight.shape, weight.dtype)
         fast = (grad_out.dtype == x.dtype and _plain_contiguous(grad_out) and grad_out.shape == x.shape
                 and _rms_fast_ok(x, None, "torch")
                 and (weight.dtype == x.dtype and (not need_x or weight.is_contiguous()) if weight is not None
@@ -280,7 +298,7 @@ class _CoreRmsSimulation:
         return ((dx, dx2) if split else dx), dw
 
     def weight_grad_from_normed(self, grad_out, normed, n, w_shape, w_dtype):
-        weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
+        weight = _WeightShape(w_shape, w_dtype)
         return _weight_grad(_upstream_of_product(grad_out, self.style, weight, normed.dtype), normed, weight)
 
 
@@ -356,7 +374,8 @@ class RMSNormFunction(_common.Function):
         if style == "torch" and input.device.type in _FUSED_RMS_DEVICES and (weight is None
                                                                       or weight.dtype == input.dtype):
             return torch._fused_rms_norm(input, list(input.shape[dims[0]:]), weight, eps)
-        out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True)
+        # (the output's final cast, if its style has one, is the caller's: _finish_output)
+        out, rstd, normed = _rms_forward(input, weight, eps, dims, style, keep_normed=True, cast=False)
         # The normalised input is what dW reads when dX is not requested; without a weight there is no dW.
         return (out, rstd, normed) if weight is not None else (out, rstd)
 
@@ -409,8 +428,7 @@ class RMSNormFunction(_common.Function):
             dx, dw = ctx.impl.backward(grad_out, x, rstd, weight, ctx.style, ctx.n, need_x, need_w)
             return dx, dw, *tail
         if weight is None and ctx.w_meta is not None:  # only dW: the weight's shape and dtype are all it reads
-            w_shape, w_dtype = ctx.w_meta
-            weight = torch.empty((), dtype=w_dtype, device=grad_out.device).expand(w_shape)
+            weight = _WeightShape(*ctx.w_meta)
         if normed is not None:
             g = _upstream_of_product(grad_out, ctx.style, weight, normed.dtype)
             return None, _weight_grad(g, normed, weight), *tail
@@ -439,23 +457,39 @@ class RMSNormFunction(_common.Function):
         return _common._AUTOGRAD_APPLY(cls, input, weight, eps, dims, style, None, again)
 
 
-def _rms_forward(x, weight, eps, dims, style, keep_normed=False):
+def _rms_forward(x, weight, eps, dims, style, keep_normed=False, cast=True):
     """The reference forward of ``style``; returns (output, rstd), plus, with ``keep_normed``, the tensor the
-    weight's gradient reads (the normalised input, in the dtype the weight multiplies it in)."""
-    out, rstd, normed = _rms_forward_impl(x, weight, eps, dims, style)
+    weight's gradient reads (the normalised input, in the dtype the weight multiplies it in). ``cast=False``: the
+    output before the final cast of the styles that end in one (:func:`_finish_output` makes it)."""
+    out, rstd, normed = _rms_forward_impl(x, weight, eps, dims, style, cast)
     return (out, rstd, normed) if keep_normed else (out, rstd)
 
 
-def _rms_forward_impl(x, weight, eps, dims, style):
+CAST_LAST = ("torch", "olmo2", "gemma")
+"""The styles whose output is the product cast to x's dtype (torch: and made contiguous)."""
+
+
+def _finish_output(out, x, style):
+    """The final cast of a :data:`CAST_LAST` style's output (a no-op on a finished output). RMSNormFunction's
+    torch code leaves it to stock's ops after the Function, as stock's graph has it: the cast's node turns dY into
+    the product's dtype and frees it before the Function's backward runs. Done inside, the Function would hold dY
+    and its cast at once (an fp64 or half x: +1 dY at the backward's peak, above stock's)."""
+    out = out.type_as(x)
+    if style == "torch" and not _layout.channels_last_like(x):
+        # Stock's composite makes its result contiguous unless x is channels-last (the same values; code that
+        # views the output relies on it). Cast first: the copy is then in x's dtype, not fp32.
+        out = out.contiguous()
+    return out
+
+
+def _rms_forward_impl(x, weight, eps, dims, style, cast=True):
     if style == "torch":
         up = x.to(_opmath(x.dtype))
         rstd = torch.rsqrt(up.pow(2).mean(dims, keepdim=True).add_(eps))
         h = up * rstd
         del up  # (x's upcast copy, freed before the output is made; csrc/norms.cpp's rms_forward frees it there too)
-        out = (h * weight if weight is not None else h).type_as(x)
-        # Stock's composite makes its result contiguous unless x is channels-last (the same values; code
-        # that views the output relies on it). Cast first: the copy is then in x's dtype, not fp32.
-        return (out if _layout.channels_last_like(x) else out.contiguous()), rstd, h
+        out = h * weight if weight is not None else h
+        return (_finish_output(out, x, style) if cast else out), rstd, h
     if style == "t5":
         rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
         h = x * rstd
@@ -470,9 +504,8 @@ def _rms_forward_impl(x, weight, eps, dims, style):
         normed = h.to(x.dtype)
         del h
         return weight * normed, rstd, normed
-    if style == "olmo2":
-        return (weight * h).to(x.dtype), rstd, h
-    return (h * (1.0 + weight.float())).type_as(x), rstd, h  # gemma
+    out = weight * h if style == "olmo2" else h * (1.0 + weight.float())  # (gemma)
+    return (_finish_output(out, x, style) if cast else out), rstd, h
 
 
 def _upstream_of_product(dy, style, weight, h_dtype):
@@ -486,16 +519,31 @@ def _upstream_of_product(dy, style, weight, h_dtype):
     return dy.to(torch.promote_types(weight.dtype, h_dtype))
 
 
-def _weight_grad(g, h, weight):
-    """``Σ_rows g·h`` as autograd reduces a broadcast product's gradient (sum_to, then cast)."""
-    if not torch.compiler.is_compiling() and type(g) is not torch.Tensor:
-        from slimgrad.functional.dropout import is_simulated_core
+def _in_place_ok(t) -> bool:
+    """Whether this backward may overwrite ``t``, a temporary it made, with an element-wise product (the same values
+    and, ``t`` being plain contiguous, the same layout as the out-of-place product, whose layout fixes the reduction's
+    order after it): not under torch.compile (Inductor plans that memory) nor a torch.func transform (vmap cannot
+    write a batched operand into an unbatched tensor). csrc/norms.cpp's rms_backward decides alike."""
+    return not _is_compiling() and not torch._C._are_functorch_transforms_active() and _plain_contiguous(t)
 
-        if is_simulated_core(g):
-            # csrc's weight_grad, simulated (slimgrad.estimate): C++ frees the product, a temporary, at the end of
-            # its full expression, after the cast, where Python frees it before (512 B at a bf16 step's peak)
-            product = g * h
-            return product.sum_to_size(weight.shape).to(weight.dtype)
+
+def _normalised(x, hd, rstd):
+    """``x.to(hd) * rstd``, into x's copy where the cast made one (one x-sized temporary, not two)."""
+    up = x.to(hd)
+    return up.mul_(rstd) if up is not x and _in_place_ok(up) else up * rstd
+
+
+def _weight_grad(g, h, weight, h_is_temporary=False):
+    """``Σ_rows g·h`` as autograd reduces a broadcast product's gradient (sum_to, then cast). ``h_is_temporary``:
+    h was made by this backward and may hold the product (where it has the product's dtype and g's layout), so
+    that only-dW holds no more x-sized tensors at once than stock's node, which reads a kept h."""
+    if (h_is_temporary and h.shape == g.shape and h.dtype == torch.promote_types(g.dtype, h.dtype)
+            and h.stride() == g.stride() and _in_place_ok(h)):
+        product = h.mul_(g)
+        del h
+        reduced = product.sum_to_size(weight.shape)
+        del product  # (before the cast allocates, as the engine frees stock's product after its reduction)
+        return reduced.to(weight.dtype)
     return (g * h).sum_to_size(weight.shape).to(weight.dtype)
 
 
@@ -523,14 +571,15 @@ def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype, spl
         hd = torch.promote_types(x.dtype, rstd.dtype)  # x · rstd's dtype
         ht_dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else hd
         if need_w:
-            h = x * rstd
-            dw = _weight_grad(dy, h.to(ht_dtype), weight)
-            del h
+            # (x · rstd as x's copy scaled in place: the mixed-dtype product would make that copy and another)
+            dw = _weight_grad(dy, _normalised(x, hd, rstd).to(ht_dtype), weight, h_is_temporary=True)
         if not need_x:
             return None, dw
         dh = (dy * weight).to(ht_dtype).to(hd)
-        dx1 = (dh * rstd).to(x.dtype)
+        # the row sum's product before dX's first term, so that the two x-sized temporaries never live together
+        # (stock frees dY before it makes them; this backward holds it throughout)
         c = _variance_row_factor((dh * x).sum(-1, keepdim=True).to(rstd.dtype), rstd, n)
+        dx1 = (dh * rstd).to(x.dtype)
         del dh
         dx2 = _variance_path_grad(c, x.to(torch.float32)).to(x.dtype)
         if split:
@@ -542,13 +591,13 @@ def _rms_backward(dy, x, rstd, weight, dims, style, need_x, need_w, x_dtype, spl
         g_h = dy.to(hd)
     elif style == "llama":
         if need_w:
-            dw = _weight_grad(dy, (x.to(hd) * rstd).to(x_dtype), weight)
+            dw = _weight_grad(dy, _normalised(x, hd, rstd).to(x_dtype), weight, h_is_temporary=True)
         if need_x:
             g_h = (dy * weight).to(x_dtype).to(hd)
     else:
         g = _upstream_of_product(dy, style, weight, hd)
         if need_w:
-            dw = _weight_grad(g, x.to(hd) * rstd, weight)
+            dw = _weight_grad(g, _normalised(x, hd, rstd), weight, h_is_temporary=True)
         if need_x:
             g_h = (g * weight).to(hd) if style != "gemma" else g * (1.0 + weight.float())
         del g
@@ -651,6 +700,24 @@ def _apply_rms(input, weight, eps, dims, style, impl):
     which is CUDA's (the core serves CPU tensors). x goes in twice where stock hands x two gradients, except under
     torch.compile (dynamo refuses one tensor passed twice; compiled stock's sums are Inductor's anyway), with a
     Triton kernel (one fused dX, within rounding) and where stock's fused kernel runs (one gradient)."""
+    if (style in ("llama", "olmo2") and input.dtype == torch.float64 and input.requires_grad
+            and not (weight is not None and weight.requires_grad) and torch.is_grad_enabled()):
+        # Only dX of an fp64 x in Llama/Olmo2 style: stock keeps x's fp32 copy and rstd, as the Function would;
+        # nothing to save, and the Function would hold dY through its backward where stock frees it after the
+        # weight's product (a few bytes above stock's peak). Stock's ops run (csrc/norms.cpp's rms() declines).
+        # (Gemma's stock also keeps 1 + w in fp32: the Function keeps less there, at no more peak.)
+        return RMSNormFunction.stock(input, weight, eps, dims, style)
+    out = _apply_rms_function(input, weight, eps, dims, style, impl)
+    if impl is None and style in CAST_LAST and not _fused_rms(input, weight, style):
+        # the torch code's output before its style's final cast: stock's ops make it, as in stock's graph. The
+        # statistics returned beside it are dropped first (stock frees rstd before its cast where it keeps none)
+        first = out[0] if type(out) is tuple else out
+        del out
+        return _finish_output(first, input, style)
+    return out
+
+
+def _apply_rms_function(input, weight, eps, dims, style, impl):
     if _is_compiling():
         return RMSNormFunction.apply(input, weight, eps, dims, style, impl, None)
     split = (input.requires_grad and (impl is None or type(impl) is _CoreRmsSimulation)
