@@ -4,8 +4,10 @@
 // (functional.pooling.AvgPoolFunction) keeps nothing where stock keeps the input. Its saving costs a Python
 // Function call and per-call argument handling (about 45 us a call, measured: 2x stock on small tensors); this
 // Function does the same in C++: aten's forward kernel, and in backward aten's backward kernel fed a zero-stride
-// stand-in of the input (its values are never read) or, where stock's gradient is channels_last, the channels_last
-// buffer itself as that input (CUDA's kernels pick their loop from it), step for step as the Python Function.
+// stand-in of the input (its values are never read; a view of the incoming gradient, so it allocates nothing) or,
+// where stock's gradient is channels_last, the channels_last buffer itself as that input (CUDA's kernels pick their
+// loop from it), step for step as the Python Function. Adaptive pooling with a channels_last gradient is left to
+// stock's op (avg_pool).
 // Arguments aten rejects raise inside the call; the caller
 // then runs the Python Function, whose error is stock's.
 #include "common.h"
@@ -43,6 +45,21 @@ AvgPoolOptions make_options(int64_t nd, bool adaptive, std::vector<int64_t> kern
   return o;
 }
 
+// Whether stock's backward gives x's gradient channels_last: x's (1-d: unsqueezed) suggested format, 2-d kernels
+// only (the 3-d ones return contiguous gradients).
+bool channels_last_grad(const at::Tensor& x, int64_t nd) {
+  if (nd == 3 || x.is_contiguous()) return false;
+  const at::Tensor x4 = nd == 1 ? x.unsqueeze(-2) : x;
+  return x4.dim() == 4 && x4.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+}
+
+// A zero-stride tensor of `shape` that allocates nothing: a read-only view of g's first element (its values are
+// never read), as functional._common.standin. A fresh element only where g has none.
+at::Tensor stand_in(const at::Tensor& g, at::IntArrayRef shape) {
+  if (g.numel() == 0) return at::empty({}, g.options()).expand(shape);
+  return g.detach().as_strided(shape, std::vector<int64_t>(shape.size(), 0), g.storage_offset());
+}
+
 struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const AvgPoolOptions* o,
                             const std::vector<int64_t>* out_size) {
@@ -68,8 +85,7 @@ struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
     const bool one = o->nd == 1;
     std::vector<int64_t> shape = x.sizes().vec();
     if (one) shape.insert(shape.end() - 1, 1);
-    const bool cl = o->nd != 3 && !x.is_contiguous() && shape.size() == 4 &&
-                    (one ? x.unsqueeze(-2) : x).suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+    const bool cl = channels_last_grad(x, o->nd);
     std::vector<int64_t> v = {o->nd, o->adaptive, cl, o->ceil_mode, o->count_include_pad,
                               o->divisor_override.has_value(), o->divisor_override.value_or(0),
                               static_cast<int64_t>(shape.size())};
@@ -91,27 +107,25 @@ struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
     const std::optional<int64_t> div = v[5] ? std::optional<int64_t>(v[6]) : std::nullopt;
     const std::vector<int64_t> shape(v.begin() + 8, v.begin() + 8 + rank);
     at::Tensor g = nd == 1 ? grads[0].unsqueeze(-2) : grads[0];
-    const auto opts = g.options();
-    auto stand_in = [&] { return at::empty({}, opts).expand(shape); };
     at::Tensor gi;
     if (adaptive) {
-      // No out= variant of its own: the result takes its layout from the input argument, whose values it never
-      // reads (a channels_last buffer there, as the Python Function).
-      const at::Tensor self = cl ? at::empty(shape, opts.memory_format(at::MemoryFormat::ChannelsLast)) : stand_in();
+      // The result takes its layout from the input argument, whose values it never reads; channels_last inputs
+      // never get here (avg_pool leaves them to stock), so a stand-in gives stock's layout.
+      const at::Tensor self = stand_in(g, shape);
       gi = nd == 3 ? at::_adaptive_avg_pool3d_backward(g, self) : at::_adaptive_avg_pool2d_backward(g, self);
     } else {
       const int64_t m = nd == 1 ? 2 : nd, o0 = 8 + rank;
       const std::vector<int64_t> k(v.begin() + o0, v.begin() + o0 + m), s(v.begin() + o0 + m, v.begin() + o0 + 2 * m),
           p(v.begin() + o0 + 2 * m, v.begin() + o0 + 3 * m);
       if (nd == 3) {
-        gi = at::avg_pool3d_backward(g, stand_in(), k, s, p, ceil, cip, div);
+        gi = at::avg_pool3d_backward(g, stand_in(g, shape), k, s, p, ceil, cip, div);
       } else if (cl) {
-        gi = at::empty(shape, opts.memory_format(at::MemoryFormat::ChannelsLast));
+        gi = at::empty(shape, g.options().memory_format(at::MemoryFormat::ChannelsLast));
         // the buffer is the input argument too: the kernels (CUDA's in particular) choose their loop from the
         // input's suggested format, and a stand-in suggests contiguous (values never read)
         at::avg_pool2d_backward_out(gi, g, gi, k, s, p, ceil, cip, div);
       } else {
-        gi = at::avg_pool2d_backward(g, stand_in(), k, s, p, ceil, cip, div);
+        gi = at::avg_pool2d_backward(g, stand_in(g, shape), k, s, p, ceil, cip, div);
       }
     }
     if (nd == 1) gi = gi.squeeze(-2);
@@ -119,10 +133,15 @@ struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
   }
 };
 
-// The eager call; None where the Python Function must run (an adaptive output of all ones: stock's mean).
+// The eager call; None where the Python path must run: an adaptive output of all ones (stock's mean), or an
+// adaptive gradient stock lays out channels_last. That layout comes from the backward kernel's input argument
+// alone (it has no out= variant of its own), and a tensor with channels_last strides spans the input's bytes:
+// allocating one in backward put the peak an input above stock's, so stock's op runs (functional.pooling,
+// _adaptive_grad_needs_input).
 pybind11::object avg_pool(const at::Tensor& x, const AvgPoolOptions& o) {
   std::vector<int64_t> out_size;
   if (o.adaptive) {
+    if (channels_last_grad(x, o.nd)) return pybind11::none();
     const int64_t n = o.output_size.size();
     if (x.dim() <= n && o.nd > 1) return pybind11::none();  // the Python path raises stock's error
     bool ones = true;

@@ -217,14 +217,21 @@ def compile_distinct(t: torch.Tensor) -> torch.Tensor:
 
 
 def standin(shape, like: torch.Tensor) -> torch.Tensor:
-    """A zero-stride tensor of ``shape`` backed by a single element.
+    """A zero-stride tensor of ``shape`` and ``like``'s dtype that allocates nothing.
 
     Backward kernels take the input (or weight) tensor even when they only read its shape. Feeding them
     this instead of the real tensor lets a Function skip saving the real one without allocating an
     input-sized placeholder. Only pass it where the kernel provably never reads the values (tests check
     the gradients bitwise against stock PyTorch) and never calls ``.contiguous()`` on it (tests check
     peak bytes).
+
+    It is a read-only view of ``like``'s first element (detached: no gradient flows into ``like`` through it)
+    rather than a fresh element: where stock reads the input its caller holds anyway, a one-element allocation put
+    our peak one element above stock's (average pooling: +8 B in fp64, measured). A fresh element only where ``like``
+    has none, or under torch.func or torch.compile, whose tensors would batch or trace the view.
     """
+    if like.numel() > 0 and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+        return like.detach().as_strided(shape, (0,) * len(shape), like.storage_offset())
     return torch.empty((), dtype=like.dtype, device=like.device).expand(shape)
 
 

@@ -511,15 +511,12 @@ class AvgPoolFunction(_common.Function):
         if nd == 1:
             shape = shape[:-1] + (1, shape[-1])
             grad_out = grad_out.unsqueeze(-2)
-        buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
         if ctx.adaptive:
-            op = _ADAPTIVE_BACKWARD[max(nd, 2)]
-            # This kernel has no out= variant of its own (out= computes then copies) and takes the result's
-            # layout from its input argument, whose values it never reads: for channels_last, an empty
-            # channels_last tensor carries that layout (one transient input-sized buffer, as stock's kept
-            # input would be).
-            grad = op.default(grad_out, standin(shape, grad_out) if buffer is None else buffer)
+            # The kernel reads only its input argument's shape and suggested format; channels-last inputs never
+            # get here (stock runs for them, _adaptive), so a zero-stride stand-in gives stock's layout.
+            grad = _ADAPTIVE_BACKWARD[max(nd, 2)].default(grad_out, standin(shape, grad_out))
         else:
+            buffer = _grad_buffer(shape, grad_out, ctx.grad_format)
             kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.options
             if nd == 1:
                 kernel, stride, padding = (1,) + kernel, (1,) + stride, (0,) + padding
@@ -707,7 +704,21 @@ def _adaptive(nd, input, output_size, stock):
         # Stock computes this as a mean, whose backward keeps no tensor: run it as is (same forward, same
         # expand-and-divide gradient) rather than a different kernel.
         return stock(input, output_size)
+    if _adaptive_grad_needs_input(input, nd):
+        return stock(input, output_size)
     return _apply_avg(nd, input, True, (output_size,))
+
+
+def _adaptive_grad_needs_input(x: torch.Tensor, nd: int) -> bool:
+    """Whether stock's adaptive backward needs an input-sized tensor to give the gradient stock's layout.
+
+    Its kernel has no out= variant of its own (out= computes, then copies) and lays the gradient out like its input
+    argument's suggested format: a channels_last gradient needs a channels_last tensor there, and one with
+    channels_last strides spans the input's bytes. Allocating it in backward put the peak an input above stock's,
+    which reads the input its caller holds (AdaptiveAvgPool2d(5), fp32 4x8x12x12: 58504 B against 40072), so
+    stock's op runs there, keeping the input as stock does. The compiled core decides alike (csrc/avg_pool.cpp,
+    avg_pool). 3-d gradients are contiguous whatever the input's layout."""
+    return nd < 3 and _grad_format(x, nd) != torch.contiguous_format
 
 
 def adaptive_avg_pool1d(input, output_size):
