@@ -110,6 +110,8 @@ def compare_three(stock_fn, slim_fn, x, *, expect_core=True, nd=None):
     s_out, s_g, _, _ = run(stock_fn, x)
     c_out, c_g, c_bytes, c_ran = run(slim_fn, x)
     p_out, p_g, p_bytes, p_ran = run(slim_fn, x, core=False)
+    # Returned indices are left to the Python Function, which keeps them in place of positions.
+    expect_core = expect_core and not isinstance(s_out, tuple)
     assert c_ran == expect_core, f"core ran: {c_ran}, expected {expect_core}"
     assert not p_ran
     if isinstance(s_out, tuple):
@@ -162,7 +164,9 @@ def test_modules_match_stock_and_python(stock, shape, dtype, layout, values):
     # 3-d pooling of an unbatched non-contiguous input: aten's layout workaround, left to the Python Function
     expect_core = not (isinstance(stock, nn.MaxPool3d) and len(shape) == 4 and not x.is_contiguous())
     kept, out = compare_three(stock, slim_copy(stock), x, expect_core=expect_core, nd=len(_kernel(stock)))
-    out = out[0] if isinstance(out, tuple) else out
+    if stock.return_indices:  # kept in place of positions
+        assert kept == out.numel() * 8
+        return
     if not expect_core and python_keeps_indices(3, x):
         assert kept in (out.numel() * 8, out.numel() * P.position_dtype(math.prod(_kernel(stock))).itemsize)
     else:
@@ -236,15 +240,19 @@ def test_parallel_sizes(threads, layout, dtype):
 @pytest.mark.parametrize("channels", [3, 6, 17, 24])
 def test_3d_channels_last_all_neg_inf_windows_follow_stock(dtype, channels):
     """Stock's 3-d channels_last kernel starts its scalar (tail) channels from the first in-bounds (h, w) of
-    depth 0: an all -inf window there reports, and sends its gradient to, that element. The core follows it."""
-    stock = nn.MaxPool3d(2, 2, return_indices=True)
+    depth 0: an all -inf window there reports, and sends its gradient to, that element. The core follows it (and
+    the Python Function, which alone serves returned indices)."""
     x = torch.full((1, channels, 4, 4, 4), -math.inf, dtype=dtype).contiguous(memory_format=torch.channels_last_3d)
-    s_out, s_g, _, _ = run(stock, x)
-    c_out, c_g, _, ran = run(slim_copy(stock), x)
-    assert ran
-    assert_bitwise(c_out[1], s_out[1], "indices")
-    assert_bitwise(c_out[0], s_out[0], "output")
-    assert_bitwise(c_g, s_g, "grad")
+    for return_indices in (False, True):
+        stock = nn.MaxPool3d(2, 2, return_indices=return_indices)
+        s_out, s_g, _, _ = run(stock, x)
+        c_out, c_g, _, ran = run(slim_copy(stock), x)
+        assert ran != return_indices
+        if return_indices:
+            assert_bitwise(c_out[1], s_out[1], "indices")
+            s_out, c_out = s_out[0], c_out[0]
+        assert_bitwise(c_out, s_out, "output")
+        assert_bitwise(c_g, s_g, "grad")
 
 
 def test_saved_tensor_hooks_see_the_positions():

@@ -2,8 +2,8 @@
 //
 // Stock's CPU max pooling writes the output and int64 flat indices and keeps the input plus those indices for
 // backward; slimgrad's Python Function keeps one small integer per output instead (the winner's position inside
-// its window, dtype functional.pooling.position_dtype(prod(kernel))). Here one parallel pass writes the output,
-// those positions and, only when the caller asked for them, stock's int64 indices; backward zeroes each plane
+// its window, dtype functional.pooling.position_dtype(prod(kernel))). Here one parallel pass writes the output and
+// those positions; backward zeroes each plane
 // of the input gradient and adds every output's gradient at its winner in row-major output order, per plane
 // (channels_last: per sample and channel block), the order stock's backward kernel adds them, so overlapping
 // windows give stock's sums bit for bit.
@@ -16,8 +16,8 @@
 // Stock's channels_last bf16 kernel converts its fp32 maxima to bf16 with a vector conversion for the first
 // C - C % (vector width) channels (a NaN becomes 0xffff there) and the scalar one for the rest (0x7fc0); the
 // output's NaN bits follow the same split. Calls this file does not serve (invalid arguments, whose errors
-// stock's kernels word, empty inputs, 3-d pooling of an unbatched non-contiguous input) return None and the
-// Python Function runs.
+// stock's kernels word, empty inputs, 3-d pooling of an unbatched non-contiguous input, return_indices) return
+// None and the Python Function runs.
 #include "common.h"
 
 #include <ATen/OpMathType.h>
@@ -52,8 +52,9 @@ constexpr int64_t kGrain = 32768;  // aten's GRAIN_SIZE, in window elements visi
 struct PoolOptions {
   int64_t nd = 2;
   int64_t k[3] = {1, 1, 1}, s[3] = {1, 1, 1}, p[3] = {0, 0, 0}, d[3] = {1, 1, 1};
-  bool ceil_mode = false, return_indices = false;
-  bool valid = false;  // the checks stock makes on options alone hold (else every call goes to Python)
+  bool ceil_mode = false;
+  bool valid = false;  // the checks stock makes on options alone hold, no indices returned (else every call goes
+                       // to Python)
   int64_t kvol = 1;
   at::ScalarType pos_dtype = at::kByte;
 };
@@ -71,7 +72,6 @@ PoolOptions make_options(int64_t nd, std::vector<int64_t> kernel, std::vector<in
   PoolOptions o;
   o.nd = nd;
   o.ceil_mode = ceil_mode;
-  o.return_indices = return_indices;
   if (nd < 1 || nd > 3 || (int64_t)kernel.size() != nd || (int64_t)stride.size() != nd ||
       (int64_t)padding.size() != nd || (int64_t)dilation.size() != nd)
     return o;
@@ -86,8 +86,11 @@ PoolOptions make_options(int64_t nd, std::vector<int64_t> kernel, std::vector<in
   }
   o.kvol = o.k[0] * o.k[1] * o.k[2];
   o.pos_dtype = position_dtype(o.kvol);
-  // Positions ride in fp32 lanes (exact below 2^24): larger windows go to the Python Function.
-  o.valid = ok && o.kvol <= (int64_t(1) << 24);
+  // Positions ride in fp32 lanes (exact below 2^24): larger windows go to the Python Function. So do calls that
+  // return the indices: those exist anyway, and the Python Function keeps them in place of positions (stock keeps
+  // them and the input); positions beside them put the peak above stock's by their bytes (2-d fp32 4x8x12x12:
+  // 33416 B against 32264).
+  o.valid = ok && o.kvol <= (int64_t(1) << 24) && !return_indices;
   return o;
 }
 
@@ -258,13 +261,6 @@ inline Span span(int64_t o, int64_t s, int64_t p, int64_t k, int64_t d, int64_t 
   return r;
 }
 
-// Stock's flat index of the element at window position `pos` of the window with the given origins.
-inline int64_t index_of(int64_t pos, const PoolOptions& o, const Geometry& g, int64_t od0, int64_t oh0,
-                        int64_t ow0) {
-  const int64_t kw = pos % o.k[2], kh = (pos / o.k[2]) % o.k[1], kd = pos / (o.k[2] * o.k[1]);
-  return ((od0 + kd * o.d[0]) * g.H + (oh0 + kh * o.d[1])) * g.W + (ow0 + kw * o.d[2]);
-}
-
 // best/bpos[j] take src[j] and position pv where src[j] > best[j] or src[j] is NaN (stock's test), j < n.
 template <typename acc_t>
 inline void max_update(const acc_t* src, acc_t* bb, acc_t* bq, int64_t n, acc_t pv) {
@@ -333,8 +329,7 @@ inline void store_positions(const Vec* bpos, int nvec, pos_t* dst) {
 // of all the outputs whose window has it in bounds. Each output sees stock's comparisons in stock's order, so
 // the winners are stock's; fp32 lanes carry the positions (exact up to 2^24, make_options' limit).
 template <typename scalar_t, typename pos_t>
-void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
-                        const PoolOptions& o) {
+void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, const Geometry& g, const PoolOptions& o) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t in_plane = g.D * g.H * g.W, out_plane = g.OD * g.OH * g.OW;
   const int64_t rows = g.N * g.C * g.OD * g.OH;
@@ -393,17 +388,12 @@ void forward_contiguous(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* i
         out[o0 + ow] = static_cast<scalar_t>(best[ow]);
         pos[o0 + ow] = static_cast<pos_t>(bpos[ow]);
       }
-      if (idx != nullptr) {
-        for (int64_t ow = 0; ow < OW; ++ow)
-          idx[o0 + ow] = index_of(static_cast<int64_t>(bpos[ow]), o, g, sd.origin, sh.origin, ow * sW - pW);
-      }
     }
   });
 }
 
 template <typename scalar_t, typename pos_t>
-void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t* idx, const Geometry& g,
-                           const PoolOptions& o) {
+void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, const Geometry& g, const PoolOptions& o) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = g.C;
   const int64_t pixels = g.N * g.OD * g.OH * g.OW;
@@ -425,8 +415,8 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
   for (int64_t i = 0; i < g.OD; ++i) dspans[i] = span(i, o.s[0], o.p[0], kD, dD, g.D);
   for (int64_t i = 0; i < g.OH; ++i) hspans[i] = span(i, o.s[1], o.p[1], kH, dH, g.H);
   for (int64_t i = 0; i < g.OW; ++i) wspans[i] = span(i, o.s[2], o.p[2], kW, dW, g.W);
-  // fp32/fp64 blocks go straight to the output unless the arrays are read afterwards (indices, 3-d's rule).
-  const bool direct = std::is_same_v<scalar_t, acc_t> && idx == nullptr && !depthless_tail;
+  // fp32/fp64 blocks go straight to the output unless the arrays are read afterwards (3-d's rule).
+  const bool direct = std::is_same_v<scalar_t, acc_t> && !depthless_tail;
   // Windows up to this size are listed once per pixel (larger ones are walked per channel block).
   const bool use_list = o.kvol <= 1024;
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
@@ -562,14 +552,6 @@ void forward_channels_last(const scalar_t* x, scalar_t* out, pos_t* pos, int64_t
       if (tail_moves) {
         for (int64_t c = vec_len; c < C; ++c)
           if (bm[c] == ninf) pp[c] = static_cast<pos_t>(o.kvol);
-      }
-      if (idx != nullptr) {
-        int64_t* ip = idx + i * C;
-        for (int64_t c = 0; c < C; ++c) {
-          ip[c] = tail_moves && c >= vec_len && bm[c] == ninf
-                      ? sh.start * g.W + sw.start
-                      : index_of(static_cast<int64_t>(bp[c]), o, g, sd.origin, sh.origin, sw.origin);
-        }
       }
     }
   });
@@ -718,24 +700,22 @@ void backward_channels_last(const scalar_t* go, const pos_t* pos, scalar_t* gi, 
   }()
 
 struct ForwardResult {
-  at::Tensor out, pos, indices;
+  at::Tensor out, pos;
 };
 
-ForwardResult run_forward(const at::Tensor& x4, const Geometry& g, const PoolOptions& o, bool want_indices) {
+ForwardResult run_forward(const at::Tensor& x4, const Geometry& g, const PoolOptions& o) {
   ForwardResult r;
   r.out = at::empty_strided(g.out_sizes, g.out_strides, x4.options());
   r.pos = at::empty_strided(g.out_sizes, g.out_strides, x4.options().dtype(o.pos_dtype));
-  if (want_indices) r.indices = at::empty_strided(g.out_sizes, g.out_strides, x4.options().dtype(at::kLong));
-  int64_t* ip = want_indices ? r.indices.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x4.scalar_type(), "max_pool_forward", [&] {
     SG_DISPATCH_POS(o.pos_dtype, "max_pool_forward", [&] {
       const scalar_t* xp = x4.const_data_ptr<scalar_t>();
       scalar_t* op = r.out.data_ptr<scalar_t>();
       pos_t* pp = r.pos.data_ptr<pos_t>();
       if (g.channels_last)
-        forward_channels_last<scalar_t, pos_t>(xp, op, pp, ip, g, o);
+        forward_channels_last<scalar_t, pos_t>(xp, op, pp, g, o);
       else
-        forward_contiguous<scalar_t, pos_t>(xp, op, pp, ip, g, o);
+        forward_contiguous<scalar_t, pos_t>(xp, op, pp, g, o);
     });
   });
   return r;
@@ -802,16 +782,12 @@ void unpack(const std::vector<int64_t>& v, Geometry& g, PoolOptions& o) {
 }
 
 struct MaxPoolFunction : public torch::autograd::Function<MaxPoolFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const PoolOptions* o, const Geometry* g,
-                               const at::Tensor* x4) {
-    ForwardResult r = run_forward(*x4, *g, *o, o->return_indices);
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const PoolOptions* o, const Geometry* g,
+                            const at::Tensor* x4) {
+    ForwardResult r = run_forward(*x4, *g, *o);
     ctx->save_for_backward({r.pos});
     ctx->saved_data["g"] = pack(*g, *o);
-    if (o->return_indices) {
-      ctx->mark_non_differentiable({r.indices});
-      return {r.out, r.indices};
-    }
-    return {r.out};
+    return r.out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -824,14 +800,12 @@ struct MaxPoolFunction : public torch::autograd::Function<MaxPoolFunction> {
   }
 };
 
-// The eager call: output (or (output, indices)), or None where the Python Function must run.
+// The eager call: the output, or None where the Python Function must run.
 pybind11::object max_pool(const at::Tensor& x, const PoolOptions& o) {
   at::Tensor x4;
   auto g = prepare(x, o, x4, false);
   if (!g) return pybind11::none();
-  variable_list outs = MaxPoolFunction::apply(x, &o, &*g, &x4);
-  if (o.return_indices) return pybind11::make_tuple(outs[0], outs[1]);
-  return pybind11::cast(outs[0]);
+  return pybind11::cast(MaxPoolFunction::apply(x, &o, &*g, &x4));
 }
 
 // The max_pool_positions kernel contract (slimgrad.kernels.max_pool): contiguous in, contiguous out; None where
@@ -843,7 +817,7 @@ pybind11::object positions_forward(const at::Tensor& x, std::vector<int64_t> ker
   at::Tensor x4;
   auto g = prepare(x, o, x4, true);
   if (!g) return pybind11::none();
-  ForwardResult r = run_forward(x4, *g, o, false);
+  ForwardResult r = run_forward(x4, *g, o);
   return pybind11::make_tuple(r.out, r.pos);
 }
 
@@ -867,8 +841,7 @@ pybind11::object positions_backward(const at::Tensor& grad, const at::Tensor& po
 static Register reg_max_pool([](pybind11::module_& m) {
   pybind11::class_<PoolOptions>(m, "MaxPoolOptions")
       .def_readonly("valid", &PoolOptions::valid)
-      .def_readonly("nd", &PoolOptions::nd)
-      .def_readonly("return_indices", &PoolOptions::return_indices);
+      .def_readonly("nd", &PoolOptions::nd);
   m.def("max_pool_options", &make_options,
         "max pooling options (nd; kernel, stride, padding, dilation as nd ints; ceil_mode; return_indices), "
         "checked once");

@@ -4,21 +4,22 @@ Stock max pooling keeps its input and int64 argmax indices (about 1.5x the input
 fp32), though its backward kernel reads neither the input's values nor more than "which element of the
 window won". Here max pooling keeps one small integer per output element, the winner's position inside
 its window, and rebuilds stock's flat indices in backward so the very same backward kernel runs (same
-accumulation order for overlapping windows, hence bitwise-equal gradients). Average pooling's backward
-needs only shapes, so it keeps nothing at all.
+accumulation order for overlapping windows, hence bitwise-equal gradients); where the indices are returned they
+exist anyway and are kept instead. Average pooling's backward needs only shapes, so it keeps nothing at all, save
+adaptive pooling with a channels_last gradient: stock's op runs there (_adaptive_grad_needs_input).
 
 Forwards call the kernels stock calls when a gradient is wanted, so outputs, returned indices and
 tie-breaking are stock's. When no gradient is wanted the stock functional runs unchanged.
 
 Eager CPU max pooling that wants a gradient runs the compiled core (:mod:`slimgrad.csrc`, ``csrc/max_pool.cpp``):
-after a few checks, one call into a C++ autograd Function whose one parallel pass writes the output, the window
-positions (the same dtype and bytes as the Python Function keeps) and, when asked for, stock's indices, and whose
-backward scatters the gradient in stock's order. It replaces a Python Function call, stock's int64 indices and
-their conversion (issue 22: the numba kernel it supersedes ran on one thread). The options are checked once
-(per module, or per distinct functional arguments) and the result cached. The Python Function stays for
-torch.compile, torch.func, other devices, 3-d pooling under autocast, empty inputs, invalid arguments (whose
-errors stock's kernels word) and a core that is off (``SLIMGRAD_CORE=0``) or unbuilt; it is the reference the
-core is tested against bit for bit. Average pooling keeps nothing for backward either way; its core Function
+after a few checks, one call into a C++ autograd Function whose one parallel pass writes the output and the
+window positions (the same dtype and bytes as the Python Function keeps), and whose backward scatters the
+gradient in stock's order. It replaces a Python Function call, stock's int64 indices and their conversion
+(issue 22: the numba kernel it supersedes ran on one thread). The options are checked once (per module, or per
+distinct functional arguments) and the result cached. The Python Function stays for torch.compile, torch.func,
+other devices, 3-d pooling under autocast, empty inputs, returned indices, invalid arguments (whose errors
+stock's kernels word) and a core that is off (``SLIMGRAD_CORE=0``) or unbuilt; it is the reference the core is
+tested against bit for bit. Average pooling keeps nothing for backward either way; its core Function
 (``csrc/avg_pool.cpp``: stock's kernels, a stand-in input in backward) removes the Python Function's per-call
 cost (measured about 45 us a call, 2x stock's fwd+bwd on small tensors). Being aten's ops alone, it serves CUDA
 tensors as well (``SLIMGRAD_CORE_CUDA=0``: the Python Function there).
@@ -151,7 +152,8 @@ class MaxPoolFunction(_common.Function):
     ``apply(x, nd, kernel, stride, padding, dilation, ceil_mode, return_indices, transformed)`` takes the
     geometry as tuples of ``nd`` ints (``_geometry``) and returns ``(output, indices, kept)``: stock's int64
     indices where they are returned (or kept), else None, and the window positions backward reads, else None.
-    The int64 indices are never kept in eager (unreturned, they are reused as scratch). ``transformed`` is True
+    Returned indices are kept in place of positions (they exist anyway; stock keeps them and the input), unreturned
+    ones are never kept in eager (they are reused as scratch). ``transformed`` is True
     only under torch.func (``under_transform``): forward cannot tell by itself, since under ``grad`` it runs on
     plain tensors with no transform active, and there it must use ops vmap batches and give contiguous gradients.
     ``x`` requires grad in every call (the callers run stock otherwise).
@@ -170,15 +172,17 @@ class MaxPoolFunction(_common.Function):
             pos = _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype,
                                           in_place=False, vmappable=True)
             return out, indices, pos
+        # Returned indices exist anyway and are kept: positions beside them put the peak above stock's by their
+        # bytes (1-d fp32 4x8x48: 16338 B against 15368, tests/test_pooling.py).
         # Under torch.compile, inductor fuses the index rebuild into its own scatter backward and then
         # trips its bounds check on the unused lanes of a vector tail ("index out of bounds"); there the
         # int64 indices are kept as stock keeps them (never the input), and Inductor's low-memory max-pool
         # lowering keeps 1-byte window offsets in their place (measured, tests/test_compile_bytes.py).
-        if torch.compiler.is_compiling() or (nd == 3 and not x.is_contiguous() and _depthless_winners(out)):
+        if (return_indices or torch.compiler.is_compiling()
+                or (nd == 3 and not x.is_contiguous() and _depthless_winners(out))):
             return out, indices, None
-        pos = _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype,
-                                      in_place=not return_indices)
-        return out, indices if return_indices else None, pos
+        pos = _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype, in_place=True)
+        return out, None, pos
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -415,39 +419,36 @@ def _core_max_pool_simulated(nd, input, kernel_size, stride, padding, dilation, 
     if min(spatial) < 1:
         return None
     out_shape = tuple(input.shape[:input.dim() - nd]) + tuple(spatial)
-    return _CoreMaxPoolSimulation.apply(input, nd, fmt, out_shape, position_dtype(kvol), bool(return_indices))
+    return _CoreMaxPoolSimulation.apply(input, nd, fmt, out_shape, position_dtype(kvol))
 
 
 class _CoreMaxPoolSimulation(torch.autograd.Function):
     """csrc/max_pool.cpp's MaxPoolFunction's allocations without data (fake tensors only): the input in the
-    kernels' layout where it is not already, then output, positions (and int64 indices where returned); backward:
-    the gradient in that layout where it is not, then the input gradient."""
+    kernels' layout where it is not already, then output and positions (the core leaves returned indices to the
+    Python Function); backward: the gradient in that layout where it is not, then the input gradient."""
 
     @staticmethod
-    def forward(ctx, x, nd, fmt, out_shape, pos_dtype, return_indices):
+    def forward(ctx, x, nd, fmt, out_shape, pos_dtype):
         xi = x.unsqueeze(-2) if nd == 1 else x
         x4 = xi if xi.is_contiguous(memory_format=fmt) else xi.contiguous(memory_format=fmt)
         shape = out_shape[:-1] + (1, out_shape[-1]) if nd == 1 else out_shape
         outs = [torch.empty(shape, dtype=dtype, device=x.device, memory_format=fmt)
-                for dtype in (x.dtype, pos_dtype) + ((torch.int64,) if return_indices else ())]
+                for dtype in (x.dtype, pos_dtype)]
         del x4
         if nd == 1:
             outs = [t.squeeze(-2) for t in outs]
         ctx.save_for_backward(outs[1])
         ctx.nd, ctx.fmt, ctx.x_shape = nd, fmt, tuple(xi.shape)
-        if return_indices:
-            ctx.mark_non_differentiable(outs[2])
-            return outs[0], outs[2]
         return outs[0]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad, *_grad_indices):
+    def backward(ctx, grad):
         g = grad.unsqueeze(-2) if ctx.nd == 1 and ctx.fmt != torch.contiguous_format else grad
         gk = g.contiguous(memory_format=ctx.fmt)
         gi = torch.empty(ctx.x_shape, dtype=grad.dtype, device=grad.device, memory_format=ctx.fmt)
         del gk
-        return (gi.squeeze(-2) if ctx.nd == 1 else gi), None, None, None, None, None
+        return (gi.squeeze(-2) if ctx.nd == 1 else gi), None, None, None, None
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
