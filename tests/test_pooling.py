@@ -431,3 +431,91 @@ def test_python_path_step_peak_at_most_stock(make, dtype):
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
     assert peaks[1] <= peaks[0] + dtype.itemsize, peaks
+
+
+# --------------------------------------------------------------------------------- a step's peak, input held
+
+
+def _channels_last_1d(shape):
+    """A 1-d input whose unsqueezed view suggests channels_last (channels innermost): stock's 1-d gradient
+    follows it."""
+    n, c, length = shape
+    return torch.randn(n, length, c, dtype=torch.float64).transpose(1, 2)
+
+
+STEP_CASES = [
+    # average pooling: backward's stand-in for the input was a fresh element, one above stock's peak
+    (lambda: nn.AvgPool1d(2), (4, 8, 48), "contiguous"),
+    (lambda: nn.AvgPool2d(3, 2, 1), (4, 8, 12, 12), "contiguous"),
+    (lambda: nn.AvgPool2d(3, 2, 1), (4, 8, 12, 12), "channels_last"),
+    (lambda: nn.AvgPool3d(2), (2, 8, 6, 6, 6), "contiguous"),
+    (lambda: nn.AdaptiveAvgPool1d(5), (4, 8, 48), "contiguous"),
+    (lambda: nn.AdaptiveAvgPool2d(5), (4, 8, 12, 12), "contiguous"),
+    (lambda: nn.AdaptiveAvgPool3d(5), (2, 8, 6, 6, 6), "contiguous"),
+    # adaptive pooling with a channels_last gradient: an input-sized carrier of the layout
+    (lambda: nn.AdaptiveAvgPool2d(5), (4, 8, 12, 12), "channels_last"),
+    (lambda: nn.AdaptiveAvgPool2d(6), (4, 8, 12, 12), "channels_last"),
+    (lambda: nn.AdaptiveAvgPool1d(5), (4, 8, 48), "channels_last"),
+    # returned indices: positions kept beside them
+    (lambda: nn.MaxPool1d(2, return_indices=True), (4, 8, 48), "contiguous"),
+    (lambda: nn.MaxPool2d(2, return_indices=True), (4, 8, 12, 12), "contiguous"),
+    (lambda: nn.MaxPool2d(3, 1, 1, return_indices=True), (4, 8, 12, 12), "channels_last"),
+    (lambda: nn.MaxPool3d(2, return_indices=True), (2, 8, 6, 6, 6), "contiguous"),
+]
+
+
+@pytest.mark.parametrize("core", ["on", "off"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("make,shape,layout", STEP_CASES, ids=[f"{m()!r}-{layout}" for m, _, layout in STEP_CASES])
+def test_step_peak_and_kept_at_most_stock_input_held(make, shape, layout, dtype, core):
+    """A forward+backward step on an input the caller holds (a leaf): saved bytes and the step's peak at most
+    stock's, outputs (indices too) and gradients bitwise stock's with its strides, on the core and the Python path.
+    Stock reads the input it kept, so any allocation our backward makes in its place is above stock's: a one-element
+    stand-in (average pooling: +1 element), an input-sized channels_last carrier (adaptive: 58504 B against 40072 in
+    fp32), window positions beside returned indices (1-d: 16338 B against 15368)."""
+    import contextlib
+    import copy
+
+    from slimgrad import csrc
+
+    if core == "on" and csrc.core() is None:
+        pytest.skip("the compiled core is unavailable here")
+    stock = make()
+    if layout == "channels_last" and len(shape) == 3:
+        x0 = _channels_last_1d(shape).to(dtype)
+    else:
+        x0 = torch.randn(shape, dtype=torch.float64).to(dtype)
+        if layout == "channels_last":
+            x0 = x0.contiguous(memory_format=CL[x0.dim()])
+    try:
+        y0 = stock(x0)
+    except (NotImplementedError, RuntimeError) as e:  # e.g. CPU avg_pool3d in bf16/fp16
+        pytest.skip(f"stock raises: {e}")
+    y0 = y0[0] if isinstance(y0, tuple) else y0
+    g = torch.randn(y0.shape, generator=torch.Generator().manual_seed(1))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    ctx = contextlib.nullcontext() if core == "on" else csrc.disabled()
+
+    def step(m, x):
+        y = m(x)
+        ((y[0] if isinstance(y, tuple) else y).float() * g).sum().backward()
+
+    results = {}
+    with ctx:
+        for name, m in (("stock", stock), ("slim", slim)):
+            step(m, x0.clone().requires_grad_())  # warm: options checked and cached
+            x = x0.clone().requires_grad_()
+            out = m(x)
+            outs = out if isinstance(out, tuple) else (out,)
+            ((outs[0]).float() * g).sum().backward()
+            kept = saved_bytes(m, x0.clone().requires_grad_())
+            peak = peak_bytes(step, m, x0.clone().requires_grad_())
+            results[name] = (kept, peak, [o.detach() for o in outs], x.grad)
+    (s_kept, s_peak, s_outs, s_grad), (c_kept, c_peak, c_outs, c_grad) = results["stock"], results["slim"]
+    for c, s in zip(c_outs, s_outs, strict=True):
+        assert_same(c, s, what="output")
+        assert c.stride() == s.stride()
+    assert_same(c_grad, s_grad, what="grad")
+    assert c_grad.stride() == s_grad.stride()
+    assert c_kept <= s_kept, (c_kept, s_kept)
+    assert c_peak <= s_peak, (c_peak, s_peak)
