@@ -6,8 +6,8 @@
 // asymmetric padding='same') X unpadded, the pad redone in backward. dX: aten's convolution_backward fed a tensor
 // of X's shape and layout whose values it never reads (channels-last X, and 1x1 kernels, where it is faster than
 // the transposed convolution), else the transposed (plain, for a transposed conv) convolution of dY; then the
-// pad's backward. dW/dB: convolution_backward (a one-element stand-in for the weight when it was not kept), dB
-// alone a sum. Autocast and an X that views a larger storage with a trainable weight (the Python Function keeps
+// pad's backward. dW/dB: convolution_backward (the weight kept where it is a leaf, else an uninitialised carrier of
+// its shape and layout), dB alone a sum. Autocast and an X that views a larger storage with a trainable weight (the Python Function keeps
 // a compact copy there) stay with the Python Function.
 #include "common.h"
 
@@ -40,6 +40,7 @@ struct ConvState : torch::CustomClassHolder {
   c10::intrusive_ptr<ConvCfg> cfg;
   std::vector<int64_t> x_shape, x_stride, w_shape, xp_shape;  // xp: X as the convolution saw it (padded)
   at::MemoryFormat x_format = at::MemoryFormat::Contiguous, xp_format = at::MemoryFormat::Contiguous;
+  at::MemoryFormat w_format = at::MemoryFormat::Contiguous;  // the weight carrier's layout (weight_carrier)
   bool need_x = false, need_w = false, need_b = false;
   bool carrier_dx = false;  // dX through convolution_backward with a carrier of X's shape and layout
   // X itself while someone else holds it (nothing kept alive): the carrier of choice.
@@ -233,6 +234,14 @@ bool dx_route_on_onednn(const ConvCfg& c, const at::Tensor& xp, const at::Tensor
   return answer;
 }
 
+// slimgrad.functional.conv._weight_carrier: the weight for a convolution_backward without dX where it was not kept
+// (a computed weight, which stock keeps): aten makes it contiguous in the backend's layout before reading its shape,
+// so a zero-stride stand-in became a weight-sized copy plus its element; an uninitialised tensor in the weight's
+// layout costs the bytes stock held all along.
+at::Tensor weight_carrier(const ConvState& st, const at::Tensor& grad) {
+  return at::empty(st.w_shape, grad.options().memory_format(st.w_format));
+}
+
 // The forward and backward shared by the two Functions below (with and without a bias: autograd cannot take an
 // undefined tensor as an input).
 at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -270,7 +279,11 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
       st->has_x_ref = true;
     }
   }
-  ctx->save_for_backward({need_w ? x : at::Tensor(), need_x ? weight : at::Tensor()});
+  // The weight for dX, and for dW where it is a leaf the caller holds anyway: aten's backward makes whatever
+  // stands in for it contiguous (see weight_carrier).
+  const bool keep_w = need_x || (need_w && weight.is_leaf());
+  if (need_w && !keep_w) st->w_format = conv_format(weight);
+  ctx->save_for_backward({need_w ? x : at::Tensor(), keep_w ? weight : at::Tensor()});
   ctx->saved_data["s"] = c10::IValue::make_capsule(st);
   return out;
 }
@@ -313,7 +326,7 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
     dx = unpad(*st, dx);
   }
   if (st->need_w) {
-    auto w = weight.defined() ? weight : at::empty({}, grad.options()).expand(st->w_shape);
+    auto w = weight.defined() ? weight : weight_carrier(*st, grad);
     auto r = conv_backward(c, grad, c.padded() ? pad_x(c, x) : x, w, {false, true, st->need_b});
     dw = std::get<1>(r);
     db = std::get<2>(r);

@@ -7,7 +7,8 @@ weight needs grad, and the weight only when X needs grad; the padding is redone 
 Gradients come from the same kernels stock runs, so they are bitwise equal:
 dX of a convolution is a transposed convolution of the output gradient (and dX of a transposed
 convolution a plain one) rather than ``aten.convolution_backward``, which would copy a stand-in input to
-an input-sized temporary; dW and dB come from ``aten.convolution_backward`` fed a weight stand-in.
+an input-sized temporary; dW and dB come from ``aten.convolution_backward`` fed the weight (kept for dW where it
+is a leaf, which costs nothing; else a carrier of its shape, ``_weight_carrier``).
 In the channels-last layout the transposed convolution sums in another order than stock's backward-data
 kernel, so there dX is ``aten.convolution_backward`` itself, fed a tensor of X's shape and layout whose
 values it never reads (``_shape_carrier``: X while alive, a view of the gradient's storage, or a fresh one
@@ -194,11 +195,13 @@ class _ConvFunction(_common.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         if need_w and xc is None:
             _common.note_input_kept(x)
-        ctx.save_for_backward((x if xc is None else xc) if need_w else None, weight if need_x else None)
+        keep_w = need_x or (need_w and weight.is_leaf)
+        ctx.save_for_backward((x if xc is None else xc) if need_w else None, weight if keep_w else None)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
         ctx.xp_shape = tuple(xp.shape)
         ctx.w_shape = tuple(weight.shape)
+        ctx.w_format = None  # the weight carrier's layout (_weight_carrier), where the weight is not kept
         ctx.has_bias = bias is not None
         ctx.x_ref = None
         ctx.carrier_dx = False
@@ -208,6 +211,8 @@ class _ConvFunction(_common.Function):
             return
         ctx.xp_format = _format(xp)
         ctx.x_format = _format(x) if pad is not None and need_x else ctx.xp_format
+        if need_w and not keep_w and not torch.compiler.is_compiling():
+            ctx.w_format = _format(weight)
         # Channels-last dX without dW runs stock's kernels (the convolution's and the pad's backward) on tensors
         # of X's shape and layout whose values they never read: a weak reference lets backward use X itself
         # while the caller still holds it (no copy, nothing kept alive).
@@ -425,7 +430,7 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
     return torch.ops.aten.convolution_backward.default(
         grad,
         xp,
-        weight if weight is not None else _common.standin(ctx.w_shape, grad),
+        weight if weight is not None else _weight_carrier(ctx, grad),
         [grad.shape[1]] if output_mask[2] else None,  # output channels (a transposed weight has out/groups)
         list(stride),
         list(padding),
@@ -435,6 +440,18 @@ def _convolution_backward(ctx, grad, x, weight, output_mask, xp=None):
         groups,
         list(output_mask),
     )
+
+
+def _weight_carrier(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The weight for a ``convolution_backward`` that computes no dX, where the weight was not kept. Kept it is
+    wherever it is a leaf (the caller holds it anyway); this is for a computed weight, which stock keeps from
+    forward to backward. aten reads its shape and layout only, but first makes it contiguous in the backend's
+    layout: a zero-stride stand-in became a weight-sized copy plus the stand-in's element, above stock's peak.
+    So in eager an uninitialised tensor in the weight's layout (the bytes stock held all along); under
+    torch.compile and torch.func, the stand-in as before."""
+    if ctx.w_format is None or torch.compiler.is_compiling():
+        return _common.standin(ctx.w_shape, grad)
+    return torch.empty(ctx.w_shape, dtype=grad.dtype, device=grad.device, memory_format=ctx.w_format)
 
 
 def _distinct_view(x: torch.Tensor) -> torch.Tensor:
