@@ -43,6 +43,7 @@ struct ConvState : torch::CustomClassHolder {
   at::MemoryFormat w_format = at::MemoryFormat::Contiguous;  // the weight carrier's layout (weight_carrier)
   bool need_x = false, need_w = false, need_b = false;
   bool carrier_dx = false;  // dX through convolution_backward with a carrier of X's shape and layout
+  bool db_in_dx_call = false;  // dB from that same call (fp16/bf16 on CPU: see conv_fwd)
   // X itself while someone else holds it (nothing kept alive): the carrier of choice.
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> x_ref{
       c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
@@ -272,7 +273,12 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
     const bool fallback_kernel = x.device().is_cpu() && x.scalar_type() != at::kFloat &&
                                  x.scalar_type() != at::kBFloat16;
     const bool not_onednn = x.device().is_cpu() && !dx_route_on_onednn(c, xp, weight, out);
-    st->carrier_dx = pointwise || fallback_kernel || not_onednn || st->xp_format != at::MemoryFormat::Contiguous;
+    // A trainable bias in fp16/bf16 on CPU: dB from stock's own call (its bits and bytes), where a separate sum
+    // would make an fp32 copy of dY while dX is alive: the carrier route.
+    st->db_in_dx_call = need_b && x.device().is_cpu() &&
+                        (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16);
+    st->carrier_dx = pointwise || st->db_in_dx_call || fallback_kernel || not_onednn ||
+                     st->xp_format != at::MemoryFormat::Contiguous;
     if (st->carrier_dx || st->x_format != at::MemoryFormat::Contiguous) {
       st->x_stride = x.strides().vec();
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
@@ -303,7 +309,7 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
   }
   if (st->need_x && st->carrier_dx) {
     auto carrier = shape_carrier(*st, st->xp_shape, st->xp_format, grad);
-    dx = std::get<0>(conv_backward(c, grad, carrier, weight, {true, false, false}));
+    std::tie(dx, std::ignore, db) = conv_backward(c, grad, carrier, weight, {true, false, st->db_in_dx_call});
     carrier = at::Tensor();
     dx = unpad(*st, dx);
   } else if (st->need_x) {
@@ -330,7 +336,7 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
     auto r = conv_backward(c, grad, c.padded() ? pad_x(c, x) : x, w, {false, true, st->need_b});
     dw = std::get<1>(r);
     db = std::get<2>(r);
-  } else if (st->need_b) {
+  } else if (st->need_b && !db.defined()) {
     std::vector<int64_t> dims{0};
     for (int64_t d = 2; d < grad.dim(); ++d) dims.push_back(d);
     db = grad.sum(dims);

@@ -205,6 +205,7 @@ class _ConvFunction(_common.Function):
         ctx.has_bias = bias is not None
         ctx.x_ref = None
         ctx.carrier_dx = False
+        ctx.db_in_dx_call = False
         if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
             # Under torch.func: gradients in the contiguous layout, from plain torch ops (see _transforms)
             ctx.xp_format = ctx.x_format = _transforms.TRANSFORM_LAYOUT
@@ -225,9 +226,15 @@ class _ConvFunction(_common.Function):
         # And every convolution where stock's kernel or the transposed convolution on dY would not run oneDNN on CPU
         # (fp32 at batch 1 with a small X, a small dY, oneDNN switched off): the slow transposed kernel unfolds dY
         # into a column buffer stock's backward never makes (up to 8x X above stock's peak).
+        # A trainable bias in fp16/bf16 on CPU: dB from that same call, stock's own (the bits and bytes of stock's
+        # dB), where a separate sum would make an fp32 copy of dY while dX is alive (aten's CPU sum of a reduced
+        # float type over several dims): it runs the carrier route. (Not on oneDNN's fused dB there: the values
+        # of the carrier it reads for the dW it discards do not enter dB.)
         if need_x and not need_w and not torch.compiler.is_compiling():
             out = output if pad is None else output[0]
-            ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:]))
+            ctx.db_in_dx_call = (ctx.needs_input_grad[2] and x.device.type == "cpu"
+                                 and out.dtype in (torch.float16, torch.bfloat16))
+            ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:])) or ctx.db_in_dx_call
                               or (x.device.type == "cpu" and (x.dtype not in (torch.float32, torch.bfloat16)
                                                               or not _dx_route_on_onednn(xp, weight, out, cfg))))
             if (ctx.carrier_dx or ctx.xp_format != torch.contiguous_format
@@ -269,7 +276,7 @@ class _ConvFunction(_common.Function):
             # fed a tensor of X's shape and layout whose values it never reads (a zero-stride stand-in would be
             # copied to that layout): see _shape_carrier.
             xp = _shape_carrier(ctx, ctx.xp_shape, ctx.xp_format, grad)
-            dx = _convolution_backward(ctx, grad, None, weight, (True, False, False), xp=xp)[0]
+            dx, _, db = _convolution_backward(ctx, grad, None, weight, (True, False, ctx.db_in_dx_call), xp=xp)
             del xp
             dx = _unpad_uncast(ctx, dx)
         elif need_x:
@@ -299,11 +306,10 @@ class _ConvFunction(_common.Function):
             del w, g
             dx = _unpad_uncast(ctx, dx)
 
-        if need_w or need_b:
-            if need_w:
-                _, dw, db = _convolution_backward(ctx, grad, x, weight, (False, True, need_b))
-            else:
-                db = grad.sum([0] + list(range(2, grad.dim())))
+        if need_w:
+            _, dw, db = _convolution_backward(ctx, grad, x, weight, (False, True, need_b))
+        elif need_b and db is None:
+            db = grad.sum([0] + list(range(2, grad.dim())))
         return (dx, dw, db if need_b else None) + tail
 
 
