@@ -259,3 +259,57 @@ def test_peak_not_above_peft_with_dropout():
 
     peaks = [peak_bytes(step, m) for m in (stock, slim)]
     assert peaks[1] <= peaks[0]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+def test_adapters_only_peak_not_above_peft(dtype, channels_last):
+    """The LoRA case itself (x and the base frozen, the adapters training, dropout): the core's backward frees dY
+    after its last reader (the scaling product), as stock's engine does, not at the end of the layer's backward:
+    one dY fewer when the adapters' weight gradients run (fp32 at this size: 150600 B against peft's 138260
+    before, 120404 after; fp16 139528 against 115912 before). The Python path cannot drop the engine's
+    reference."""
+    from slimgrad.measure import peak_bytes
+
+    torch.manual_seed(0)
+    base = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = base
+
+        def forward(self, x):
+            return self.layer(x)
+
+    stock = get_peft_model(Wrap(), LoraConfig(r=4, lora_alpha=8, target_modules=["layer"], lora_dropout=0.1,
+                                              init_lora_weights=False)).to(dtype)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(1)).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    g = torch.randn(4, 16, 12, 12, generator=torch.Generator().manual_seed(2))
+
+    def step(model):
+        torch.manual_seed(5)
+        (model(x).float() * g).sum().backward()
+
+    for m in (slim, stock):  # (a first call's one-time allocations out of the measured one)
+        step(m)
+        for p in m.parameters():
+            p.grad = None
+    got, ref = peak_bytes(step, slim), peak_bytes(step, stock)
+    # fp16/fp64 run the slow conv, whose forward scratch for lora_A sets the peak: the dropped input is alive there
+    # in both (stock keeps it, slimgrad drops it after the call), and slimgrad's packed mask beside it (1 bit an
+    # element of x, drawn before the call that reads the dropped input)
+    mask = (x.numel() + 7) // 8 if dtype != torch.float32 else 0
+    assert got <= ref + mask, (got, ref, mask)
+    grads = {}
+    for m in (stock, slim):
+        for p in m.parameters():
+            p.grad = None
+        step(m)
+        grads[m] = [(n, p.grad) for n, p in m.named_parameters() if p.grad is not None]
+    assert [n for n, _ in grads[slim]] == [n for n, _ in grads[stock]] and grads[slim]
+    for (n, a), (_, b) in zip(grads[slim], grads[stock]):
+        assert_same(a, b, what=n)

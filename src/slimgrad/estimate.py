@@ -377,6 +377,22 @@ def _wrapped_numbers(func, args, kwargs) -> int:
     return total
 
 
+def released_by_the_core(grad: torch.Tensor) -> None:
+    """The simulated step's note that the compiled core's backward frees dY here (the LoRA Functions reset the
+    engine's handle on it after its last reader, as stock's engine frees it after peft's scaling product), where
+    the Python Function standing in for it cannot drop the engine's reference: counted as freed when nothing else
+    holds it (its only tensors are the one the engine and this Function share and, where that is a view, the base
+    it holds: no other view of its storage lives)."""
+    own = (1 if grad._base is None else 2) + 1  # (+ the storage object asked here)
+    if grad._use_count() > 2 or torch._C._storage_Use_Count(grad.untyped_storage()._cdata) > own:
+        return
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, _Allocations):
+            mode.release(grad)
+
+
 class _Allocations(TorchDispatchMode):
     """Every storage an op brings into being, alive until nothing refers to it; one event per op."""
 
@@ -422,6 +438,19 @@ class _Allocations(TorchDispatchMode):
         self.current += n
         self.totals[kind] = self.totals.get(kind, 0) + n
         return n
+
+    def release(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as freed from now on, though a Python Function simulating a C++ one still holds
+        it (:func:`released_by_the_core`): its later death subtracts nothing more."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        s = _storage(t)
+        entry = None if s is None else self.live.get(StorageWeakRef(s).cdata)
+        if entry is None or entry[1] == 0:
+            return
+        self.current -= entry[1]
+        self.totals[entry[2]] -= entry[1]
+        entry[1] = 0
 
     def relabel(self, old: str, new: str) -> None:
         for v in self.live.values():

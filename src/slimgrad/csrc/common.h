@@ -61,10 +61,15 @@ inline std::pair<std::vector<at::Tensor>, std::vector<bool>> present_slots(at::T
 // `saved_data["present"]` flags, one per slot): `compute(need)` gives one gradient per slot (need: a present
 // slot's needs_input_grad), only where dY is defined; the present slots' gradients go out in order through
 // once_differentiable (key), then `extra` undefined entries for the Function's non-tensor arguments.
+// compute(need, dy): dy, the engine's own handle on dY (the Function's backward takes grads_in by reference, so
+// this is the CppNode's list, not a copy), which compute resets after its last use, as stock's engine frees dY
+// after the node that reads it (peft's scaling product) rather than at the end of the layer's backward; null where
+// autograd builds a graph of the backward (create_graph: the error node below must see dY).
 template <class Compute>
 torch::autograd::variable_list present_backward(torch::autograd::AutogradContext* ctx,
-                                                const torch::autograd::variable_list& grads_in,
+                                                torch::autograd::variable_list& grads_in,
                                                 const std::string& key, size_t extra, Compute&& compute) {
+  const bool may_release = !at::GradMode::is_enabled();
   const auto present = ctx->saved_data["present"].toIntVector();
   std::vector<bool> need(present.size(), false);
   size_t k = 0;
@@ -73,7 +78,7 @@ torch::autograd::variable_list present_backward(torch::autograd::AutogradContext
   torch::autograd::variable_list full(present.size());
   if (grads_in[0].defined()) {
     at::NoGradGuard no_grad;
-    full = compute(need);
+    full = compute(need, may_release ? &grads_in[0] : nullptr);
   }
   torch::autograd::variable_list grads;
   for (size_t i = 0; i < present.size(); ++i)

@@ -138,13 +138,18 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     return {lora_forward(ctx, t, need, fan_in_fan_out, cast, scalings, ps).out};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads_in) {
+  // (grads_in by reference: present_backward says why)
+  static variable_list backward(AutogradContext* ctx, variable_list& grads_in) {
     // 5 non-tensor arguments: present, fan_in_fan_out, cast, scalings, ps
     return present_backward(ctx, grads_in, "LoraLinearFunction", 5,
-                            [&](const std::vector<bool>& need) { return compute(ctx, grads_in[0], need); });
+                            [&](const std::vector<bool>& need, at::Tensor* dy) {
+                              return compute(ctx, grads_in[0], need, dy);
+                            });
   }
 
-  static variable_list compute(AutogradContext* ctx, const at::Tensor& grad, const std::vector<bool>& need) {
+  // grad: a copy of dY's handle; dy: the engine's, both released after dY's last use (present_backward), or null
+  static variable_list compute(AutogradContext* ctx, at::Tensor grad, const std::vector<bool>& need,
+                               at::Tensor* dy) {
     auto& d = ctx->saved_data;
     const bool fan_in_fan_out = d["fan_in_fan_out"].toBool(), cast = d["cast"].toBool();
     const auto scalings = d["scalings"].toDoubleVector();
@@ -182,7 +187,11 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
       const bool need_a = need[3 + 3 * i], need_b = need[4 + 3 * i], need_bb = need[5 + 3 * i];
       if (!(need_x || need_a || need_b || need_bb)) continue;
       at::Tensor g_u = rows(g.to(static_cast<at::ScalarType>(u_dtypes[i])) * scalings[i]);
-      if (i == last_g) g.reset();
+      if (i == last_g) {
+        g.reset();
+        grad.reset();
+        if (dy) dy->reset();  // dY's last reader: freed here unless g_base views it or the caller holds it
+      }
       if (need_bb) grads[5 + 3 * i] = g_u.sum(0);
       if (need_b) grads[4 + 3 * i] = g_u.t().mm(rows(kept(i)));
       if (!(need_x || need_a)) continue;

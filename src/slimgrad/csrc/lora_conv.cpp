@@ -192,14 +192,18 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
     return {lora_conv_forward(ctx, t, need, cast, scalings, ps, opts)};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads_in) {
+  // (grads_in by reference: present_backward says why)
+  static variable_list backward(AutogradContext* ctx, variable_list& grads_in) {
     // 5 non-tensor arguments: present, cast, scalings, ps, opts
-    return present_backward(ctx, grads_in, "LoraConvFunction", 5,
-                            [&](const std::vector<bool>& need) { return compute(ctx, grads_in[0], need); });
+    return present_backward(ctx, grads_in, "LoraConvFunction", 5, [&](const std::vector<bool>& need, at::Tensor* dy) {
+      return compute(ctx, grads_in[0], need, dy);
+    });
   }
 
   // LoraConvFunction.backward (functional/lora_conv.py), op for op.
-  static variable_list compute(AutogradContext* ctx, const at::Tensor& grad, const std::vector<bool>& need) {
+  // grad: a copy of dY's handle; dy: the engine's, both released after dY's last use (present_backward), or null
+  static variable_list compute(AutogradContext* ctx, at::Tensor grad, const std::vector<bool>& need,
+                               at::Tensor* dy) {
     auto& d = ctx->saved_data;
     const bool cast = d["cast"].toBool();
     const auto scalings = d["scalings"].toDoubleVector();
@@ -243,7 +247,11 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
       const Opts b = unpack(opt_list.get(2 * i + 1).toIntVector(), nd);
       at::Tensor g_u = (i == last && g_own && g.scalar_type() == u_dtype) ? g.mul_(py_float(scalings[i]))
                                                                           : g.to(u_dtype) * scalings[i];
-      if (i == last) g.reset();
+      if (i == last) {
+        g.reset();
+        grad.reset();
+        if (dy) dy->reset();  // dY's last reader: freed here unless the base's gradient or the caller holds it
+      }
       const bool need_t = need_x || need_a;
       const auto t_shape = shape_list.get(i).toIntVector();
       auto [dt, dB, dBb] = conv_backward(g_u, kept(i), B, b, need_t, need_b, need_bb && bias.defined(), t_shape,

@@ -295,6 +295,11 @@ class LoraLinearFunction(_common.Function):
             g_u = _rows(g.to(u_dtypes[i]) * scalings[i])
             if i == last_g:
                 g = None
+                if getattr(ctx, "core_simulated", False):
+                    # the core frees dY here (csrc/lora.cpp: the engine's handle reset after its last reader)
+                    from slimgrad.estimate import released_by_the_core
+
+                    released_by_the_core(grad)
             if need_bb:
                 grads[_ADAPTERS_AT + 2 + 3 * i] = g_u.sum(0)
             if need_b:

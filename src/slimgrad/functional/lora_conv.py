@@ -45,6 +45,7 @@ from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional.conv import _format  # (torch's suggest_memory_format, without its ~25 µs of guards)
 from slimgrad.functional.dropout import (
+    _SIMULATED,
     _canonical,
     _dense,
     _fill_noise,
@@ -212,6 +213,7 @@ class LoraConvFunction(_common.Function):
         ts, masks = rest[:n], rest[n:]
         ctx.mark_non_differentiable(*[t for t in (seeds, *rest) if t is not None])
         ctx.set_materialize_grads(False)  # (else backward gets a zero gradient of each extra's size)
+        ctx.core_simulated = _SIMULATED["core_draw"]  # backward allocates (and frees) as the core's (slimgrad.estimate)
         need = ctx.needs_input_grad
         need_x = need[0]
         need_a = [need[_ADAPTERS_AT + 3 * i] for i in range(n)]
@@ -302,6 +304,12 @@ class LoraConvFunction(_common.Function):
                 g_u = g.to(u_dtype) * s
             if i == last:
                 del g
+                if getattr(ctx, "core_simulated", False) and grads[1] is not grad:
+                    # the core frees dY here (csrc/lora_conv.cpp: the engine's handle reset after its last reader;
+                    # the base's gradient, when requested, is dY itself and keeps it)
+                    from slimgrad.estimate import released_by_the_core
+
+                    released_by_the_core(grad)
             need_t = need_x or need_a
             dt, grads[_ADAPTERS_AT + 1 + 3 * i], grads[_ADAPTERS_AT + 2 + 3 * i] = _backward(
                 g_u, kept_t[i], B, b, need_t, need_b, need_bb and bias is not None, t_shape, t_format)
