@@ -51,8 +51,10 @@ for nd in (1, 2, 3):
     CASES[getattr(F, f"conv_transpose{nd}d")] = (
         lambda x, nd=nd: ((x, CONVT_W[nd]), {"stride": 2}), SHAPE[nd], 0, True)
     CASES[getattr(F, f"max_pool{nd}d")] = (lambda x: ((x, 2), {}), SHAPE[nd], _pool_out(nd, 2), True)
+    # the returned int64 indices exist anyway: kept in place of window positions (positions beside them would put
+    # the step's peak above stock's), still less than stock's input + indices
     CASES[getattr(F, f"max_pool{nd}d_with_indices")] = (
-        lambda x: ((x, 2), {}), SHAPE[nd], _pool_out(nd, 2), True)
+        lambda x: ((x, 2), {}), SHAPE[nd], 8 * _pool_out(nd, 2), True)
     CASES[getattr(F, f"avg_pool{nd}d")] = (lambda x: ((x, 2), {}), SHAPE[nd], 0, True)
     CASES[getattr(F, f"adaptive_avg_pool{nd}d")] = (lambda x: ((x, 1), {}), SHAPE[nd], 0, True)
     # Feature dropout is stock's own (it keeps one value per (sample, channel), nothing to save).

@@ -168,7 +168,7 @@ class MaxPoolFunction(_common.Function):
         out, indices = _MAX_FORWARD[nd](x, kernel, stride, padding, dilation, ceil_mode)
         dtype = position_dtype(math.prod(kernel))
         in_sizes = tuple(x.shape[-nd:])
-        if transformed:  # torch.func: ops vmap batches (no torch.take), the indices left intact
+        if transformed and not return_indices:  # torch.func: ops vmap batches (no torch.take), indices intact
             pos = _positions_from_indices(indices, in_sizes, kernel, stride, padding, dilation, dtype,
                                           in_place=False, vmappable=True)
             return out, indices, pos
