@@ -7,8 +7,9 @@
 // of X's shape and layout whose values it never reads (channels-last X, and 1x1 kernels, where it is faster than
 // the transposed convolution), else the transposed (plain, for a transposed conv) convolution of dY; then the
 // pad's backward. dW/dB: convolution_backward (the weight kept where it is a leaf, else an uninitialised carrier of
-// its shape and layout), dB alone a sum. Autocast and an X that views a larger storage with a trainable weight (the Python Function keeps
-// a compact copy there) stay with the Python Function.
+// its shape and layout), dB alone a sum (fp16/bf16 on CPU: that call, for the bias only, on carriers). Autocast
+// and an X that views a larger storage with a trainable weight (the Python Function keeps a compact copy there)
+// stay with the Python Function.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -44,6 +45,7 @@ struct ConvState : torch::CustomClassHolder {
   bool need_x = false, need_w = false, need_b = false;
   bool carrier_dx = false;  // dX through convolution_backward with a carrier of X's shape and layout
   bool db_in_dx_call = false;  // dB from that same call (fp16/bf16 on CPU: see conv_fwd)
+  bool db_call = false;  // the bias alone trainable: dB from convolution_backward on carriers (see conv_fwd)
   // X itself while someone else holds it (nothing kept alive): the carrier of choice.
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> x_ref{
       c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
@@ -284,11 +286,20 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
       st->has_x_ref = true;
     }
+  } else if (!need_x && !need_w && need_b && x.device().is_cpu() &&
+             (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16)) {
+    // The bias alone trainable in fp16/bf16 on CPU: dB from stock's own call (output_mask for the bias only), where
+    // a sum over (N, spatial) would make an fp32 copy of dY: up to 2x dY above stock's step peak. Fed the weight
+    // (kept where it is a leaf, else a carrier) and a carrier of X's shape and layout: stock keeps both.
+    st->db_call = true;
+    st->x_stride = x.strides().vec();
+    st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
+    st->has_x_ref = true;
   }
-  // The weight for dX, and for dW where it is a leaf the caller holds anyway: aten's backward makes whatever
-  // stands in for it contiguous (see weight_carrier).
-  const bool keep_w = need_x || (need_w && weight.is_leaf());
-  if (need_w && !keep_w) st->w_format = conv_format(weight);
+  // The weight for dX, and for dW (or dB alone, above) where it is a leaf the caller holds anyway: aten's backward
+  // makes whatever stands in for it contiguous (see weight_carrier).
+  const bool keep_w = need_x || ((need_w || st->db_call) && weight.is_leaf());
+  if ((need_w || st->db_call) && !keep_w) st->w_format = conv_format(weight);
   ctx->save_for_backward({need_w ? x : at::Tensor(), keep_w ? weight : at::Tensor()});
   ctx->saved_data["s"] = c10::IValue::make_capsule(st);
   return out;
@@ -336,6 +347,10 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
     auto r = conv_backward(c, grad, c.padded() ? pad_x(c, x) : x, w, {false, true, st->need_b});
     dw = std::get<1>(r);
     db = std::get<2>(r);
+  } else if (st->need_b && !db.defined() && st->db_call) {
+    auto carrier = shape_carrier(*st, st->xp_shape, st->xp_format, grad);
+    db = std::get<2>(conv_backward(c, grad, carrier, weight.defined() ? weight : weight_carrier(*st, grad),
+                                   {false, false, true}));
   } else if (st->need_b && !db.defined()) {
     std::vector<int64_t> dims{0};
     for (int64_t d = 2; d < grad.dim(); ++d) dims.push_back(d);

@@ -195,7 +195,16 @@ class _ConvFunction(_common.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         if need_w and xc is None:
             _common.note_input_kept(x)
-        keep_w = need_x or (need_w and weight.is_leaf)
+        # The bias alone trainable in fp16/bf16 on CPU: dB from stock's own call (output_mask for the bias only),
+        # where a sum over (N, spatial) would make an fp32 copy of dY (aten's CPU sum of a reduced float type over
+        # several dims; stock sums per group on its fallback kernels, oneDNN in its weight-gradient kernel): up to
+        # 2x dY above stock's step peak. Its weight (kept where it is a leaf: the caller holds it, and stock keeps
+        # it) and a carrier of X's shape and layout (see _shape_carrier); stock keeps both from forward on.
+        ctx.db_call = (not need_x and not need_w and bias is not None and ctx.needs_input_grad[2]
+                       and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                       and not torch._C._are_functorch_transforms_active()
+                       and (output if pad is None else output[0]).dtype in (torch.float16, torch.bfloat16))
+        keep_w = need_x or ((need_w or ctx.db_call) and weight.is_leaf)
         ctx.save_for_backward((x if xc is None else xc) if need_w else None, weight if keep_w else None)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
@@ -212,8 +221,11 @@ class _ConvFunction(_common.Function):
             return
         ctx.xp_format = _format(xp)
         ctx.x_format = _format(x) if pad is not None and need_x else ctx.xp_format
-        if need_w and not keep_w and not torch.compiler.is_compiling():
+        if (need_w or ctx.db_call) and not keep_w and not torch.compiler.is_compiling():
             ctx.w_format = _format(weight)
+        if ctx.db_call:
+            ctx.x_ref = weakref.ref(x)
+            ctx.x_stride = x.stride()
         # Channels-last dX without dW runs stock's kernels (the convolution's and the pad's backward) on tensors
         # of X's shape and layout whose values they never read: a weak reference lets backward use X itself
         # while the caller still holds it (no copy, nothing kept alive).
@@ -308,6 +320,11 @@ class _ConvFunction(_common.Function):
 
         if need_w:
             _, dw, db = _convolution_backward(ctx, grad, x, weight, (False, True, need_b))
+        elif need_b and db is None and ctx.db_call:
+            # stock's call for dB alone (see setup_context), on carriers of X and (a computed) weight
+            xp = _shape_carrier(ctx, ctx.xp_shape, ctx.xp_format, grad)
+            db = _convolution_backward(ctx, grad, None, weight, (False, False, True), xp=xp)[2]
+            del xp
         elif need_b and db is None:
             db = grad.sum([0] + list(range(2, grad.dim())))
         return (dx, dw, db if need_b else None) + tail
