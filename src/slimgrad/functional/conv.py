@@ -238,6 +238,10 @@ class _ConvFunction(_common.Function):
         # And every convolution where stock's kernel or the transposed convolution on dY would not run oneDNN on CPU
         # (fp32 at batch 1 with a small X, a small dY, oneDNN switched off): the slow transposed kernel unfolds dY
         # into a column buffer stock's backward never makes (up to 8x X above stock's peak).
+        # A strided convolution on CPU too: oneDNN's transposed convolution on dY took a scratch 128 B larger than
+        # stock's backward-data kernel (step peak +128 B, fp32/bf16 1-2d at 4x8x12x12); stock's kernel there is as
+        # fast or faster (ResNet's 3x3 stride-2 convs, backward at one thread: 0.90-1.00x), with stock's bits.
+        # (Stride 1, ResNet's 3x3 convs, keeps the transposed convolution: the faster one there.)
         # A trainable bias in fp16/bf16 on CPU: dB from that same call, stock's own (the bits and bytes of stock's
         # dB), where a separate sum would make an fp32 copy of dY while dX is alive (aten's CPU sum of a reduced
         # float type over several dims): it runs the carrier route. (Not on oneDNN's fused dB there: the values
@@ -247,6 +251,7 @@ class _ConvFunction(_common.Function):
             ctx.db_in_dx_call = (ctx.needs_input_grad[2] and x.device.type == "cpu"
                                  and out.dtype in (torch.float16, torch.bfloat16))
             ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:])) or ctx.db_in_dx_call
+                              or (x.device.type == "cpu" and not transposed and any(s != 1 for s in cfg[2]))
                               or (x.device.type == "cpu" and (x.dtype not in (torch.float32, torch.bfloat16)
                                                               or not _dx_route_on_onednn(xp, weight, out, cfg))))
             if (ctx.carrier_dx or ctx.xp_format != torch.contiguous_format
