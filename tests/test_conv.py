@@ -783,15 +783,11 @@ def test_padding_mode_weight_grad_without_input_grad_peak_not_above_stock(nd, la
 
     if core and csrc.core() is None:
         pytest.skip("the compiled core is unavailable here")
-    shape = {1: (4, 8, 48), 2: (4, 8, 12, 12), 3: (2, 8, 6, 6, 6)}[nd]
     torch.manual_seed(0)
     stock = getattr(nn, f"Conv{nd}d")(8, 16, 3, padding=1, padding_mode=mode).to(dtype)
     stock.bias.requires_grad_(rb)
     slim = slim_copy(stock)
-    x0 = torch.randn(shape).to(dtype)
-    if layout is not None:
-        x0 = x0.contiguous(memory_format=layout)
-    g = torch.randn(stock(x0).shape, generator=torch.Generator().manual_seed(1))
+    x0, g = _sweep_input_and_grad(stock, nd, layout, dtype)
     with contextlib.nullcontext() if core else csrc.disabled():
         (k0, p0, _, grads0), (k1, p1, _, grads1) = (_step_measures(m, x0, False, g) for m in (stock, slim))
         assert _ran_core_or_python(slim, x0, core)
@@ -799,6 +795,16 @@ def test_padding_mode_weight_grad_without_input_grad_peak_not_above_stock(nd, la
         assert_same(a, b, what="parameter grad")
     assert k1 <= k0, (k1, k0)
     assert p1 <= p0, (p1, p0)
+
+
+def _sweep_input_and_grad(stock, nd, layout, dtype):
+    """The module sweep's input for an ``nd``-d conv (in ``layout`` where given) and a fixed fp32 upstream gradient
+    of stock's output shape."""
+    shape = {1: (4, 8, 48), 2: (4, 8, 12, 12), 3: (2, 8, 6, 6, 6)}[nd]
+    x0 = torch.randn(shape).to(dtype)
+    if layout is not None:
+        x0 = x0.contiguous(memory_format=layout)
+    return x0, torch.randn(stock(x0).shape, generator=torch.Generator().manual_seed(1))
 
 
 def _ran_core_or_python(m, x, core) -> bool:
@@ -822,15 +828,11 @@ def test_low_precision_bias_grad_with_frozen_weight_peak_not_above_stock(nd, lay
 
     if core and csrc.core() is None:
         pytest.skip("the compiled core is unavailable here")
-    shape = {1: (4, 8, 48), 2: (4, 8, 12, 12), 3: (2, 8, 6, 6, 6)}[nd]
     torch.manual_seed(0)
     stock = getattr(nn, f"Conv{nd}d")(8, cout, 3, padding=1, groups=groups).to(dtype).requires_grad_(False)
     stock.bias.requires_grad_(True)
     slim = slim_copy(stock)
-    x0 = torch.randn(shape).to(dtype)
-    if layout is not None:
-        x0 = x0.contiguous(memory_format=layout)
-    g = torch.randn(stock(x0).shape, generator=torch.Generator().manual_seed(1))
+    x0, g = _sweep_input_and_grad(stock, nd, layout, dtype)
     with contextlib.nullcontext() if core else csrc.disabled():
         (k0, p0, dx0, grads0), (k1, p1, dx1, grads1) = (_step_measures(m, x0, True, g) for m in (stock, slim))
         assert _ran_core_or_python(slim, x0.clone().requires_grad_(), core)
@@ -859,16 +861,13 @@ def test_low_precision_bias_alone_trainable_peak_not_above_stock(nd, layout, tra
 
     if core and csrc.core() is None:
         pytest.skip("the compiled core is unavailable here")
-    shape = {1: (4, 8, 48), 2: (4, 8, 12, 12), 3: (2, 8, 6, 6, 6)}[nd]
     torch.manual_seed(0)
     cls = getattr(nn, f"{'ConvTranspose' if transposed else 'Conv'}{nd}d")
     stock = cls(8, cout, 3, padding=1, groups=groups).to(dtype).requires_grad_(False)
     stock.bias.requires_grad_(True)
     slim = slim_copy(stock)
-    x0 = torch.randn(shape).to(dtype)
-    if layout is not None:
-        x0 = x0.contiguous(memory_format=layout)
-    g = torch.randn(stock(x0).shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x0, g = _sweep_input_and_grad(stock, nd, layout, dtype)
+    g = g.to(dtype)
 
     def measures(m):
         def step(xi):
