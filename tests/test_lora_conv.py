@@ -269,8 +269,11 @@ def test_adapters_only_peak_not_above_peft(dtype, channels_last):
     one dY fewer when the adapters' weight gradients run (fp32 at this size: 150600 B against peft's 138260
     before, 120404 after; fp16 139528 against 115912 before). The Python path cannot drop the engine's
     reference."""
+    from slimgrad import csrc
     from slimgrad.measure import peak_bytes
 
+    if not csrc.enabled() or csrc.core() is None:
+        pytest.skip("the core's backward frees dY after its last reader; the Python path cannot (README Limits)")
     torch.manual_seed(0)
     base = nn.Conv2d(8, 16, 3, padding=1, bias=False)
 
