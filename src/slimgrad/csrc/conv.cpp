@@ -267,32 +267,32 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
   st->w_shape = weight.sizes().vec();
   st->xp_format = conv_format(xp);
   st->x_format = c.padded() && need_x ? conv_format(x) : st->xp_format;
+  const bool cpu = x.device().is_cpu();
+  // fp16/bf16 on CPU: a separate dB sum would make an fp32 copy of dY (aten's CPU sum of a reduced float type over
+  // several dims); stock's own call gives dB there, its bits and bytes
+  const bool reduced_on_cpu = cpu && (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16);
   if (need_x && !need_w) {
     bool pointwise = !c.transposed;
     for (int64_t d = 2; d < weight.dim(); ++d) pointwise = pointwise && weight.size(d) == 1;
     // (and stock's CPU fallback kernels, fp64/fp16, and wherever stock's kernel or the transposed convolution on dY
     // would not run oneDNN: see functional/conv.py's setup_context)
-    const bool fallback_kernel = x.device().is_cpu() && x.scalar_type() != at::kFloat &&
-                                 x.scalar_type() != at::kBFloat16;
-    const bool not_onednn = x.device().is_cpu() && !dx_route_on_onednn(c, xp, weight, out);
-    // A trainable bias in fp16/bf16 on CPU: dB from stock's own call (its bits and bytes), where a separate sum
-    // would make an fp32 copy of dY while dX is alive: the carrier route.
-    st->db_in_dx_call = need_b && x.device().is_cpu() &&
-                        (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16);
+    const bool fallback_kernel = cpu && x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16;
+    // A trainable bias in fp16/bf16 on CPU: dB from stock's own call, with dX: the carrier route.
+    st->db_in_dx_call = need_b && reduced_on_cpu;
     // A strided convolution on CPU: stock's backward-data kernel, as fast or faster, where oneDNN's transposed
     // convolution took a scratch 128 B larger (step peak above stock's).
     bool strided = false;
     for (auto s : c.stride) strided = strided || s != 1;
-    strided = strided && !c.transposed && x.device().is_cpu();
-    st->carrier_dx = pointwise || st->db_in_dx_call || strided || fallback_kernel || not_onednn ||
-                     st->xp_format != at::MemoryFormat::Contiguous;
+    strided = strided && !c.transposed && cpu;
+    // (the backend selector last: asked only where nothing else decided)
+    st->carrier_dx = pointwise || st->db_in_dx_call || strided || fallback_kernel ||
+                     st->xp_format != at::MemoryFormat::Contiguous || (cpu && !dx_route_on_onednn(c, xp, weight, out));
     if (st->carrier_dx || st->x_format != at::MemoryFormat::Contiguous) {
       st->x_stride = x.strides().vec();
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
       st->has_x_ref = true;
     }
-  } else if (!need_x && !need_w && need_b && x.device().is_cpu() &&
-             (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16)) {
+  } else if (!need_x && !need_w && need_b && reduced_on_cpu) {
     // The bias alone trainable in fp16/bf16 on CPU: dB from stock's own call (output_mask for the bias only), where
     // a sum over (N, spatial) would make an fp32 copy of dY: up to 2x dY above stock's step peak. Fed the weight
     // (kept where it is a leaf, else a carrier) and a carrier of X's shape and layout: stock keeps both.

@@ -200,10 +200,10 @@ class _ConvFunction(_common.Function):
         # several dims; stock sums per group on its fallback kernels, oneDNN in its weight-gradient kernel): up to
         # 2x dY above stock's step peak. Its weight (kept where it is a leaf: the caller holds it, and stock keeps
         # it) and a carrier of X's shape and layout (see _shape_carrier); stock keeps both from forward on.
-        ctx.db_call = (not need_x and not need_w and bias is not None and ctx.needs_input_grad[2]
-                       and x.device.type == "cpu" and not torch.compiler.is_compiling()
-                       and not torch._C._are_functorch_transforms_active()
-                       and (output if pad is None else output[0]).dtype in (torch.float16, torch.bfloat16))
+        out = output if pad is None else output[0]
+        reduced_on_cpu = x.device.type == "cpu" and out.dtype in (torch.float16, torch.bfloat16)
+        ctx.db_call = (not need_x and not need_w and bias is not None and ctx.needs_input_grad[2] and reduced_on_cpu
+                       and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
         keep_w = need_x or ((need_w or ctx.db_call) and weight.is_leaf)
         ctx.save_for_backward((x if xc is None else xc) if need_w else None, weight if keep_w else None)
         ctx.cfg = cfg
@@ -247,9 +247,7 @@ class _ConvFunction(_common.Function):
         # float type over several dims): it runs the carrier route. (Not on oneDNN's fused dB there: the values
         # of the carrier it reads for the dW it discards do not enter dB.)
         if need_x and not need_w and not torch.compiler.is_compiling():
-            out = output if pad is None else output[0]
-            ctx.db_in_dx_call = (ctx.needs_input_grad[2] and x.device.type == "cpu"
-                                 and out.dtype in (torch.float16, torch.bfloat16))
+            ctx.db_in_dx_call = ctx.needs_input_grad[2] and reduced_on_cpu
             ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:])) or ctx.db_in_dx_call
                               or (x.device.type == "cpu" and not transposed and any(s != 1 for s in cfg[2]))
                               or (x.device.type == "cpu" and (x.dtype not in (torch.float32, torch.bfloat16)
