@@ -44,42 +44,55 @@ export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$REPO/.gpucache}  # the core's build, ke
 log "machine"
 { nvidia-smi -L; $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'peft', peft.__version__)"; $PY -c "import bitsandbytes as b; print('bnb', b.__version__)";
-  which g++ ninja; nproc; } 2>&1 | grep -v "kernels" | tee -a "$OUT/summary.txt"
+  which g++ ninja nvcc; nproc
+  # what a kernel compiled at run time from the core would need (issue 22: CUDA's host-bound rows)
+  ls -d /usr/local/cuda*/include/cuda_runtime_api.h 2>&1 | head -2
+  $PY -c "import nvidia, os; d = list(nvidia.__path__)[0]; print(sorted(p for p in os.listdir(d)
+if os.path.isdir(os.path.join(d, p, 'include'))))"; } 2>&1 | grep -v "kernels" | tee -a "$OUT/summary.txt"
 
 # the core's build, in the background (MAX_JOBS: leave cores to the checks); a warm machine keeps it
 ( t0=$(date +%s); MAX_JOBS=10 SLIMGRAD_CORE=1 timeout 300 $PY -m slimgrad build > "$LOGS/core-build.log" 2>&1;
   echo "rc=$? in $(( $(date +%s) - t0 )) s" >> "$LOGS/core-build.log" ) &
 BUILD=$!
-core_ready() {
-  log "waiting for the core's build"; wait $BUILD; tail -n 3 "$LOGS/core-build.log" | tee -a "$OUT/summary.txt"
+core_ready() {  # (polls: a subshell cannot wait for its parent's child)
+  log "waiting for the core's build"; while kill -0 $BUILD 2>/dev/null; do sleep 1; done
+  tail -n 3 "$LOGS/core-build.log" | tee -a "$OUT/summary.txt"
 }
 
 if [ "$PHASE" != 2 ]; then
-  # phase 1: correctness on CUDA (the Python path while the core builds, then the core), and issue 22's speed rows
-  export SLIMGRAD_CORE=0
-  step cuda-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_exact.py \
+  # phase 1: correctness on CUDA, two chains side by side on the one GPU (no timing in either): the Python path's
+  # tests while the core builds, then the core's; then issue 22's speed rows alone on the machine
+  (
+    export SLIMGRAD_CORE=1
+    core_ready
+    step cuda-core 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py --maxfail=30
+    step estimate-sim 60 $PY -m pytest -v -s -p no:cacheprovider tests/test_estimate_cuda_sim.py -k "test_cuda"
+    # the seed kernel under compiled autograd, and LoRA conv's seed dropout through the Triton kernel
+    step seed-cuda 60 $PY -m pytest -q -p no:cacheprovider tests/test_seed_compiled_autograd.py \
+      tests/test_core_lora_conv.py -k cuda --maxfail=20
+    # MoE experts (Mixtral's gated product through the Triton gated kernel, GPT-OSS's clamped SwiGLU) against stock
+    step moe-cuda 40 $PY -m pytest -q -p no:cacheprovider tests/test_hf_moe.py -k cuda
+  ) &
+  CORE_CHAIN=$!
+  SLIMGRAD_CORE=0 step cuda-tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_exact.py \
     tests/test_triton_max_pool.py tests/test_triton_masks.py tests/test_triton_norms.py tests/test_triton_gated.py \
     --maxfail=25 -k "not slow"
-  core_ready
   export SLIMGRAD_CORE=1
-  step cuda-core 90 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py --maxfail=30
+  step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
+  # one plan of the budget benchmark's Llama under cProfile (its plan searches took 76 s on an H100 host)
+  step plan-profile 60 $PY scripts/plan_profile.py --device cuda --top 40
+  wait $CORE_CHAIN
   step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
-  step host-overhead 60 $PY benchmarks/call_overhead.py --device cuda --repeats 200 --rounds 3 \
-    --only "BatchNorm2d eval,Conv2d frozen,ReLU,MaxPool,Dropout,RMSNorm,LoRA Linear"
-  step estimate-sim 90 $PY -m pytest -v -s -p no:cacheprovider tests/test_estimate_cuda_sim.py -k "test_cuda"
 fi
 if [ "$PHASE" != 1 ]; then
-  # phase 2 (the next call, on the still-warm machine): the budget table, then the remaining CUDA checks
+  # phase 2 (the next call, on the still-warm machine): the budget table, one workload a run so that each one's
+  # table survives a limit that stops a later one (joined into docs/budget_gpu.md by hand)
   core_ready
   export SLIMGRAD_CORE=1
-  # (its plan searches took 76 s of the Llama's section on an H100 host: 200 s did not suffice there)
-  step budget 400 $PY benchmarks/budget.py --device cuda --quick --write --out "$OUT/budget_gpu.md"
-  step stock-diff 50 $PY scripts/gpu_stock_diff.py --quiet
-  # the seed kernel under compiled autograd, and LoRA conv's seed dropout through the Triton kernel
-  step seed-cuda 60 $PY -m pytest -q -p no:cacheprovider tests/test_seed_compiled_autograd.py \
-    tests/test_core_lora_conv.py -k cuda --maxfail=20
-  # MoE experts (Mixtral's gated product through the Triton gated kernel, GPT-OSS's clamped SwiGLU) against stock
-  step moe-cuda 40 $PY -m pytest -q -p no:cacheprovider tests/test_hf_moe.py -k cuda
+  for w in llama cnn qlora; do
+    step budget-$w ${BUDGET_LIMIT:-150} $PY benchmarks/budget.py --device cuda --quick --only $w --write \
+      --out "$OUT/budget_gpu_$w.md"
+  done
   step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
   step estimate-probe 50 $PY scripts/gpu_estimate_probe.py
 fi
