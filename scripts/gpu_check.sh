@@ -89,10 +89,11 @@ if [ "$PHASE" != 1 ]; then
   # table survives a limit that stops a later one (joined into docs/budget_gpu.md by hand)
   core_ready
   export SLIMGRAD_CORE=1
-  for w in llama cnn qlora; do
+  for w in ${BUDGET_WORKLOADS:-llama cnn qlora}; do
     step budget-$w ${BUDGET_LIMIT:-150} $PY benchmarks/budget.py --device cuda --quick --only $w --write \
       --out "$OUT/budget_gpu_$w.md"
   done
+  [ -n "${BUDGET_WORKLOADS:-}" ] && { log "done (budget rows only)"; exit 0; }  # (a re-run of some rows)
   step plan-offload 45 $PY -m pytest -q -p no:cacheprovider tests/test_plan.py -k "offload or cuda"
   step estimate-probe 50 $PY scripts/gpu_estimate_probe.py
 fi

@@ -992,7 +992,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     defaults are used on simulated parameters; the real one is not touched). With an optimizer, the step is
     the steady state of training: forward and backward with the optimizer state alive, then its step.
     ``blocks`` names the modules to report on (default: :func:`blocks_of`). Nothing of the user's model or
-    inputs is modified, and no activation is allocated.
+    inputs is modified (but for what a step teaches a converted model, below), and no activation is allocated.
 
     A model (and inputs) built on the meta device (``with torch.device("meta"): model = ...``) is estimated
     as if it ran on ``device`` (default ``"cpu"``): nothing of its size is ever allocated, so a model that
@@ -1003,6 +1003,11 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     bias to the input's or compute dtype: ``bias.data = bias.data.to(...)``; Qwen2's, GPT-NeoX's, Falcon's
     projections have biases) is estimated in the state every later step runs in: the simulation runs again with
     those parameters in their new dtype (the real model is left as it is).
+
+    A converted model learns in its first step which ReLU outputs a consumer keeps anyway (then shared rather than
+    masked: README, Limits), and a simulated step teaches it as a real one does. A model that has never run is
+    estimated as its first step, which keeps a 1-bit mask per such ReLU more than later steps (the in-repo
+    ResNet-18 with one block checkpointed: 512 B); a second estimate, or one after a real step, is the later steps'.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

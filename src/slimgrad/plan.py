@@ -377,6 +377,100 @@ def _alike_timed_alike(model: nn.Module, rows: dict, seconds: dict[str, float]) 
     return result
 
 
+def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repeats: int = 2) -> dict[str, float]:
+    """Seconds one step spends offloading each unit's kept tensors to pinned host memory and bringing them back,
+    measured: a forward (gradients on) whose unit packs what it saves with :func:`_to_host`, against the same
+    forward without, plus the time to unpack them all with :func:`_from_host`; synchronised around each (the
+    best of ``repeats``). The copy bandwidth alone priced it far too low where a step is host-bound: each kept
+    tensor costs a pinned allocation, two copies and a device allocation of host work (on an H200 host one
+    offloaded Llama block cost 13 ms a step, a full recomputation of all four as much; bandwidth said 0.1 ms).
+    Units are measured in two passes, blocks and their parts apart (a part's tensors are its block's too).
+    Cached per model and example shapes; meta inputs give zeros (nothing can run)."""
+    from torch.utils import _pytree
+
+    key = ("offload", _example_key(model, args, kwargs), tuple(units))
+    if key in _TIMES:
+        return _TIMES[key]
+    leaves = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in leaves) or any(p.device.type == "meta" for p in model.parameters()):
+        return {u: 0.0 for u in units}
+    cuda = any(t.device.type == "cuda" for t in leaves)
+    modules = dict(model.named_modules())
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed_pass(hooked: list[str], timed: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+        """One forward with ``hooked`` units packing to host: each timed unit's forward seconds, and each hooked
+        unit's seconds to unpack what it packed."""
+        starts: dict[str, float] = {}
+        spent: dict[str, float] = {}
+        packed: dict[str, list] = {u: [] for u in hooked}
+        contexts: dict[str, object] = {}
+
+        def pre(path):
+            def hook(_m, _a):
+                if path in packed:
+                    def pack(t, path=path):
+                        out = _to_host(t)
+                        packed[path].append(out)
+                        return out
+                    contexts[path] = torch.autograd.graph.saved_tensors_hooks(pack, _from_host)
+                    contexts[path].__enter__()
+                sync()
+                starts[path] = time.perf_counter()
+            return hook
+
+        def post(path):
+            def hook(_m, _a, _o):
+                sync()
+                spent[path] = spent.get(path, 0.0) + time.perf_counter() - starts[path]
+                if path in contexts:
+                    contexts.pop(path).__exit__(None, None, None)
+            return hook
+
+        handles = []
+        for u in dict.fromkeys(hooked + timed):
+            handles.append(modules[u].register_forward_pre_hook(pre(u)))
+            handles.append(modules[u].register_forward_hook(post(u)))
+        try:
+            out = model(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            for c in contexts.values():
+                c.__exit__(None, None, None)
+        unpacked: dict[str, float] = {}
+        for u, items in packed.items():
+            sync()
+            t = time.perf_counter()
+            for item in items:
+                _from_host(item)
+            sync()
+            unpacked[u] = time.perf_counter() - t
+        del out, packed
+        return spent, unpacked
+
+    blocks = [u for u in units if not any(u.startswith(v + ".") for v in units)]
+    parts = [u for u in units if u not in blocks]
+    best = {u: float("inf") for u in units}
+    was_training = model.training
+    rng_devices = [t.device for t in leaves if t.device.type == "cuda"][:1]
+    with _running_stats_restored(model), torch.random.fork_rng(devices=rng_devices):
+        for _ in range(repeats):
+            plain, _ = timed_pass([], units)
+            for group in (blocks, parts):
+                if group:
+                    hooked, unpacked = timed_pass(group, group)
+                    for u in group:
+                        best[u] = min(best[u], max(hooked.get(u, 0.0) - plain.get(u, 0.0), 0.0) + unpacked[u])
+    model.train(was_training)
+    result = {u: (v if v != float("inf") else 0.0) for u, v in best.items()}
+    _TIMES[key] = result
+    return result
+
+
 def host_copy_bytes_per_second(device: str) -> float:
     """Device -> pinned host -> device bandwidth, timed once on 64 MiB (0 where there is nothing to copy to)."""
     if device != "cuda" or not torch.cuda.is_available():
@@ -511,13 +605,17 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         seconds = block_forward_seconds(model, units, args, kwargs) if units else {}
         seconds = _alike_timed_alike(unwrap(model), rows, seconds)
         bandwidth = host_copy_bytes_per_second(device) if "offload" in actions else 0.0
+        # offloading's cost measured per unit (its per-tensor host work), never below what the bandwidth allows
+        offload_seconds = (_alike_timed_alike(unwrap(model), rows, block_offload_seconds(model, units, args, kwargs))
+                           if bandwidth > 0 and units else {})
 
         def cost(path: str) -> tuple[str, float]:
             options = []
             if "checkpoint" in actions:
                 options.append(("checkpoint", seconds.get(path, 0.0)))
             if "offload" in actions and bandwidth > 0:
-                options.append(("offload", 2 * rows[path].kept_bytes / bandwidth))
+                options.append(("offload", max(offload_seconds.get(path, 0.0),
+                                               2 * rows[path].kept_bytes / bandwidth)))
             return min(options, key=lambda o: o[1])
 
         choice = {p: cost(p) for p in units}
