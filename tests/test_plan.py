@@ -801,6 +801,35 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     assert block_offload_seconds(model, units, (), example) == seconds and not calls  # cached
 
 
+def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monkeypatch):
+    """Each unit's cheaper action (checkpointing, with offloading measured dearer) cannot meet a budget that offloading
+    can: every unit is then tried offloaded, and the plan fits (the H200's QLoRA fitted 14 rows of batch with the
+    checkpoints, 23 offloaded). CPU stand-ins for CUDA: the estimate reports a CUDA device, and the offload hooks
+    move a kept tensor off the planned device (to meta: a fake host copy the simulation counts as host memory)."""
+    import dataclasses
+
+    module = sys.modules["slimgrad.plan"]
+    real_estimate = module.estimate
+    monkeypatch.setattr(module, "estimate", lambda *a, **k: dataclasses.replace(real_estimate(*a, **k), device="cuda"))
+    monkeypatch.setattr(module, "host_copy_bytes_per_second", lambda device: 1e12)
+    monkeypatch.setattr(module, "block_forward_seconds", lambda model, units, *a, **k: {u: 1e-3 for u in units})
+    monkeypatch.setattr(module, "block_offload_seconds", lambda model, units, *a, **k: {u: 1.0 for u in units})
+    monkeypatch.setattr(module, "_to_host", lambda t: (t.device, t.to("meta")))
+    monkeypatch.setattr(module, "_from_host", lambda packed: packed[1].to(packed[0]))
+    model, x = _mlp()
+    model = slimgrad.convert(model)
+    checkpoints = slimgrad.plan(model, 1, x, actions=("checkpoint",))
+    offloads = slimgrad.plan(model, 1, x, actions=("offload",))
+    assert offloads.smallest_feasible < checkpoints.smallest_feasible, (offloads, checkpoints)
+    budget = (offloads.smallest_feasible + checkpoints.smallest_feasible) // 2
+    chosen = slimgrad.plan(model, budget, x)
+    assert chosen.fits and chosen.peak_after <= budget, chosen
+    assert chosen.actions and set(chosen.actions.values()) == {"offload"}, chosen.actions
+    # where the checkpoints meet the budget, they are taken: cheaper
+    cheap = slimgrad.plan(model, checkpoints.smallest_feasible, x)
+    assert cheap.fits and set(cheap.actions.values()) == {"checkpoint"}, cheap.actions
+
+
 def test_offload_round_trip_keeps_strides():
     """The offload hooks' round trip on CUDA-device tensors (fake ones: no GPU needed): each comes back with its
     own size, strides and dtype on its device, a host copy in between; a tensor no copy can keep the strides of

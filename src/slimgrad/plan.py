@@ -609,13 +609,15 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         offload_seconds = (_alike_timed_alike(unwrap(model), rows, block_offload_seconds(model, units, args, kwargs))
                            if bandwidth > 0 and units else {})
 
+        def offload_cost(path: str) -> float:
+            return max(offload_seconds.get(path, 0.0), 2 * rows[path].kept_bytes / bandwidth)
+
         def cost(path: str) -> tuple[str, float]:
             options = []
             if "checkpoint" in actions:
                 options.append(("checkpoint", seconds.get(path, 0.0)))
             if "offload" in actions and bandwidth > 0:
-                options.append(("offload", max(offload_seconds.get(path, 0.0),
-                                               2 * rows[path].kept_bytes / bandwidth)))
+                options.append(("offload", offload_cost(path)))
             return min(options, key=lambda o: o[1])
 
         choice = {p: cost(p) for p in units}
@@ -686,10 +688,20 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             # frees more per second than its parts, yet two parts may free enough for less time than one block.
             # So these orders are searched: blocks alone, blocks and parts together, parts before blocks, and
             # parts without the blocks that have them
-            orders = [ranked(planned_blocks)]
-            if planned_parts:
-                orders += [ranked(units), ranked(planned_parts) + ranked(planned_blocks), finest]
-            found = [a for a in (search(o) for o in orders) if a is not None]
+            def orders() -> list[list[str]]:
+                found_orders = [ranked(planned_blocks)]
+                if planned_parts:
+                    found_orders += [ranked(units), ranked(planned_parts) + ranked(planned_blocks),
+                                     ranked(planned_parts) + ranked(whole)]
+                return found_orders
+
+            found = [a for a in (search(o) for o in orders()) if a is not None]
+            if not found and "checkpoint" in actions and "offload" in actions and bandwidth > 0:
+                # each unit's cheaper action cannot meet the budget: offloading frees a unit's whole kept bytes
+                # where checkpointing keeps its inputs, so every unit is tried offloaded, at its measured cost
+                # (the H200's QLoRA: 14 rows of batch where checkpointing is cheaper, 23 offloaded)
+                choice.update({p: ("offload", offload_cost(p)) for p in units})
+                found = [a for a in (search(o) for o in orders()) if a is not None]
             if found:
                 chosen = min(found, key=lambda a: (extra(a), len(a)))
             else:  # nothing fits: the lowest peak seen
