@@ -449,7 +449,8 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
                 _from_host(item)
             sync()
             unpacked[u] = time.perf_counter() - t
-        del out, packed
+        del out
+        packed.clear()
         return spent, unpacked
 
     blocks = [u for u in units if not any(u.startswith(v + ".") for v in units)]
