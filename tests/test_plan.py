@@ -799,6 +799,17 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     assert not any(modules[u]._forward_hooks or modules[u]._forward_pre_hooks for u in units)
     calls.clear()
     assert block_offload_seconds(model, units, (), example) == seconds and not calls  # cached
+    # one unit's kept tensors at a time (each unit's output cut from its graph), never the whole forward's: a plan is
+    # made where the step does not fit
+    monkeypatch.setattr(module, "_to_host", lambda t: t)
+    mlp, x = _mlp()  # six blocks, each keeping more than the model's input and output
+    mlp = slimgrad.convert(mlp)
+    blocks = blocks_of(mlp)
+    block_offload_seconds(mlp, blocks, (x,), {}, repeats=1)  # (first calls' one-time allocations)
+    _TIMES.clear()
+    measuring = slimgrad.peak_bytes(lambda: block_offload_seconds(mlp, blocks, (x,), {}, repeats=1))
+    forward = slimgrad.peak_bytes(lambda: mlp(x))  # with gradients: every block's kept tensors
+    assert measuring < forward / 2, (measuring, forward)
 
 
 def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monkeypatch):

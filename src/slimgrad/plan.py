@@ -384,7 +384,9 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
     best of ``repeats``). The copy bandwidth alone priced it far too low where a step is host-bound: each kept
     tensor costs a pinned allocation, two copies and a device allocation of host work (on an H200 host one
     offloaded Llama block cost 13 ms a step, a full recomputation of all four as much; bandwidth said 0.1 ms).
-    Units are measured in two passes, blocks and their parts apart (a part's tensors are its block's too).
+    Units are measured in two passes, blocks and their parts apart (a part's tensors are its block's too). Each
+    unit's output is cut from its graph after it and its host copies are unpacked right away, so the measurement
+    holds one unit's kept tensors at a time, not the forward's (a plan is made where the step does not fit).
     Cached per model and example shapes; meta inputs give zeros (nothing can run)."""
     from torch.utils import _pytree
 
@@ -401,11 +403,19 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
         if cuda:
             torch.cuda.synchronize()
 
+    def cut(t):
+        """A unit's output cut from its graph (its kept tensors die with it), still requiring grad: the memory of
+        one unit's kept tensors at a time, not the forward's, where a plan is made because the step does not fit."""
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t.detach().requires_grad_()
+        return t
+
     def timed_pass(hooked: list[str], timed: list[str]) -> tuple[dict[str, float], dict[str, float]]:
         """One forward with ``hooked`` units packing to host: each timed unit's forward seconds, and each hooked
-        unit's seconds to unpack what it packed."""
+        unit's seconds to unpack what it packed (right after its forward: one unit's host copies at a time)."""
         starts: dict[str, float] = {}
         spent: dict[str, float] = {}
+        unpacked: dict[str, float] = {}
         packed: dict[str, list] = {u: [] for u in hooked}
         contexts: dict[str, object] = {}
 
@@ -423,11 +433,18 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
             return hook
 
         def post(path):
-            def hook(_m, _a, _o):
+            def hook(_m, _a, output):
                 sync()
                 spent[path] = spent.get(path, 0.0) + time.perf_counter() - starts[path]
                 if path in contexts:
                     contexts.pop(path).__exit__(None, None, None)
+                    t = time.perf_counter()
+                    for item in packed[path]:
+                        _from_host(item)
+                    sync()
+                    unpacked[path] = time.perf_counter() - t
+                    packed[path].clear()
+                return _pytree.tree_map(cut, output)
             return hook
 
         handles = []
@@ -435,22 +452,12 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
             handles.append(modules[u].register_forward_pre_hook(pre(u)))
             handles.append(modules[u].register_forward_hook(post(u)))
         try:
-            out = model(*args, **kwargs)
+            model(*args, **kwargs)
         finally:
             for h in handles:
                 h.remove()
             for c in contexts.values():
                 c.__exit__(None, None, None)
-        unpacked: dict[str, float] = {}
-        for u, items in packed.items():
-            sync()
-            t = time.perf_counter()
-            for item in items:
-                _from_host(item)
-            sync()
-            unpacked[u] = time.perf_counter() - t
-        del out
-        packed.clear()
         return spent, unpacked
 
     blocks = [u for u in units if not any(u.startswith(v + ".") for v in units)]
@@ -465,7 +472,7 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
                 if group:
                     hooked, unpacked = timed_pass(group, group)
                     for u in group:
-                        best[u] = min(best[u], max(hooked.get(u, 0.0) - plain.get(u, 0.0), 0.0) + unpacked[u])
+                        best[u] = min(best[u], max(hooked.get(u, 0.0) - plain.get(u, 0.0), 0.0) + unpacked.get(u, 0.0))
     model.train(was_training)
     result = {u: (v if v != float("inf") else 0.0) for u, v in best.items()}
     _TIMES[key] = result
