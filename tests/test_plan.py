@@ -764,7 +764,7 @@ def test_offloaded_blocks_are_bitwise_the_plain_ones(device):
 def test_offload_cost_is_measured_per_unit(monkeypatch):
     """Offloading is priced by a measured round trip of each unit's kept tensors, not by the copy bandwidth alone,
     which priced one offloaded Llama block at 0.1 ms where it cost 13 ms a step on an H200 host (per-tensor host
-    work: a pinned allocation, two copies, a device allocation). Here each packed tensor costs a known 2 ms (CPU
+    work: a pinned allocation, two copies, a device allocation). Here each packed tensor costs a known 5 ms (CPU
     tensors are not copied; the hooks are): every unit's measured cost holds its own tensors' time, and the
     measurement leaves the model, its generator and its hooks as they were."""
     import time as _time
@@ -776,7 +776,7 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
 
     def slow_to_host(t):
         calls.append(t.shape)
-        _time.sleep(2e-3)
+        _time.sleep(5e-3)
         return t
 
     monkeypatch.setattr(module, "_to_host", slow_to_host)
@@ -789,9 +789,10 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     _TIMES.clear()
     seconds = block_offload_seconds(model, units, (), example, repeats=2)
     assert set(seconds) == set(units)
-    assert all(seconds[u] >= 0.8 * 2e-3 for u in units), seconds  # each unit keeps at least one tensor
+    # (lower bounds at half the sleeps: the plain forward's time is subtracted, and a loaded machine is noisy)
+    assert all(seconds[u] >= 0.5 * 5e-3 for u in units), seconds  # each unit keeps at least one tensor
     # every pack is one unit's (blocks in one pass, parts in another), in each of the 2 repeats
-    assert calls and sum(seconds.values()) >= 0.8 * 2e-3 * len(calls) / 2, (seconds, len(calls))
+    assert calls and sum(seconds.values()) >= 0.5 * 5e-3 * len(calls) / 2, (seconds, len(calls))
     assert all(seconds[b] > seconds[f"{b}.mlp"] for b in blocks)  # a block keeps its MLP's tensors and more
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, params[n]) and p.grad is None for n, p in model.named_parameters())
