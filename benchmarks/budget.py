@@ -706,8 +706,8 @@ def main(argv=None) -> str:
              "budgets everything on the device; these budgets are above the step's start), which may also turn on "
              "the chunked loss where that fits with less recomputation (the plan line says so)"
              + ("; on the GPU its blocks may also offload their kept tensors to pinned host memory (the plan's "
-                "default actions, checkpoint and offload, costed by a measured forward and a measured copy "
-                "bandwidth)" if cuda else "")
+                "default actions, checkpoint and offload, costed by a measured forward and a measured round trip "
+                "of the kept tensors)" if cuda else "")
              + ". Garbage is collected before each measured step.",
              "",
              "Full checkpointing: transformers' `activation_checkpointing_enable(activation_checkpointing_kwargs="
