@@ -815,7 +815,7 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
 
 def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monkeypatch):
     """Each unit's cheaper action (checkpointing, with offloading measured dearer) cannot meet a budget that offloading
-    can: every unit is then tried offloaded, and the plan fits (the H200's QLoRA fitted 14 rows of batch with the
+    can: every unit is then tried offloaded, and the plan fits (the H200's QLoRA fitted batch 14 with the
     checkpoints, 23 offloaded). CPU stand-ins for CUDA: the estimate reports a CUDA device, and the offload hooks
     move a kept tensor off the planned device (to meta: a fake host copy the simulation counts as host memory)."""
     import dataclasses
