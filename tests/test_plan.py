@@ -840,6 +840,9 @@ def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monk
     # where the checkpoints meet the budget, they are taken: cheaper
     cheap = slimgrad.plan(model, checkpoints.smallest_feasible, x)
     assert cheap.fits and set(cheap.actions.values()) == {"checkpoint"}, cheap.actions
+    # where slimgrad alone fits, the smallest feasible budget it reports is offloading's, the lower
+    roomy = slimgrad.plan(model, 10 * checkpoints.peak_before, x)
+    assert roomy.fits and not roomy.actions and roomy.smallest_feasible == offloads.smallest_feasible, roomy
 
 
 def test_offload_round_trip_keeps_strides():

@@ -719,6 +719,9 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             at(acts_for(units, len(units)))
             if planned_parts:
                 at(acts_for(finest, len(finest)))
+            if "checkpoint" in actions and "offload" in actions and bandwidth > 0:
+                # (offloading every unit frees more than checkpointing it, where the cheaper action was the latter)
+                at({p: "offload" for p in planned_blocks})
         after = at(chosen)
         smallest = min(e.peak_bytes for e in tried.values())
         fits = after.peak_bytes <= budget_bytes
