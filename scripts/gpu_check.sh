@@ -30,8 +30,11 @@ step() {  # step <name> <seconds> <command...>
 }
 existing() { for f in "$@"; do [ -e "$f" ] && printf '%s ' "$f"; done; }
 
-# the pinned transformers / peft / bitsandbytes (and ninja, for the core's build) where the image lacks them
+# the pinned transformers / peft / bitsandbytes / diffusers (and ninja, for the core's build) where the image lacks
+# them: `pip download --no-deps --only-binary=:all: -d .devwhl transformers==5.24.0 peft==0.21.2 bitsandbytes==0.50.2
+# diffusers==0.42.1 ninja==1.13.2` with the platform flags of a manylinux x86-64 CPython 3.12 (docs/gpu.md)
 SITE=/tmp/site
+shopt -s nullglob
 if [ -d .devwhl ] && [ ! -d $SITE/transformers ]; then
   mkdir -p $SITE && (cd $SITE && for w in "$REPO"/.devwhl/*.whl "$REPO"/.devwhl/*.zip; do
     $PY -m zipfile -e "$w" . ; done) 2>&1 | tail -2
