@@ -682,8 +682,26 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             k = first_fitting(n, lambda k: at(acts_for(order, k)).peak_bytes <= budget_bytes, guess(order))
             return acts_for(order, k)
 
+        def upgrades(order: list[str], cheaper: dict) -> list[dict[str, str]]:
+            """Every unit of ``order`` at its cheaper action, then the fewest of the checkpointed ones offloaded
+            that meet the budget, those that free the most (their inputs) per extra second first."""
+            base = {p: cheaper[p][0] for p in order}
+            ups = sorted((p for p in order if base[p] == "checkpoint"),
+                         key=lambda p: (-rows[p].input_bytes / max(offload_cost(p) - seconds.get(p, 0.0), 1e-9),
+                                        position[p]))
+
+            def upgraded(k: int) -> dict[str, str]:
+                return {**base, **{p: "offload" for p in ups[:k]}}
+
+            if not ups or at(upgraded(len(ups))).peak_bytes > budget_bytes:
+                return []
+            return [upgraded(first_fitting(len(ups), lambda k: at(upgraded(k)).peak_bytes <= budget_bytes, 1))]
+
+        def action_seconds(path: str, action: str) -> float:
+            return seconds.get(path, 0.0) if action == "checkpoint" else offload_cost(path)
+
         def extra(acts: dict[str, str]) -> float:
-            return sum(choice[p][1] for p in acts)
+            return sum(action_seconds(p, a) for p, a in acts.items())
 
         # every part, and each block without parts whole: where recomputing a whole block at once is the peak,
         # recomputing its parts one by one stays lower (a UNet's up block: 20.6 MiB against 22.3 MiB every block),
@@ -706,10 +724,13 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             found = [a for a in (search(o) for o in orders()) if a is not None]
             if not found and "checkpoint" in actions and "offload" in actions and bandwidth > 0:
                 # each unit's cheaper action cannot meet the budget: offloading frees a unit's whole kept bytes
-                # where checkpointing keeps its inputs, so every unit is tried offloaded, at its measured cost
-                # (the H200's QLoRA at a 50 % budget: batch 14 with the cheaper checkpoints, 23 offloaded)
+                # where checkpointing keeps its inputs (the H200's QLoRA at a 50 % budget: batch 14 with the
+                # cheaper checkpoints, 23 offloaded). Two ways on, the cheaper plan of the two taken: the fewest
+                # units offloaded, and every unit at its cheaper action with the fewest of them offloaded instead
+                cheaper = dict(choice)
+                found = upgrades(finest, cheaper)
                 choice.update({p: ("offload", offload_cost(p)) for p in units})
-                found = [a for a in (search(o) for o in orders()) if a is not None]
+                found += [a for a in (search(o) for o in orders()) if a is not None]
             if found:
                 chosen = min(found, key=lambda a: (extra(a), len(a)))
             else:  # nothing fits: the lowest peak seen
@@ -737,7 +758,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         for b in block_paths:  # each block, then its parts the plan takes
             for path in [b, *(p for p in part_paths if p in chosen and p.startswith(b + "."))]:
                 action = chosen.get(path, "keep")
-                extra_s = choice[path][1] if action != "keep" else 0.0
+                extra_s = action_seconds(path, action) if action != "keep" else 0.0
                 choices.append(BlockChoice(path, action, rows[path].kept_bytes, seconds.get(path, 0.0), extra_s))
         return MemoryPlan(budget=budget_bytes, device=device, peak_before=before.peak_bytes,
                           peak_after=after.peak_bytes, smallest_feasible=smallest, fits=fits, blocks=choices,
