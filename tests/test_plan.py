@@ -813,11 +813,10 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     assert measuring < forward / 2, (measuring, forward)
 
 
-def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monkeypatch):
-    """Each unit's cheaper action (checkpointing, with offloading measured dearer) cannot meet a budget that offloading
-    can: every unit is then tried offloaded, and the plan fits (the H200's QLoRA fitted batch 14 with the
-    checkpoints, 23 offloaded). CPU stand-ins for CUDA: the estimate reports a CUDA device, and the offload hooks
-    move a kept tensor off the planned device (to meta: a fake host copy the simulation counts as host memory)."""
+def _cuda_stand_ins(monkeypatch, offload_seconds: float):
+    """A plan on CPU tensors made as on CUDA: the estimate reports a CUDA device (so offloading is an action), the
+    offload hooks move a kept tensor off the planned device (to meta: a host copy the simulation counts as host
+    memory), a checkpoint costs 1 ms a unit and an offload ``offload_seconds``."""
     import dataclasses
 
     module = sys.modules["slimgrad.plan"]
@@ -825,9 +824,18 @@ def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monk
     monkeypatch.setattr(module, "estimate", lambda *a, **k: dataclasses.replace(real_estimate(*a, **k), device="cuda"))
     monkeypatch.setattr(module, "host_copy_bytes_per_second", lambda device: 1e12)
     monkeypatch.setattr(module, "block_forward_seconds", lambda model, units, *a, **k: {u: 1e-3 for u in units})
-    monkeypatch.setattr(module, "block_offload_seconds", lambda model, units, *a, **k: {u: 1.0 for u in units})
+    monkeypatch.setattr(module, "block_offload_seconds",
+                        lambda model, units, *a, **k: {u: offload_seconds for u in units})
     monkeypatch.setattr(module, "_to_host", lambda t: (t.device, t.to("meta")))
     monkeypatch.setattr(module, "_from_host", lambda packed: packed[1].to(packed[0]))
+
+
+def test_plan_offloads_where_the_cheaper_checkpoints_cannot_meet_the_budget(monkeypatch):
+    """Each unit's cheaper action (checkpointing, with offloading measured dearer) cannot meet a budget that offloading
+    can: every unit is then tried offloaded, and the plan fits (the H200's QLoRA fitted batch 14 with the
+    checkpoints, 23 offloaded). CPU stand-ins for CUDA: the estimate reports a CUDA device, and the offload hooks
+    move a kept tensor off the planned device (to meta: a fake host copy the simulation counts as host memory)."""
+    _cuda_stand_ins(monkeypatch, offload_seconds=1.0)
     model, x = _mlp()
     model = slimgrad.convert(model)
     checkpoints = slimgrad.plan(model, 1, x, actions=("checkpoint",))
@@ -850,17 +858,8 @@ def test_plan_mixes_checkpoints_and_offloads_where_cheaper(monkeypatch):
     offloading more blocks (each offload frees a block's inputs more than its checkpoint does, and costs ten
     times more here): at every budget between the two extremes the plan fits and costs no more than the fewest offloads,
     and some budget takes the mix. CPU stand-ins for CUDA, as above."""
-    import dataclasses
-
-    module = sys.modules["slimgrad.plan"]
-    real_estimate = module.estimate
-    monkeypatch.setattr(module, "estimate", lambda *a, **k: dataclasses.replace(real_estimate(*a, **k), device="cuda"))
-    monkeypatch.setattr(module, "host_copy_bytes_per_second", lambda device: 1e12)
-    monkeypatch.setattr(module, "block_forward_seconds", lambda model, units, *a, **k: {u: 1e-3 for u in units})
     # (an offload ten times a checkpoint's cost: an H200 offloaded a Llama block for 13 ms, recomputed an MLP in ~1)
-    monkeypatch.setattr(module, "block_offload_seconds", lambda model, units, *a, **k: {u: 1e-2 for u in units})
-    monkeypatch.setattr(module, "_to_host", lambda t: (t.device, t.to("meta")))
-    monkeypatch.setattr(module, "_from_host", lambda packed: packed[1].to(packed[0]))
+    _cuda_stand_ins(monkeypatch, offload_seconds=1e-2)
     model, x = _mlp()
     model = slimgrad.convert(model)
     checkpoints = slimgrad.plan(model, 1, x, actions=("checkpoint",))

@@ -305,6 +305,28 @@ def _example_key(model, args, kwargs):
                              for t in leaves))
 
 
+class _Stopwatch:
+    """Seconds each module's forward took, summed over its calls, synchronised with the GPU at both ends (its work
+    is asynchronous): what block_forward_seconds and block_offload_seconds time with."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.starts: dict[str, float] = {}
+        self.spent: dict[str, float] = {}
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def start(self, path: str) -> None:
+        self.sync()
+        self.starts[path] = time.perf_counter()
+
+    def stop(self, path: str) -> None:
+        self.sync()
+        self.spent[path] = self.spent.get(path, 0.0) + time.perf_counter() - self.starts[path]
+
+
 def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, repeats: int = 2) -> dict[str, float]:
     """Seconds of one forward of each block on the example, under ``no_grad`` (the best of ``repeats``);
     cached per model and example shapes. Inputs on the meta device give zeros (nothing can run)."""
@@ -316,27 +338,16 @@ def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, rep
     leaves = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.device.type == "meta" for t in leaves) or any(p.device.type == "meta" for p in model.parameters()):
         return {b: 0.0 for b in blocks}
-    cuda = any(t.device.type == "cuda" for t in leaves)
+    watch = _Stopwatch(any(t.device.type == "cuda" for t in leaves))
     modules = dict(model.named_modules())
     best: dict[str, float] = {b: float("inf") for b in blocks}
-    starts: dict[str, float] = {}
-    total: dict[str, float] = {}
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    total = watch.spent
 
     def pre(path):
-        def hook(_m, _a):
-            sync()
-            starts[path] = time.perf_counter()
-        return hook
+        return lambda _m, _a: watch.start(path)
 
     def post(path):
-        def hook(_m, _a, _o):
-            sync()
-            total[path] = total.get(path, 0.0) + time.perf_counter() - starts[path]
-        return hook
+        return lambda _m, _a, _o: watch.stop(path)
 
     handles = []
     for b in blocks:
@@ -399,10 +410,6 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
     cuda = any(t.device.type == "cuda" for t in leaves)
     modules = dict(model.named_modules())
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     def cut(t):
         """A unit's output cut from its graph (its kept tensors die with it), still requiring grad: the memory of
         one unit's kept tensors at a time, not the forward's, where a plan is made because the step does not fit."""
@@ -413,8 +420,7 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
     def timed_pass(hooked: list[str], timed: list[str]) -> tuple[dict[str, float], dict[str, float]]:
         """One forward with ``hooked`` units packing to host: each timed unit's forward seconds, and each hooked
         unit's seconds to unpack what it packed (right after its forward: one unit's host copies at a time)."""
-        starts: dict[str, float] = {}
-        spent: dict[str, float] = {}
+        watch = _Stopwatch(cuda)
         unpacked: dict[str, float] = {}
         packed: dict[str, list] = {u: [] for u in hooked}
         contexts: dict[str, object] = {}
@@ -428,20 +434,18 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
                         return out
                     contexts[path] = torch.autograd.graph.saved_tensors_hooks(pack, _from_host)
                     contexts[path].__enter__()
-                sync()
-                starts[path] = time.perf_counter()
+                watch.start(path)
             return hook
 
         def post(path):
             def hook(_m, _a, output):
-                sync()
-                spent[path] = spent.get(path, 0.0) + time.perf_counter() - starts[path]
+                watch.stop(path)
                 if path in contexts:
                     contexts.pop(path).__exit__(None, None, None)
                     t = time.perf_counter()
                     for item in packed[path]:
                         _from_host(item)
-                    sync()
+                    watch.sync()
                     unpacked[path] = time.perf_counter() - t
                     packed[path].clear()
                 return _pytree.tree_map(cut, output)
@@ -458,7 +462,7 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
                 h.remove()
             for c in contexts.values():
                 c.__exit__(None, None, None)
-        return spent, unpacked
+        return watch.spent, unpacked
 
     blocks = [u for u in units if not any(u.startswith(v + ".") for v in units)]
     parts = [u for u in units if u not in blocks]
