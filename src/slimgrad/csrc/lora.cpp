@@ -77,6 +77,10 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
     at::Tensor dropped, mask;
     if (p == 1) {
       dropped = xa() * at::zeros({}, xa().options());
+    } else if (p > 0 && !(need_x || need[3 + 3 * i])) {
+      // no gradient reads this adapter's mask (x and its A frozen): stock's op itself (peft's nn.Dropout, after the
+      // cast), nothing packed: a packed mask beside the draw put the step's peak a mask above peft's
+      dropped = at::dropout(xa(), p, true);
     } else if (p > 0) {  // stock's draw (peft's nn.Dropout), kept as bits
       dropout_core::Forward f =
           fuse ? dropout_core::draw_and_apply_to(x, p, a_dtype) : dropout_core::draw_and_apply(xa(), p, false);
@@ -91,11 +95,12 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
     at::Tensor ti = at::linear(dropped, A);
     dropped.reset();
     at::Tensor u = at::linear(ti, B, opt(b_bias));
+    if (need[4 + 3 * i]) kept_t[i] = ti;
+    ti.reset();  // t goes once B has read it unless B trains (kept), as stock frees it: the peak stays at peft's
     u_dtypes[i] = static_cast<int64_t>(u.scalar_type());
     u = u * scalings[i];
     result = result.defined() ? result + u : u;
     u.reset();
-    if (need[4 + 3 * i]) kept_t[i] = ti;
     if (need_x || need[3 + 3 * i]) masks[i] = mask;
   }
   const at::ScalarType sum_dtype = result.defined() ? result.scalar_type() : base_dtype;

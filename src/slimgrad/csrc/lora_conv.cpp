@@ -125,6 +125,10 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
     at::Tensor dropped, mask;
     if (p == 1) {
       dropped = xa * at::zeros({}, xa.options());
+    } else if (p > 0 && !(need_x || need[kAt + 3 * i])) {
+      // no gradient reads this adapter's mask (x and its A frozen): stock's op itself (peft's nn.Dropout), nothing
+      // packed: a packed mask beside the draw put the step's peak a mask above peft's
+      dropped = at::dropout(xa, p, true);
     } else if (p > 0) {  // stock's draw (peft's nn.Dropout), kept as bits
       dropout_core::Forward f = dropout_core::draw_and_apply(xa, p, false);
       dropped = std::move(f.out);
@@ -139,8 +143,6 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
     dropped.reset();  // temporaries go as soon as they are read: the step's peak stays at peft's
     if (i == n - 1) xa.reset();
     at::Tensor u = conv(ti, B, bias, unpack(opts[2 * i + 1], nd));
-    result = result + u.mul_(py_float(scalings[i]));  // u * s, in place on a tensor of our own (same bits)
-    u.reset();
     sum_dtype = at::promote_types(sum_dtype, ti.scalar_type());
     t_dtypes[i] = static_cast<int64_t>(ti.scalar_type());
     t_formats[i] = static_cast<int64_t>(conv_format(ti));
@@ -149,6 +151,9 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
       if (need[kAt + 1 + 3 * i]) ts[i] = ti;
       if (need_x || need[kAt + 3 * i]) masks[i] = mask;
     }
+    ti.reset();  // t goes once B has read it unless B trains (kept), as stock frees it: the peak stays at peft's
+    result = result + u.mul_(py_float(scalings[i]));  // u * s, in place on a tensor of our own (same bits)
+    u.reset();
   }
   at::Tensor out = result.to(base_out.scalar_type());
   if (ctx == nullptr) return out;

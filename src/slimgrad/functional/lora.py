@@ -126,11 +126,18 @@ class LoraLinearFunction(_common.Function):
         for i in range(n):
             A, B, b_bias = adapters[3 * i: 3 * i + 3]
             p = ps[i]
-            if fuse and xa is None and not 0 < p < 1:
+            # no gradient reads this adapter's mask (x and its A frozen; eager, "bits"): stock's op itself (peft's
+            # nn.Dropout, after the cast), nothing packed, as the core (lora.cpp): a packed mask beside the draw put
+            # the step's peak a mask above peft's
+            unread = (0 < p < 1 and policy == "bits" and not compiling and not x.requires_grad
+                      and not A.requires_grad)
+            if fuse and xa is None and (unread or not 0 < p < 1):
                 xa = x.to(adapters[0].dtype)
             dropped, mask = xa, None
             if p == 1:
                 dropped = xa * torch.zeros((), dtype=xa.dtype, device=xa.device)
+            elif unread:
+                dropped = F.dropout(xa, p, True)
             elif p > 0:
                 if compiling:
                     # compiled stock's op (peft's nn.Dropout traces to it): Inductor's rand_like draw, or with

@@ -181,6 +181,11 @@ class LoraConvFunction(_common.Function):
                 # A private generator would break the graph: the compiled form keeps a bool mask, drawn by compiled
                 # stock's op (functional/dropout.py)
                 dropped, mask = torch.ops.aten.native_dropout(xa, p, True)
+            elif p > 0 and policy == "bits" and not (x.requires_grad or A.requires_grad):
+                # no gradient reads this adapter's mask (x and its A frozen): stock's op itself (peft's nn.Dropout),
+                # nothing packed, as the core (lora_conv.cpp): a packed mask beside the draw put the step's peak a
+                # mask above peft's
+                dropped = F.dropout(xa, p, True)
             elif p > 0 and policy == "bits":
                 # stock's draw (peft's nn.Dropout), kept packed: the adapter sees peft's very mask (setup_context
                 # finds its layout and scale again: _bits)
