@@ -467,7 +467,6 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
     blocks = [u for u in units if not any(u.startswith(v + ".") for v in units)]
     parts = [u for u in units if u not in blocks]
     best = {u: float("inf") for u in units}
-    was_training = model.training
     rng_devices = [t.device for t in leaves if t.device.type == "cuda"][:1]
     with _running_stats_restored(model), torch.random.fork_rng(devices=rng_devices):
         for _ in range(repeats):
@@ -477,7 +476,6 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
                     hooked, unpacked = timed_pass(group, group)
                     for u in group:
                         best[u] = min(best[u], max(hooked.get(u, 0.0) - plain.get(u, 0.0), 0.0) + unpacked.get(u, 0.0))
-    model.train(was_training)
     result = {u: (v if v != float("inf") else 0.0) for u, v in best.items()}
     _TIMES[key] = result
     return result
@@ -686,10 +684,10 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             k = first_fitting(n, lambda k: at(acts_for(order, k)).peak_bytes <= budget_bytes, guess(order))
             return acts_for(order, k)
 
-        def upgrades(order: list[str], cheaper: dict) -> list[dict[str, str]]:
-            """Every unit of ``order`` at its cheaper action, then the fewest of the checkpointed ones offloaded
-            that meet the budget, those that free the most (their inputs) per extra second first."""
-            base = {p: cheaper[p][0] for p in order}
+        def upgrades(order: list[str]) -> list[dict[str, str]]:
+            """Every unit of ``order`` at its cheaper action (``choice``'s), then the fewest of the checkpointed
+            ones offloaded that meet the budget, those that free the most (their inputs) per extra second first."""
+            base = {p: choice[p][0] for p in order}
             ups = sorted((p for p in order if base[p] == "checkpoint"),
                          key=lambda p: (-rows[p].input_bytes / max(offload_cost(p) - seconds.get(p, 0.0), 1e-9),
                                         position[p]))
@@ -731,8 +729,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                 # where checkpointing keeps its inputs (the H200's QLoRA at a 50 % budget: batch 14 with the
                 # cheaper checkpoints, 23 offloaded). Two ways on, the cheaper plan of the two taken: the fewest
                 # units offloaded, and every unit at its cheaper action with the fewest of them offloaded instead
-                cheaper = dict(choice)
-                found = upgrades(finest, cheaper)
+                found = upgrades(finest)
                 choice.update({p: ("offload", offload_cost(p)) for p in units})
                 found += [a for a in (search(o) for o in orders()) if a is not None]
             if found:

@@ -201,7 +201,8 @@ class _ConvFunction(_common.Function):
         # 2x dY above stock's step peak. Its weight (kept where it is a leaf: the caller holds it, and stock keeps
         # it) and a carrier of X's shape and layout (see _shape_carrier); stock keeps both from forward on.
         out = output if pad is None else output[0]
-        reduced_on_cpu = x.device.type == "cpu" and out.dtype in (torch.float16, torch.bfloat16)
+        cpu = x.device.type == "cpu"
+        reduced_on_cpu = cpu and out.dtype in (torch.float16, torch.bfloat16)
         ctx.db_call = (not need_x and not need_w and bias is not None and ctx.needs_input_grad[2] and reduced_on_cpu
                        and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
         keep_w = need_x or ((need_w or ctx.db_call) and weight.is_leaf)
@@ -249,8 +250,8 @@ class _ConvFunction(_common.Function):
         if need_x and not need_w and not torch.compiler.is_compiling():
             ctx.db_in_dx_call = ctx.needs_input_grad[2] and reduced_on_cpu
             ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:])) or ctx.db_in_dx_call
-                              or (x.device.type == "cpu" and not transposed and any(s != 1 for s in cfg[2]))
-                              or (x.device.type == "cpu" and (x.dtype not in (torch.float32, torch.bfloat16)
+                              or (cpu and not transposed and any(s != 1 for s in cfg[2]))
+                              or (cpu and (x.dtype not in (torch.float32, torch.bfloat16)
                                                               or not _dx_route_on_onednn(xp, weight, out, cfg))))
             if (ctx.carrier_dx or ctx.xp_format != torch.contiguous_format
                     or ctx.x_format != torch.contiguous_format):
