@@ -358,3 +358,78 @@ def test_compile_fullgraph(module):
     assert_same(ym, ys, what="output")
     assert_same(xm.grad, xs.grad, what="grad")
     assert counter.bytes == (2 * 3 * 4 * 5 + 7) // 8  # the compiled graph keeps the packed mask too
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU6(), nn.LeakyReLU(0.0, inplace=True)], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_trainable_linear_consumer_is_heard(act, dtype):
+    """An all-trainable MLP (Linear, activation, Linear): the second linear keeps the activation's output, as stock
+    does, so from the second step the activation shares it (no mask on top: never more than stock), bitwise stock;
+    with that linear frozen, the activation goes back to its mask (under stock's bytes). Stock's nn.Linear never
+    told the activation before (nn/linear.py)."""
+    from slimgrad.measure import SavedTensors
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(16, 64), act, nn.Linear(64, 8)).to(dtype)
+    slim = slimgrad.convert(stock)
+    assert type(slim[2]) is slimgrad.nn.Linear and isinstance(slim[2], nn.Linear)
+    x = torch.randn(32, 16, dtype=dtype)
+
+    def step(model):
+        with SavedTensors() as counter:
+            out = model(x)
+        out.float().square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return out, grads, counter.bytes
+
+    out_s, grads_s, kept_s = step(stock)
+    for i in range(3):
+        out, grads, kept = step(slim)
+        assert_bitwise(out, out_s, "output")
+        for g, gs in zip(grads, grads_s):
+            assert_bitwise(g, gs, "grad")
+        if i:  # (the first step has heard no consumer yet: a 1-bit mask, 32x64 bits, more)
+            # (stock's ReLU6 keeps its input besides the output the linear layer keeps: there slimgrad keeps less)
+            assert kept == kept_s if not isinstance(act, nn.ReLU6) else kept == kept_s - 32 * 64 * dtype.itemsize, \
+                (i, kept, kept_s)
+    for model in (stock, slim):
+        model[2].weight.requires_grad_(False)
+    _, _, kept_s = step(stock)
+    step(slim)  # (the decision lags one step)
+    _, _, kept = step(slim)
+    assert kept == kept_s - 32 * 64 * dtype.itemsize + 32 * 64 // 8
+
+
+def test_linear_under_autocast_keeps_its_cast_copy_so_the_activation_keeps_its_mask():
+    """Under autocast a linear layer keeps a bf16 copy of an fp32 input, not the input: the ReLU before it keeps
+    its mask (what stock keeps minus the fp32 output), not the output. (Where the linear layer's input is bf16
+    already, it keeps the ReLU's output itself, which is then shared: the MLP test above.)"""
+    from slimgrad.measure import SavedTensors
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.ReLU(), nn.Linear(64, 8))
+    slim = slimgrad.convert(stock)
+    base = torch.randn(32, 64)
+    kept = []
+    for model in (stock, slim, slim):
+        x = base.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensors() as counter:
+            out = model(x * 1.0)
+        out.float().sum().backward()
+        kept.append(counter.bytes)
+    assert kept[2] == kept[1] == kept[0] - 32 * 64 * 4 + 32 * 64 // 8, kept
+
+
+def test_linear_subclasses_are_not_reported():
+    """nn.Linear's replacement only reports (it claims no saving): a subclass overriding forward is neither
+    converted nor reported as left out."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model, rep = slimgrad.convert(nn.Sequential(Scaled(4, 4), nn.Linear(4, 4)), report=True)
+    assert type(model[0]) is Scaled and type(model[1]) is slimgrad.nn.Linear
+    assert not rep.skipped and not rep.converted and rep.stock_minimal == {"Linear": 1}, rep
+    assert type(slimgrad.revert(model)[1]) is nn.Linear

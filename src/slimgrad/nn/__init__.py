@@ -6,6 +6,7 @@ from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .clamp import Hardsigmoid, Hardtanh, ReLU6, Threshold
 from .conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .dropout import Dropout, Dropout1d, Dropout2d, Dropout3d
+from .linear import Linear
 from .norms import FusedAddRMSNorm, GroupNorm, LayerNorm, PolyNorm, RMSNorm
 from .pooling import (
     AdaptiveAvgPool1d,
@@ -26,6 +27,6 @@ __all__ = [
     "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d",
     "FusedAddRMSNorm", "GroupNorm", "LayerNorm", "PolyNorm", "RMSNorm",
-    "LeakyReLU", "ReLU", "Hardsigmoid", "Hardtanh", "ReLU6", "Threshold",
+    "LeakyReLU", "Linear", "ReLU", "Hardsigmoid", "Hardtanh", "ReLU6", "Threshold",
     "MaxPool1d", "MaxPool2d", "MaxPool3d",
 ]
