@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -362,3 +363,39 @@ def test_inplace_on_a_view_of_an_activation(policy, core):
     (ro, rg), (mo, mg) = results
     assert_same(mo, ro, what="output")
     assert_same(mg, rg, what="grad")
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_no_gradient_runs_stocks_op_and_peaks_as_stock(dtype, inplace, core):
+    """A dropout whose input needs no gradient (before a trainable conv: a segmentation head's pattern): nothing is
+    kept, so stock's op runs; the packed mask made beside stock's noise had put the step's peak 1 bit an element
+    above stock's. Outputs, gradients and the generator's state are stock's."""
+    from slimgrad import csrc
+    from slimgrad.measure import peak_bytes
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Dropout(0.1, inplace=inplace), nn.Conv2d(16, 3, 1)).to(dtype).train()
+    slim = slimgrad.convert(stock)
+    x = torch.randn(4, 16, 16, 16).to(dtype)
+    results = []
+    with contextlib.nullcontext() if core else csrc.disabled():
+        for model in (stock, slim):
+            def step(model=model):
+                torch.manual_seed(5)
+                out = model(x.clone())
+                out.float().sum().backward()
+                return out
+
+            step()  # (warm-up: one-time allocations)
+            peak = peak_bytes(step)
+            model.zero_grad(set_to_none=True)
+            out = step()
+            results.append((out, [p.grad for p in model.parameters()], torch.rand(1), peak))
+    (ys, gs, rs, peak_stock), (ym, gm, rm, peak_slim) = results
+    assert_same(ym, ys, what="output")
+    for a, b in zip(gm, gs):
+        assert_same(a, b, what="grad")
+    assert torch.equal(rm, rs)  # the same draws from the generator
+    assert peak_slim <= peak_stock, (peak_slim, peak_stock)

@@ -4,6 +4,7 @@ its B trains, an 8-byte seed per dropping adapter; the frozen base nothing)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -316,3 +317,42 @@ def test_adapters_only_peak_not_above_peft(dtype, channels_last):
     assert [n for n, _ in grads[slim]] == [n for n, _ in grads[stock]] and grads[slim]
     for (n, a), (_, b) in zip(grads[slim], grads[stock]):
         assert_same(a, b, what=n)
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_input_gradient_of_a_transposed_input_is_laid_out_as_peft(dtype, core):
+    """x a transposed view (wav2vec2's feature extractor: conv, LayerNorm over channels via transpose, GELU, conv)
+    with adapter dropout: the input gradient comes back in the layout of peft's `grad * noise` (contiguous), not in
+    x's; x's layout had sent GELU's backward down another kernel (2e-7 apart in fp32, upstream of the layer)."""
+    from slimgrad import csrc
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.act = nn.Conv1d(16, 16, 3, stride=2, bias=False), nn.GELU()
+
+        def forward(self, leaf):
+            x = self.act(leaf.transpose(1, 2))
+            x.register_hook(lambda g: seen.append((g.clone(), g.stride())))
+            return self.layer(x)
+
+    torch.manual_seed(0)
+    stock = get_peft_model(Chain().to(dtype), LoraConfig(r=R, lora_alpha=8, target_modules=["layer"],
+                                                         lora_dropout=0.1, init_lora_weights=False)).train()
+    slim = slimgrad.convert(stock)
+    base = torch.randn(2, 31, 16).to(dtype)
+    results = []
+    with contextlib.nullcontext() if core else csrc.disabled():
+        for model in (stock, slim):
+            seen = []
+            leaf = base.clone().requires_grad_()
+            torch.manual_seed(7)
+            y = model(leaf)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).to(dtype))
+            results.append((leaf.grad, seen[0]))
+    (ls, (gs, ss)), (lm, (gm, sm)) = results
+    assert sm == ss, (sm, ss)
+    assert_same(gm, gs, what="gradient at the layer's input")
+    assert_same(lm, ls, what="leaf gradient (through GELU)")
+    compare_grads(stock, slim)

@@ -380,8 +380,11 @@ at::Tensor dropout(const at::Tensor& input, double p, bool inplace) {
     if (inplace && input.is_leaf()) throw std::runtime_error(kLeafInplace);
     return DropoutFunction::apply(input, p, inplace);
   }
-  if (p == 1) return inplace ? input.mul_(zero_like_scalar(input)) : input * zero_like_scalar(input);
-  return draw_and_apply(input, p, inplace).out;
+  // No gradient reads a mask: stock's op itself (the same draw, so a reentrant checkpoint's recomputation with grad
+  // draws this very mask), nothing packed: a packed mask beside stock's noise put the step's peak above stock's
+  // (a dropout before a trainable conv on an input needing no gradient)
+  at::Tensor self = input;
+  return inplace ? at::dropout_(self, p, true) : at::dropout(input, p, true);
 }
 
 // The forward as functional.dropout.bits_forward returns it: (out, packed, perm or None, scale); for LoRA.
@@ -428,6 +431,13 @@ at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const 
   at::Tensor gi = bits_backward(g, packed, scale, out);
   return perm.empty() ? gi : gi.permute(inverse(perm));
 }
+
+std::vector<int64_t> stock_product_strides(const at::Tensor& grad, const std::vector<int64_t>& noise_strides,
+                                           bool noise_contiguous) {
+  return product_strides(grad, noise_strides, noise_contiguous);
+}
+
+at::Tensor with_strides(const at::Tensor& t, at::IntArrayRef strides) { return conform(t, strides); }
 
 bool fuses_cast(const at::Tensor& x, at::ScalarType dtype) {
   return dtype == at::kFloat && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&

@@ -118,6 +118,8 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
   std::vector<int64_t> dropping(n, 0), t_dtypes(n), t_formats(n);
   std::vector<std::vector<int64_t>> perms(n), t_shapes(n);
   std::vector<double> scales(n, 0.0);
+  std::vector<int64_t> noise_strides;  // empty_like(xa)'s, every dropping adapter's noise (stock's dropout draws)
+  bool noise_contiguous = true;
   at::ScalarType sum_dtype = base_out.scalar_type();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor &A = t[kAt + 3 * i], &B = t[kAt + 1 + 3 * i], &bias = t[kAt + 2 + 3 * i];
@@ -135,6 +137,8 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
       mask = std::move(f.packed);
       perms[i] = std::move(f.perm);
       scales[i] = f.scale;
+      noise_strides = std::move(f.noise_strides);
+      noise_contiguous = f.noise_contiguous;
       dropping[i] = 1;
     } else {
       dropped = xa;
@@ -174,6 +178,8 @@ at::Tensor lora_conv_forward(AutogradContext* ctx, const std::vector<at::Tensor>
   d["t_formats"] = t_formats;
   d["dropping"] = dropping;
   d["scales"] = scales;
+  d["noise_strides"] = noise_strides;
+  d["noise_contiguous"] = noise_contiguous;
   d["sum_dtype"] = static_cast<int64_t>(sum_dtype);
   d["base_dtype"] = static_cast<int64_t>(base_out.scalar_type());
   d["x_shape"] = x.sizes().vec();
@@ -220,6 +226,8 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
     const auto t_formats = d["t_formats"].toIntVector();
     const auto dropping = d["dropping"].toIntVector();
     const auto scales = d["scales"].toDoubleVector();
+    const auto noise_strides = d["noise_strides"].toIntVector();
+    const bool noise_contiguous = d["noise_contiguous"].toBool();
     const auto sum_dtype = static_cast<at::ScalarType>(d["sum_dtype"].toInt());
     const auto base_dtype = static_cast<at::ScalarType>(d["base_dtype"].toInt());
     const auto x_shape = d["x_shape"].toIntVector();
@@ -288,7 +296,10 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
       if (need_x) {
         at::Tensor dd = input_grad(dt, A, a, x_shape, x_format);
         if (bits) {
-          dd = dropout_core::apply_packed(dd, mask(i), perm, scales[i], true);
+          // made in the mask's memory order, handed on in the layout of stock's `dd * noise` (its input gradient's:
+          // a non-contiguous x gave x's layout, and the next node's kernel, e.g. GELU's, rounded differently)
+          const auto layout = dropout_core::stock_product_strides(dd, noise_strides, noise_contiguous);
+          dd = dropout_core::with_strides(dropout_core::apply_packed(dd, mask(i), perm, scales[i], true), layout);
         } else if (zero.defined()) {
           dd = dd.mul_(zero);
         }

@@ -418,7 +418,9 @@ def _dropout_impl(input, p, training, inplace, policy=None):
         # UNet with peft LoRA dropout (Inductor; aot_eager was finite), where stock's op did not.
         return torch.dropout_(input, p, True) if inplace else torch.dropout(input, p, True)
     if policy == "bits":
-        return bits_forward(input, p, inplace)[0]
+        # nothing kept, so stock's op (its draw is the "bits" policy's: a reentrant checkpoint recomputing this
+        # call with grad draws the same mask); bits_forward's packed mask beside the draw set a peak above stock's
+        return torch.dropout_(input, p, True) if inplace else torch.dropout(input, p, True)
     seed = _draw_seed(input.device)
     perm = _memory_order(input) if _dense(input) else None
     xc = _canonical(input, perm)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import csrc
-from slimgrad.functional import _common
+from slimgrad.functional import _common, _layout
 from slimgrad.functional.conv import _format  # (torch's suggest_memory_format, without its ~25 µs of guards)
 from slimgrad.functional.dropout import (
     _SIMULATED,
@@ -243,8 +243,13 @@ class LoraConvFunction(_common.Function):
             impl = dropout_kernels.choose_seed(adapters[0] if xa_dtype == a_dtype else x)
             if impl is not dropout_kernels.SEED_TORCH:
                 seeded = (impl, _seed_order(x))
+        # stock's noise is empty_like(x'), in x's layout: with a non-contiguous x, the input gradient is handed on in
+        # the layout of stock's `dd * noise` (backward), not the mask's memory order it is made in
+        noise_strides = None
+        if not x.is_contiguous() and not torch.compiler.is_compiling() and any(0 < m[3] < 1 for m in meta):
+            noise_strides = torch.empty_like(x, dtype=torch.uint8, device="meta").stride()
         ctx.meta = (cast, meta, sum_dtype, base_out.dtype, tuple(shapes), tuple(x.shape), x_format, x.dtype, bits,
-                    seeded)
+                    seeded, noise_strides)
         ctx.save_for_backward(x if keep_x else None, seeds if keep_seeds else None,
                               *[t if nb else None for t, nb in zip(ts, need_b)],
                               *[m if (need_x or na) else None for m, na in zip(masks, need_a)], *adapters)
@@ -270,7 +275,7 @@ class LoraConvFunction(_common.Function):
     def backward(ctx, grad, *_grad_extras):
         if grad is None:  # (an undefined output gradient, as gradcheck passes: grads are not materialized)
             return (None,) * len(ctx.needs_input_grad)
-        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype, bits, seeded = ctx.meta
+        cast, meta, sum_dtype, base_dtype, shapes, x_shape, x_format, x_dtype, bits, seeded, noise_strides = ctx.meta
         n = len(meta)
         saved = ctx.saved_tensors
         x, seeds = saved[:2]
@@ -354,10 +359,14 @@ class LoraConvFunction(_common.Function):
                 del dropped
             if need_x:
                 dd = _input_grad(dt, A, a, x_shape, x_format)
+                layout = (_layout.binary_strides(tuple(dd.shape), dd.stride(), noise_strides)
+                          if noise_strides is not None and (i in bits or kernel) else None)
                 if i in bits:
                     dd = bits_backward(dd, masks[i], *bits[i], inplace=True)
                 elif kernel:
                     dd = _seeded(seeded[0], dd, p, seeds[seed_index[i]], seeded[1])
+                if layout is not None:  # (as csrc/lora_conv.cpp: stock's `dd * noise` layout)
+                    dd = _layout.conform(dd, layout)
                 elif noise is not None:
                     dd = dd.mul_(noise)
                 dxa = dd if dxa is None else dxa.add_(dd)
