@@ -29,6 +29,10 @@ CLASSES = {  # module, class, casting style
     "gemma2": ("gemma2", "Gemma2RMSNorm", "gemma"),
     "gemma3": ("gemma3", "Gemma3RMSNorm", "gemma"),
     "t5": ("t5", "T5LayerNorm", "t5"),
+    # T5's norm copied under other names (recognised by its forward, not its name: they were left stock, unreported)
+    "mt5": ("mt5", "MT5LayerNorm", "t5"),
+    "umt5": ("umt5", "UMT5LayerNorm", "t5"),
+    "longt5": ("longt5", "LongT5LayerNorm", "t5"),
 }
 
 

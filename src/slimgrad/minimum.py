@@ -468,7 +468,8 @@ def rule_for(module: nn.Module) -> Callable | None:
         if base_rule is not None:
             return base_rule if kind.forward is base.forward else None
     if _qualname(kind).startswith("transformers.models."):
-        if ("RMSNorm" in kind.__name__ or kind.__name__ == "T5LayerNorm") and _hf_rms_style(module) is not None:
+        # (T5's norm under other names, MT5LayerNorm, ...: where the forward matches, as the converter's hf_norms)
+        if ("RMSNorm" in kind.__name__ or kind.__name__.endswith("LayerNorm")) and _hf_rms_style(module) is not None:
             return _hf_rms_norm
         try:
             from .integrations import hf_mlp

@@ -143,7 +143,11 @@ def register_loaded() -> list[type]:
     forward matches a reference; returns the classes newly registered. Cheap to call again."""
     added = []
     for name, cls in loaded_transformers_classes():
-        if cls in _checked or not ("RMSNorm" in name or name == "T5LayerNorm"):
+        claimed = "RMSNorm" in name or name == "T5LayerNorm"
+        # T5's norm copied under another name (MT5LayerNorm, UMT5LayerNorm, LongT5LayerNorm, Pop2Piano's, Udop's,
+        # ...): converted where its forward matches a reference, as any RMSNorm; a LayerNorm that does not match is
+        # a LayerNorm, no gap
+        if cls in _checked or not (claimed or name.endswith("LayerNorm")):
             continue
         _checked.add(cls)
         if cls in REPLACEMENTS:
@@ -153,7 +157,8 @@ def register_loaded() -> list[type]:
         except (TypeError, ValueError, AttributeError) as e:
             style, reason = None, f"slimgrad could not read {cls.__name__}.forward ({type(e).__name__}: {e})"
         if style is None:
-            _notices.record_class_gap(cls, library="transformers", family="RMSNorm", reason=reason)
+            if claimed:
+                _notices.record_class_gap(cls, library="transformers", family="RMSNorm", reason=reason)
             continue
         _VERIFIED[cls] = cls.forward
         register_forward(cls, _FORWARDS[style], module=__name__, unsupported_reason=_unsupported_reason)
