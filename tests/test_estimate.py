@@ -604,6 +604,8 @@ def test_loss_fn_and_positional_kwargs_forms():
 @pytest.mark.parametrize("text,expected", [
     ("12GiB", 12 * 2**30), ("800MB", 800 * 10**6), ("800 MiB", 800 * 2**20), (" 1.5 GB ", 1_500_000_000),
     ("64KiB", 65536), ("2TB", 2 * 10**12), ("1000", 1000), ("100B", 100), ("1e9", 10**9),
+    # SI's kB and lower-case units, signed exponents, a leading plus
+    ("5kB", 5000), ("12mib", 12 * 2**20), ("1e+6", 10**6), ("1e-3GB", 10**6), ("+5MiB", 5 * 2**20), ("2.7", 2),
 ])
 def test_parse_bytes_strings(text, expected):
     assert parse_bytes(text) == expected
@@ -645,8 +647,9 @@ def test_parse_bytes_numbers_and_errors():
     for bad in ("12 GiBs", "lots", "", "-1GB", "0", "1.5.2GB", "GiB"):
         with pytest.raises(ValueError, match="budget"):
             parse_bytes(bad)
-    for bad in (0, -5, -1e9, 0.0):
-        with pytest.raises(ValueError, match="budget"):
+    assert parse_bytes(2.7) == 2
+    for bad in (0, -5, -1e9, 0.0, 0.5, float("nan"), float("inf"), "1e400", "0.5"):  # (under a byte: not a budget)
+        with pytest.raises(ValueError, match="^budget: expected a positive number of bytes"):
             parse_bytes(bad)
     for bad in (True, False):
         with pytest.raises(TypeError, match="budget"):

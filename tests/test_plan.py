@@ -928,3 +928,28 @@ def test_planned_parts_compile_fullgraph_like_eager():
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], rtol=2e-2, atol=2e-2 * g1[n].abs().max().item(),
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_smallest_feasible_budget_is_one_a_plan_meets_where_checkpointing_the_last_stage_raises_the_peak():
+    """A budget nothing meets names the lowest peak a plan reaches. Checkpointing a ConvNeXt's last stage raises
+    its peak (the stage is recomputed while the loss's gradients are alive), so every stage checkpointed was not
+    the lowest: the refusal named 3 907 584 B where three stages reach 3 902 528 B, and refused budgets between."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1],
+                                         num_labels=5)
+    model = slimgrad.convert(transformers.ConvNextForImageClassification(config).train())
+    example = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([1, 3])}
+    stages = [f"convnext.encoder.stages.{i}" for i in range(4)]
+    apply_plan(model, {s: "checkpoint" for s in stages})
+    try:
+        every = slimgrad.estimate(model, **example).peak_bytes
+    finally:
+        remove_plan(model)
+    refused = slimgrad.plan(model, 10**5, example)
+    assert not refused.fits and refused.smallest_feasible < every, (refused.smallest_feasible, every)
+    assert f"({refused.smallest_feasible} bytes)" in str(refused)
+    met = slimgrad.plan(model, refused.smallest_feasible, example)
+    assert met.fits and met.peak_after <= refused.smallest_feasible, met
+    short = slimgrad.plan(model, refused.smallest_feasible - 3000, example)
+    assert not short.fits and "KiB over" in str(short) and "0.0 MiB over" not in str(short), str(short)

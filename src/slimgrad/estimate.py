@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
+import numbers
 import os
 import re
 import weakref
@@ -53,21 +55,23 @@ _CUDA_BLOCK = 512
 
 
 def parse_bytes(value, what: str = "budget") -> int:
-    """``12GiB``, ``"800 MB"``, ``1.5e9`` or an int: bytes. GiB/MiB/KiB are powers of 1024, GB/MB/KB of 1000."""
+    """``12GiB``, ``"800 MB"``, ``1.5e9`` or an int: bytes. GiB/MiB/KiB are powers of 1024, GB/MB/kB of 1000 (units
+    in any case); a fraction of a byte is dropped, and what is left must be at least one byte."""
     if isinstance(value, bool):
         raise TypeError(f"{what}: expected a number of bytes or a string like '12GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{what}: expected a positive number of bytes, got {value!r}")
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(value) or value < 1:
+            raise ValueError(f"{what}: expected a positive number of bytes (finite, at least 1), got {value!r}")
         return int(value)
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B|B)?\s*", value)
+        m = re.fullmatch(r"\s*\+?([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kmgt]i?b|b)?\s*", value, re.IGNORECASE)
         if m:
-            scale = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[m.group(2)]
-            n = int(float(m.group(1)) * scale)
-            if n > 0:
-                return n
+            unit = (m.group(2) or "B").upper().replace("IB", "iB")
+            scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+            n = float(m.group(1)) * scale
+            if math.isfinite(n) and n >= 1:
+                return int(n)
     raise ValueError(f"{what}: expected a positive number of bytes or a string like '12GiB', '800MB', got {value!r}")
 
 

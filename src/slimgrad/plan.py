@@ -81,8 +81,8 @@ class MemoryPlan:
         return {b.path: b.action for b in self.blocks if b.action != "keep"}
 
     def __str__(self) -> str:
-        verdict = ("fits" if self.fits else f"does NOT fit: {_gib(self.peak_after - self.budget)} over; the "
-                   f"smallest budget any plan meets is {_gib(self.smallest_feasible)}")
+        verdict = ("fits" if self.fits else f"does NOT fit: {_amount(self.peak_after - self.budget)} over; the "
+                   f"smallest budget any plan meets is {_gib(self.smallest_feasible)} ({self.smallest_feasible} bytes)")
         given = "converted by slimgrad" if self.converted else "as given"
         lines = [f"slimgrad.plan: budget {_gib(self.budget)} on {self.device}: peak {_gib(self.peak_before)} -> "
                  f"{_gib(self.peak_after)}, {verdict}; about +{self.extra_seconds * 1e3:.1f} ms per step "
@@ -500,6 +500,11 @@ def host_copy_bytes_per_second(device: str) -> float:
     return _TIMES[key]
 
 
+def _amount(n: int) -> str:
+    """A difference of bytes, readable however small (a small model's refusal read "0.0 MiB over")."""
+    return _gib(n) if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
 # -- the search ---------------------------------------------------------------------------------------------
 
 
@@ -699,6 +704,22 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                 return []
             return [upgraded(first_fitting(len(ups), lambda k: at(upgraded(k)).peak_bytes <= budget_bytes, 1))]
 
+        def lowest(start: dict[str, str]) -> dict[str, str]:
+            """``start`` less the units whose action raises the peak, last in model order first, until three in a
+            row do not lower it. The searches above try every unit of an order at once where nothing fits, but
+            checkpointing a late block can raise the peak (its recomputation runs while the loss's gradients are
+            alive: a ConvNeXt's last stage, a GPT-2's last layer), so fewer units can reach lower."""
+            best, misses = dict(start), 0
+            for p in sorted(start, key=lambda p: -position[p]):
+                trial = {q: a for q, a in best.items() if q != p}
+                if at(trial).peak_bytes < at(best).peak_bytes:
+                    best, misses = trial, 0
+                else:
+                    misses += 1
+                    if misses == 3:
+                        break
+            return best
+
         def action_seconds(path: str, action: str) -> float:
             return seconds.get(path, 0.0) if action == "checkpoint" else offload_cost(path)
 
@@ -734,9 +755,9 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                 found += [a for a in (search(o) for o in orders()) if a is not None]
             if found:
                 chosen = min(found, key=lambda a: (extra(a), len(a)))
-            else:  # nothing fits: the lowest peak seen
+            else:  # nothing fits: the lowest peak a plan reaches (the smallest budget the refusal names)
                 key = min(tried, key=lambda k: (tried[k].peak_bytes, len(k)))
-                chosen = dict(key)
+                chosen = lowest(dict(key))
         elif units:  # for smallest_feasible
             at(acts_for(units, len(units)))
             if planned_parts:
