@@ -796,3 +796,35 @@ def test_frozen_adapters_peak_not_above_peft(conv, dtype):
             # (a conv's fp32 bias gradient with its weight frozen is a plain sum: README, Exactness)
             exact = not (conv and dtype == torch.float32 and n.endswith("base_layer.bias") and not rw)
             assert_same(a, b, exact=exact, what=n)
+
+
+def test_several_active_adapters_on_a_shared_input_within_rounding():
+    """Two LoRA layers reading one x (q and k), two adapters active in each, with dropout ("bits", stock's masks):
+    each layer hands x its adapters' input gradients pre-summed, where peft's graph adds them to the other
+    layer's one at a time, so the fp32 gradients upstream of x differ from peft's in rounding (README, Exactness);
+    with one layer they are bitwise (test_several_active_adapters)."""
+
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(IN, IN, bias=False), nn.Linear(IN, IN, bias=False)
+
+        def forward(self, x):
+            return self.q(x) * self.k(x)
+
+    torch.manual_seed(0)
+    stock = get_peft_model(TwoReaders(), LoraConfig(r=R, lora_alpha=8, target_modules=["q", "k"], lora_dropout=0.1,
+                                                    init_lora_weights=False))
+    stock.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q", "k"], lora_dropout=0.1,
+                                           init_lora_weights=False))
+    stock.base_model.set_adapter(["default", "second"])
+    slim = slim_of(stock)
+    xs, xk = x_for(torch.float32), x_for(torch.float32)
+    with dropout_policy("bits"):
+        torch.manual_seed(7)
+        out_k, gx_k = step(slim, xk)
+        torch.manual_seed(7)
+        out_s, gx_s = step(stock, xs)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, exact=False, rtol=1e-6, atol=1e-6, what="x.grad")
+    compare_grads(stock, slim, exact=False, rtol=1e-5, atol=1e-6)
