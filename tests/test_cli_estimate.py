@@ -106,7 +106,8 @@ def test_budget_prints_the_plan_and_writes_json_and_plot(factory, capsys, tmp_pa
     assert data["slimgrad"]["peak_bytes"] == est.peak_bytes and data["slimgrad"]["kept_bytes"] == est.kept_bytes
     assert data["plan"]["actions"] == {p: a for p, a in rows.items() if a != "keep"}
     assert data["plan"]["fits"] is True and data["plan"]["peak_after"] <= budget
-    assert data["plan"]["budget"] == budget and data["plan"]["smallest_feasible"] == full.smallest_feasible
+    # (a plan that fits reports the lowest peak it tried; a refusal searches for the lowest a plan reaches)
+    assert data["plan"]["budget"] == budget and data["plan"]["smallest_feasible"] >= full.smallest_feasible
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -26,6 +26,12 @@ ORIGINALS: dict[type[nn.Module], type[nn.Module]] = {}
 OPTIONS: dict[type[nn.Module], str] = {}
 
 
+def changes_what_is_kept(kind: type) -> bool:
+    """Whether ``kind`` is a slimgrad replacement that keeps other tensors than stock's (every one but nn.Linear's,
+    which only reports to the layer before it: ``reports_only``); what reports count as slimgrad modules."""
+    return kind in ORIGINALS and not getattr(kind, "reports_only", False)
+
+
 def register(stock: type[nn.Module], *, option: str | None = None):
     """Class decorator: make ``cls`` the replacement for modules whose type is exactly ``stock``.
 

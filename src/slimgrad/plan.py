@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._registry import ORIGINALS
+from ._registry import changes_what_is_kept
 from .estimate import MemoryEstimate, _gib, _is_block, blocks_of, estimate, parse_bytes, split_example, unwrap
 
 __all__ = ["BlockChoice", "MemoryPlan", "apply_plan", "parts_of", "plan", "remove_plan"]
@@ -66,7 +66,9 @@ class MemoryPlan:
     device: str
     peak_before: int  # the model as given (converted or not), no plan
     peak_after: int  # with the plan
-    smallest_feasible: int  # the lowest peak a plan reaches (every block, or every part, checkpointed or offloaded)
+    # where no plan fits, the lowest peak a plan reaches (what the refusal names); where one fits, the lowest peak of
+    # the plans the search tried (every block or every part checkpointed or offloaded among them), which may be above
+    smallest_feasible: int
     fits: bool
     blocks: list[BlockChoice]
     extra_seconds: float
@@ -720,6 +722,9 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                         break
             return best
 
+        def lowest_tried() -> dict[str, str]:
+            return lowest(dict(min(tried, key=lambda k: (tried[k].peak_bytes, len(k)))))
+
         def action_seconds(path: str, action: str) -> float:
             return seconds.get(path, 0.0) if action == "checkpoint" else offload_cost(path)
 
@@ -745,6 +750,10 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
                 return found_orders
 
             found = [a for a in (search(o) for o in orders()) if a is not None]
+            if not found:  # every unit of an order peaks above the budget, yet fewer units can peak lower
+                low = lowest_tried()
+                if at(low).peak_bytes <= budget_bytes:
+                    found = [low]
             if not found and "checkpoint" in actions and "offload" in actions and bandwidth > 0:
                 # each unit's cheaper action cannot meet the budget: offloading frees a unit's whole kept bytes
                 # where checkpointing keeps its inputs (the H200's QLoRA at a 50 % budget: batch 14 with the
@@ -756,8 +765,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             if found:
                 chosen = min(found, key=lambda a: (extra(a), len(a)))
             else:  # nothing fits: the lowest peak a plan reaches (the smallest budget the refusal names)
-                key = min(tried, key=lambda k: (tried[k].peak_bytes, len(k)))
-                chosen = lowest(dict(key))
+                chosen = lowest_tried()
         elif units:  # for smallest_feasible
             at(acts_for(units, len(units)))
             if planned_parts:
@@ -785,7 +793,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
         return MemoryPlan(budget=budget_bytes, device=device, peak_before=before.peak_bytes,
                           peak_after=after.peak_bytes, smallest_feasible=smallest, fits=fits, blocks=choices,
                           extra_seconds=sum(c.extra_seconds for c in choices), notes=notes,
-                          converted=any(type(m) in ORIGINALS for m in model.modules()),
+                          converted=any(changes_what_is_kept(type(m)) for m in model.modules()),
                           estimate_before=before, estimate_after=after)
     finally:
         apply_plan(model, previous)

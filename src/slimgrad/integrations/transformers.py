@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
 from slimgrad import _notices
-from slimgrad._registry import ORIGINALS
+from slimgrad._registry import changes_what_is_kept
 from slimgrad.convert import ConversionReport, convert
 
 __all__ = ["SlimgradCallback"]
@@ -217,7 +217,7 @@ class SlimgradCallback(TrainerCallback):
 
     @staticmethod
     def _log(model: nn.Module, report: ConversionReport) -> None:
-        total = sum(type(m) in ORIGINALS for m in model.modules())
+        total = sum(changes_what_is_kept(type(m)) for m in model.modules())
         counts: dict[str, int] = {}
         for _, type_name in report.converted:
             counts[type_name] = counts.get(type_name, 0) + 1
