@@ -433,3 +433,30 @@ def test_linear_subclasses_are_not_reported():
     assert type(model[0]) is Scaled and type(model[1]) is slimgrad.nn.Linear
     assert not rep.skipped and not rep.converted and rep.stock_minimal == {"Linear": 1}, rep
     assert type(slimgrad.revert(model)[1]) is nn.Linear
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LeakyReLU(0.1), lambda: nn.ReLU6(), lambda: nn.Hardtanh(),
+                                  lambda: nn.Threshold(0.1, 20.0), lambda: nn.Hardsigmoid(), lambda: nn.Dropout(0.5)],
+                         ids=["leaky_relu", "relu6", "hardtanh", "threshold", "hardsigmoid", "dropout"])
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+def test_output_of_a_channels_last_input_can_be_modified_in_place(make, core):
+    """The kernels run in the input's memory order and permute the result back: that output was a view made inside
+    a custom Function, which autograd refuses to modify in place (``out += residual`` in a channels-last block,
+    a following in-place ReLU). Stock's output can be; so can slimgrad's, with stock's values and gradients."""
+    import contextlib
+
+    from slimgrad import csrc
+
+    results = []
+    with contextlib.nullcontext() if core else csrc.disabled():
+        for module in (make(), slimgrad.convert(nn.Sequential(make()))[0]):
+            module.train()
+            x = torch.linspace(-4, 4, 2 * 3 * 4 * 5).view(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+            x.requires_grad_()
+            torch.manual_seed(0)
+            out = module(x * 1.0)
+            out += 1.0
+            out.backward(torch.linspace(1, 2, out.numel()).view(out.shape))
+            results.append((out.detach(), x.grad))
+    assert_bitwise(results[1][0], results[0][0], "output")
+    assert_bitwise(results[1][1], results[0][1], "grad")

@@ -373,7 +373,13 @@ def test_mask_read_from_what_backward_keeps(name, dynamic, size, consumer_trains
     with _without_caches():
         actual = _compiled_step(copy.deepcopy(slim), x, dynamic)
         counts = {k: _shared_masks.stats[k] - before[k] for k in before}
-        if consumer_trains:
+        if consumer_trains and name == "relu-inplace" and not dynamic:
+            # traced in place runs out of place and copies in (test_inplace_on_a_graph_input_under_compile): the
+            # joint pass then marks the chain for recomputation, whose output the conv reads too, so nothing of it
+            # is kept (resnet18 'all', compiled: 0.646 MiB kept against 0.849 shared, the same step time)
+            assert counts == {"shared": 0, "recomputed": 1, "kept": 0, "rebuilt": 0}, counts
+            assert actual[3] <= expected[3], (actual[3], expected[3])
+        elif consumer_trains:
             assert counts == {"shared": 1, "recomputed": 0, "kept": 0, "rebuilt": 0}, counts
             assert actual[3] <= expected[3], (actual[3], expected[3])
         else:
@@ -549,3 +555,29 @@ def test_bf16_compiled_batch_norm_then_activation(act):
 
     for i, (mine, eager, compiled) in enumerate(zip(errors(actual), errors(eager_stock), errors(compiled_stock))):
         assert mine <= 1.5 * max(eager, compiled), (i, mine, eager, compiled)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("make", [lambda: nn.ReLU(inplace=True), lambda: nn.LeakyReLU(0.1, inplace=True),
+                                  lambda: nn.ReLU6(inplace=True), lambda: nn.Hardtanh(-0.5, 0.5, inplace=True),
+                                  lambda: nn.Hardsigmoid(inplace=True), lambda: nn.Dropout(0.5, inplace=True)],
+                         ids=["relu", "leaky_relu", "relu6", "hardtanh", "hardsigmoid", "dropout"])
+def test_inplace_on_a_graph_input_under_compile(make, backend):
+    """An in-place activation compiled alone (or after a graph break) modifies a graph input: its input gradient
+    had passed through unmasked (ReLU on [-1, -0.5, 0.5, 1]: [1, 1, 1, 1]); now every traced in-place call runs out
+    of place and copies in. Against compiled stock, the same dropout draw (fallback_random)."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    base = torch.linspace(-8, 8, 26).view(2, 13)
+    grads = []
+    for module in (make(), slimgrad.convert(nn.Sequential(make()))[0]):
+        torch._dynamo.reset()
+        compiled = torch.compile(module, backend=backend, fullgraph=True)
+        h = base.clone().requires_grad_()
+        torch.manual_seed(0)
+        with inductor_config.patch(fallback_random=True):
+            out = compiled(h * 1.0)
+        out.backward(torch.linspace(1, 2, 26).view(2, 13))
+        grads.append(h.grad)
+    assert_same(grads[1], grads[0], what="input gradient")

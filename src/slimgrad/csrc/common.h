@@ -44,6 +44,15 @@ torch::autograd::variable_list once_differentiable(torch::autograd::variable_lis
 // and fp16 that is another product (x * 1.702 in bf16 is not x * bf16(1.702)). Out-of-place `t * v` is unaffected.
 inline at::Tensor py_float(double v) { return at::native::wrapped_scalar_tensor(v); }
 
+// t, or where t is a view (a kernel's result permuted back to the input's layout: channels-last, transposed), a tensor
+// on t's storage with t's sizes and strides that autograd does not take for a view. A custom Function's output that is
+// a view cannot be modified in place afterwards (`out += residual`, a following in-place ReLU: "Output 0 of ... is a
+// view and is being modified inplace"), where stock's output can.
+inline at::Tensor not_a_view(const at::Tensor& t) {
+  if (!t.is_view()) return t;
+  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+}
+
 inline std::pair<std::vector<at::Tensor>, std::vector<bool>> present_slots(at::TensorList tensors,
                                                                            const std::vector<int64_t>& present) {
   std::vector<at::Tensor> t(present.size());

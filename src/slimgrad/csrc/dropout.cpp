@@ -418,7 +418,7 @@ Forward draw_and_apply(const at::Tensor& input, double p, bool inplace) {
     if (out.data_ptr() != view.data_ptr() || out.strides() != view.strides()) view.copy_(out);
     f.out = input;
   } else {
-    f.out = f.perm.empty() ? out : out.permute(inverse(f.perm));
+    f.out = f.perm.empty() ? out : not_a_view(out.permute(inverse(f.perm)));
   }
   return f;
 }

@@ -353,7 +353,7 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
       const bool special = hardtanh_fp32(xc.const_data_ptr<float>(), oc.mutable_data_ptr<float>(),
                                          packed.mutable_data_ptr<uint8_t>(), packed.numel(), x.numel(), flo, fhi,
                                          zmode, zbits);
-      out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
+      out = inplace ? x : (perm.empty() ? oc : not_a_view(oc.permute(masks::inverse(perm))));
       if (special) at::hardtanh_(out, lo, hi);  // stock's bits where its paths differ
       ctx->saved_data["perm"] = perm;
       ctx->saved_data["pshape"] = xc.sizes().vec();
@@ -373,7 +373,7 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
                       packed.mutable_data_ptr<uint8_t>(), packed.numel(), x.numel(), th.to<scalar_t>(),
                       val.to<scalar_t>());
       });
-      out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
+      out = inplace ? x : (perm.empty() ? oc : not_a_view(oc.permute(masks::inverse(perm))));
       ctx->saved_data["perm"] = perm;
       ctx->saved_data["pshape"] = xc.sizes().vec();
       if (inplace) ctx->mark_dirty({x});
@@ -390,7 +390,7 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
         nan = hardsigmoid_fwd(xc.const_data_ptr<scalar_t>(), oc.mutable_data_ptr<scalar_t>(),
                               packed.mutable_data_ptr<uint8_t>(), packed.numel(), x.numel());
       });
-      out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
+      out = inplace ? x : (perm.empty() ? oc : not_a_view(oc.permute(masks::inverse(perm))));
       if (nan) {  // stock's bits at NaN inputs (which do not depend on the NaN's payload but on its position)
         if (inplace)
           out.copy_(at::where(at::isnan(out), at::hardsigmoid(out), out));

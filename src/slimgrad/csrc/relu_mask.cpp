@@ -624,7 +624,7 @@ struct ReluMaskFunction : public torch::autograd::Function<ReluMaskFunction> {
       if (dense) {
         at::Tensor xc = perm.empty() ? x : x.permute(perm);
         at::Tensor oc = forward_contiguous(xc, inplace, packed, slope);
-        out = inplace ? x : (perm.empty() ? oc : oc.permute(masks::inverse(perm)));
+        out = inplace ? x : (perm.empty() ? oc : not_a_view(oc.permute(masks::inverse(perm))));
       } else {  // a slice: the kernels take contiguous tensors
         at::Tensor xc = x.contiguous();
         at::Tensor oc = forward_contiguous(xc, inplace, packed, slope);

@@ -186,9 +186,13 @@ EAGER_HANDOFF = threading.local()
 
 
 def traced_inplace_on_view(input: torch.Tensor) -> bool:
-    """Whether torch.compile traces an in-place call on a view: there a Function modifying a view in place may
-    return one tensor only and save nothing made in forward, so the family runs out of place and copies in."""
-    return torch.compiler.is_compiling() and input._base is not None  # (dynamo cannot trace _is_view())
+    """Whether an in-place call is traced by torch.compile: there the family runs out of place and copies into the
+    input (functionalization makes stock's in-place op the same). A Function modifying a view in place may return
+    one tensor only and save nothing made in forward; one modifying a graph input in place (a module compiled
+    alone, or after a graph break) had its input gradient passed through unmasked (ReLU(inplace=True) on
+    [-1, -0.5, 0.5, 1]: [1, 1, 1, 1] where stock gives [0, 0, 1, 1]), and dynamo cannot tell a graph input from an
+    intermediate while tracing. So every traced in-place call does (the name stays from the views' case)."""
+    return torch.compiler.is_compiling()
 
 
 def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
@@ -341,6 +345,16 @@ def mark_producer(output: torch.Tensor, cell: UseCell) -> None:
     if not torch.compiler.is_compiling():
         cell.version = output._version
         _PRODUCERS[output] = cell
+
+
+def not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where ``t`` is a view (a kernel's result permuted back to the input's layout), a tensor on its
+    storage with its sizes and strides that autograd does not take for a view: a custom Function's output that is a
+    view cannot be modified in place afterwards (``out += residual`` in a channels-last block), where stock's can
+    (csrc/common.h's ``not_a_view``). Eager plain tensors only: traced and fake ones are returned as they are."""
+    if not t._is_view() or type(t) is not torch.Tensor or torch.compiler.is_compiling():
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def note_input_kept(x: torch.Tensor) -> None:

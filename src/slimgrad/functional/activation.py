@@ -85,7 +85,7 @@ def _masked_forward(input, slope, inplace):
         out, packed = _kernel(xc).forward(xc, slope, inplace)
         if inplace:
             return input, packed
-        return (out if perm is None else out.permute(_inverse(perm))), packed
+        return (out if perm is None else _common.not_a_view(out.permute(_inverse(perm)))), packed
     # Not dense (a slice): the kernels take contiguous tensors, so work on a contiguous copy.
     xc = input.contiguous()
     out, packed = _kernel(xc).forward(xc, slope, inplace)

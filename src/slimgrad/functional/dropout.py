@@ -161,7 +161,7 @@ def _finish(input, out, perm, inplace):
         if not same or out.stride() != view.stride():  # not data_ptr(): fake tensors (slimgrad.estimate) have none
             view.copy_(out)  # the kernel worked on a contiguous copy of a non-dense input
         return input
-    return out if perm is None else out.permute(_inverse(perm))
+    return out if perm is None else _common.not_a_view(out.permute(_inverse(perm)))
 
 
 def bits_forward(input: torch.Tensor, p: float, inplace: bool):
