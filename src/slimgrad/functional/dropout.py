@@ -417,10 +417,13 @@ def _dropout_impl(input, p, training, inplace, policy=None):
         # noise formula of eager (empty_like(x).bernoulli_) gave NaN outputs once compiled inside a diffusers
         # UNet with peft LoRA dropout (Inductor; aot_eager was finite), where stock's op did not.
         return torch.dropout_(input, p, True) if inplace else torch.dropout(input, p, True)
-    if policy == "bits":
-        # nothing kept, so stock's op (its draw is the "bits" policy's: a reentrant checkpoint recomputing this
-        # call with grad draws the same mask); bits_forward's packed mask beside the draw set a peak above stock's
+    if policy == "bits" and input.is_cpu:
+        # nothing kept, so stock's op: on CPU its draw is the "bits" policy's (a reentrant checkpoint recomputing
+        # this call with grad draws the same mask); bits_forward's packed mask beside the draw set a peak above
+        # stock's. (Elsewhere stock's fused kernel draws otherwise: bits_forward, so the recomputation matches.)
         return torch.dropout_(input, p, True) if inplace else torch.dropout(input, p, True)
+    if policy == "bits":
+        return bits_forward(input, p, inplace)[0]
     seed = _draw_seed(input.device)
     perm = _memory_order(input) if _dense(input) else None
     xc = _canonical(input, perm)
