@@ -26,10 +26,16 @@ ORIGINALS: dict[type[nn.Module], type[nn.Module]] = {}
 OPTIONS: dict[type[nn.Module], str] = {}
 
 
+def reports_only(replacement: type) -> bool:
+    """Whether a replacement runs stock's ops and keeps stock's bytes, only telling the layer before it what it keeps
+    (nn.Linear's, slimgrad/nn/linear.py): counted as stock in reports, and it claims no family."""
+    return getattr(replacement, "reports_only", False)
+
+
 def changes_what_is_kept(kind: type) -> bool:
-    """Whether ``kind`` is a slimgrad replacement that keeps other tensors than stock's (every one but nn.Linear's,
-    which only reports to the layer before it: ``reports_only``); what reports count as slimgrad modules."""
-    return kind in ORIGINALS and not getattr(kind, "reports_only", False)
+    """Whether ``kind`` is a slimgrad replacement that keeps other tensors than stock's (every one but those that
+    only report); what reports count as slimgrad modules."""
+    return kind in ORIGINALS and not reports_only(kind)
 
 
 def register(stock: type[nn.Module], *, option: str | None = None):

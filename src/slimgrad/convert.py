@@ -22,7 +22,15 @@ from torch import nn
 
 from ._gaps import CHUNKED_LOSS, claimed_family, family_gap, model_gap, module_gap, remember_converted
 from ._notices import Gap, notify_all
-from ._registry import OPTIONS, ORIGINALS, REPLACEMENTS, defined_beyond_init, init_only_stock, subclass_twin
+from ._registry import (
+    OPTIONS,
+    ORIGINALS,
+    REPLACEMENTS,
+    defined_beyond_init,
+    init_only_stock,
+    reports_only,
+    subclass_twin,
+)
 from .functional.dropout import POLICY_ATTRIBUTE
 from .integrations import load_available
 
@@ -175,9 +183,8 @@ class _Selector:
 
 def _why_not_exact(module: nn.Module) -> str | None:
     """A reason for a module that is an instance of a convertible family but not of an exact type."""
-    # (a replacement that only reports, nn.Linear's, claims no family: its subclasses are not left out of anything)
-    stock = next((t for t, r in REPLACEMENTS.items()
-                  if isinstance(module, t) and not getattr(r, "reports_only", False)), None)
+    # (a replacement that only reports claims no family: its subclasses are not left out of anything)
+    stock = next((t for t, r in REPLACEMENTS.items() if isinstance(module, t) and not reports_only(r)), None)
     if stock is None:
         return None
     if getattr(module, "parametrizations", None) is not None and type(module).__name__.startswith("Parametrized"):
@@ -352,7 +359,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
                 kept_by_stock_parent.update(id(child) for child in kept_children(module))
             continue
         swaps.append((module, replacement))
-        if getattr(replacement, "reports_only", False):  # stock's ops and bytes: counted as stock (nn/linear.py)
+        if reports_only(replacement):  # stock's ops and bytes: counted as stock
             result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
             continue
         result.converted.append((path, kind.__name__))

@@ -298,32 +298,6 @@ at::Tensor canonical(const at::Tensor& t, const std::vector<int64_t>& perm) {
   return v.is_contiguous() ? v : v.contiguous();
 }
 
-at::Tensor conform(const at::Tensor& t, at::IntArrayRef strides) {
-  if (t.strides() == strides) return t;
-  bool views = true;
-  for (int64_t d = 0; d < t.dim(); ++d)
-    if (t.size(d) != 1 && t.stride(d) != strides[d]) views = false;
-  if (views) return t.as_strided(t.sizes(), strides);
-  return at::empty_strided(t.sizes(), strides, t.options()).copy_(t);
-}
-
-// The strides TensorIterator gives `grad * noise` (grad first), asked of meta tensors where not obvious.
-std::vector<int64_t> product_strides(const at::Tensor& grad, const std::vector<int64_t>& noise_strides,
-                                     bool noise_contiguous) {
-  if (grad.is_contiguous() && noise_contiguous) {
-    std::vector<int64_t> st(grad.dim());
-    int64_t s = 1;
-    for (int64_t d = grad.dim() - 1; d >= 0; --d) {
-      st[d] = s;
-      s *= std::max<int64_t>(grad.size(d), 1);
-    }
-    return st;
-  }
-  if (grad.strides() == at::IntArrayRef(noise_strides) && grad.is_non_overlapping_and_dense()) return noise_strides;
-  // TensorIterator's rule in C++ (a meta-device mul ran torch's Python meta kernel: ~90 µs a call)
-  return masks::binary_strides(grad.sizes(), grad.strides(), noise_strides);
-}
-
 using dropout_core::Forward;
 using dropout_core::draw_and_apply;
 
@@ -367,7 +341,8 @@ struct DropoutFunction : public torch::autograd::Function<DropoutFunction> {
       gi = bits_backward(g, packed, scale, std::nullopt);
     }
     if (!perm.empty()) gi = gi.permute(inverse(perm));
-    gi = conform(gi, product_strides(grad, noise_strides, ctx->saved_data["noise_contiguous"].toBool()));
+    gi = masks::conform(gi, dropout_core::product_strides(grad, noise_strides,
+                                                          ctx->saved_data["noise_contiguous"].toBool()));
     return {gi, at::Tensor(), at::Tensor()};
   }
 };
@@ -432,12 +407,21 @@ at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const 
   return perm.empty() ? gi : gi.permute(inverse(perm));
 }
 
-std::vector<int64_t> stock_product_strides(const at::Tensor& grad, const std::vector<int64_t>& noise_strides,
-                                           bool noise_contiguous) {
-  return product_strides(grad, noise_strides, noise_contiguous);
+std::vector<int64_t> product_strides(const at::Tensor& grad, const std::vector<int64_t>& noise_strides,
+                                     bool noise_contiguous) {
+  if (grad.is_contiguous() && noise_contiguous) {
+    std::vector<int64_t> st(grad.dim());
+    int64_t s = 1;
+    for (int64_t d = grad.dim() - 1; d >= 0; --d) {
+      st[d] = s;
+      s *= std::max<int64_t>(grad.size(d), 1);
+    }
+    return st;
+  }
+  if (grad.strides() == at::IntArrayRef(noise_strides) && grad.is_non_overlapping_and_dense()) return noise_strides;
+  // TensorIterator's rule in C++ (a meta-device mul ran torch's Python meta kernel: ~90 µs a call)
+  return masks::binary_strides(grad.sizes(), grad.strides(), noise_strides);
 }
-
-at::Tensor with_strides(const at::Tensor& t, at::IntArrayRef strides) { return conform(t, strides); }
 
 bool fuses_cast(const at::Tensor& x, at::ScalarType dtype) {
   return dtype == at::kFloat && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&

@@ -23,12 +23,11 @@ Forward draw_and_apply(const at::Tensor& input, double p, bool inplace);
 at::Tensor apply_packed(const at::Tensor& grad, const at::Tensor& packed, const std::vector<int64_t>& perm,
                         double scale, bool inplace);
 
-// The strides stock's `grad * noise` has (TensorIterator's rule, grad first; noise: empty_like(x)'s strides), and t
-// given those strides (a view where only size-1 dims differ, else a copy): a gradient made in the mask's memory order
-// handed on in stock's layout, as the dropout Function's backward does (the next node's kernel may depend on it).
-std::vector<int64_t> stock_product_strides(const at::Tensor& grad, const std::vector<int64_t>& noise_strides,
-                                           bool noise_contiguous);
-at::Tensor with_strides(const at::Tensor& t, at::IntArrayRef strides);
+// The strides stock's `grad * noise` has (TensorIterator's rule, grad first; noise: empty_like(x)'s strides): where
+// a gradient made in the mask's memory order is handed on (masks::conform), as stock's layout (the next node's kernel
+// may depend on it).
+std::vector<int64_t> product_strides(const at::Tensor& grad, const std::vector<int64_t>& noise_strides,
+                                     bool noise_contiguous);
 
 // x.to(dtype) then dropout, in one pass (the cast is exact): for a contiguous bf16/fp16 x and dtype float32, as
 // LoRA's adapters see x. fuses_cast says when these apply; the draw is stock's `empty_like(x.to(dtype))`.

@@ -11,6 +11,7 @@
 // dA is requested, and the adapters' weights. Double backward is refused with the Python Function's message.
 #include "common.h"
 #include "dropout.h"
+#include "layout.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -298,8 +299,8 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
         if (bits) {
           // made in the mask's memory order, handed on in the layout of stock's `dd * noise` (its input gradient's:
           // a non-contiguous x gave x's layout, and the next node's kernel, e.g. GELU's, rounded differently)
-          const auto layout = dropout_core::stock_product_strides(dd, noise_strides, noise_contiguous);
-          dd = dropout_core::with_strides(dropout_core::apply_packed(dd, mask(i), perm, scales[i], true), layout);
+          const auto layout = dropout_core::product_strides(dd, noise_strides, noise_contiguous);
+          dd = masks::conform(dropout_core::apply_packed(dd, mask(i), perm, scales[i], true), layout);
         } else if (zero.defined()) {
           dd = dd.mul_(zero);
         }
