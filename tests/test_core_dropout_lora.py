@@ -233,7 +233,10 @@ def lora_step(model, x0, rg_x, seed=7):
     with SavedTensors(exclude=[model]) as kept:
         out = model(x)
     state = torch.get_rng_state()
-    names = out.grad_fn.name() if out.grad_fn is not None else ""
+    # the output's node and the ones feeding it (several dropping adapters on an uncast x: one Function each, added
+    # as peft adds them; functional/lora.py's adapters_apart)
+    names = " ".join([out.grad_fn.name()] + [f.name() for f, _ in out.grad_fn.next_functions if f is not None]
+                     ) if out.grad_fn is not None else ""
     if out.requires_grad:
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype))
     grads = [p.grad for p in model.parameters()]
@@ -288,8 +291,9 @@ def test_lora_core_options(conv1d, adapters, lora_bias, dtype, upcast):
     stock = peft_model(dtype, conv1d=conv1d, dropout=0.1, adapters=adapters, lora_bias=lora_bias, upcast=upcast)
     slim = slimgrad.convert(copy.deepcopy(stock), include=[LoraLinear])
     x0 = torch.randn(3, 2, IN, generator=torch.Generator().manual_seed(2)).to(dtype)
-    # several adapters: autograd sums their input gradients in another order than the Function (documented)
-    c, _ = compare_lora(stock, slim, x0, True, exact_vs_stock=adapters == 1)
+    # several adapters: their input gradients reach x in peft's order (one pre-summed cast gradient where the adapters
+    # read a cast copy, one gradient each where they read x itself)
+    c, _ = compare_lora(stock, slim, x0, True)
     layer = lora_layer(slim)
     if len({layer.lora_A[n].weight.dtype for n in layer.lora_A}) == 1:  # mixed (peft upcasts added ones): peft's
         assert "LoraLinearFunction" in c[5] and "CppNode" in c[5]

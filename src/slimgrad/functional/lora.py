@@ -24,8 +24,9 @@ CUDA), other devices and a core that is off or unbuilt, and is the reference the
 
 The forward runs PEFT's own ops in PEFT's order (``F.linear`` / ``addmm``, the same casts, the same
 left-to-right sum), so outputs are bitwise PEFT's. Backward runs the matrix products autograd runs for
-those ops (``mm`` with the same operand layouts), so gradients are bitwise too on CPU, except for the order
-in which several adapters' input gradients are summed (tested with a tolerance).
+those ops (``mm`` with the same operand layouts), so gradients are bitwise too on CPU, x's included: its
+gradients are handed over in peft's order (the base layer's apart, and with several dropping adapters on an uncast
+x one Function per adapter: ``adapters_apart``).
 """
 
 from __future__ import annotations
@@ -544,47 +545,86 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return result
     scalings = tuple(float(a.scaling) for a in adapters)
     ps = tuple(float(a.dropout) if training else 0.0 for a in adapters)
-    tensors = [x, weight, bias]
-    for a in adapters:
-        tensors += [a.A, a.B, a.bias]
+    if adapters and adapters_apart(x, len(adapters), ps, cast_input, adapters[0].A.dtype, dropout_policy):
+        # As peft's graph: the base layer's op, then each adapter's term added left to right, one Function per
+        # adapter (adapters only, weight None), each handing x its own gradient (see adapters_apart).
+        if torch.is_grad_enabled() and weight.requires_grad:
+            _common.note_input_kept(x)
+        result = _base_forward(x, weight, bias, fan_in_fan_out)
+        for a, scaling, p in zip(adapters, scalings, ps):
+            result = result + _apply(x, None, None, [a.A, a.B, a.bias], fan_in_fan_out, cast_input, (scaling,),
+                                     (p,), dropout_policy)
+        return result
+    return _apply(x, weight, bias, [t for a in adapters for t in (a.A, a.B, a.bias)], fan_in_fan_out, cast_input,
+                  scalings, ps, dropout_policy)
+
+
+def adapters_apart(x: torch.Tensor, n: int, ps, cast_input: bool, a_dtype: torch.dtype, policy) -> bool:
+    """Whether each adapter runs as a Function of its own: several adapters, some dropping, all reading x itself
+    (no cast to their dtype). peft's graph then hands x one gradient per adapter (from its dropout, or its A where
+    it drops nothing), last adapter first, then the base layer's; where other layers read x too (q, k, v), autograd
+    adds their gradients to x's between these. One Function for all hands the adapters' gradients over pre-summed,
+    the same terms in another order (fp32 gradients upstream ~1e-6 relative off); one Function per adapter hands
+    them over one at a time, in peft's order: bitwise. Each keeps what its part of the one Function keeps (x once,
+    the same tensor; its mask; its t). Not with a cast (peft's adapters then read one cast copy, whose gradient is
+    the one pre-summed one), nor where x views a larger storage (each Function would keep its own compact copy),
+    nor in eager without a gradient for x (the order is then moot: one call is cheaper), nor compiled or under
+    torch.func (their sums are theirs; dynamo also refuses one tensor passed twice), nor under autocast (its own
+    per-op path, in ``_apply``), nor under the "seed" dropout policy (its masks are not peft's, so no gradient is
+    peft's bit for bit; one Function asks the kernel registry once a call). peft's converted layers ask it too
+    (integrations/peft_lora.py's and peft_lora_conv.py's fast paths)."""
+    if (n < 2 or not any(p > 0 for p in ps) or not x.requires_grad or not torch.is_grad_enabled()
+            or (cast_input and x.dtype != a_dtype) or type(x) is not torch.Tensor):
+        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if _common.autocast_enabled(x.device.type) or x.is_meta or resolve_policy(policy, x.device) != "bits":
+        return False
+    return x.untyped_storage().nbytes() <= x.numel() * x.element_size()
+
+
+def _apply(x, weight, bias, flat, fan_in_fan_out, cast_input, scalings, ps, dropout_policy):
+    """One LoRA call: the core, else the Python Function; ``flat`` holds (A, B, bias) per adapter; ``weight`` None
+    for adapters alone (their sum in x's dtype; the caller adds its base)."""
+    tensors = [x, weight, bias, *flat]
     if (core := _core(x, tensors, ps, dropout_policy)) is not None:
         out, x_kept = core.lora_linear_apply(tensors, bool(fan_in_fan_out), bool(cast_input), scalings, ps)
         if x_kept:
             _common.note_input_kept(x)
         return out
+    # x again after the adapters, for the base layer's part of dX (see LoraLinearFunction.backward); none without a
+    # base (as the core), and not under torch.compile: dynamo refuses one tensor passed twice, and compiled
+    # stock's sums are Inductor's anyway
+    again = weight is not None and not torch.compiler.is_compiling()
     if _core_simulated(x, tensors, ps, dropout_policy):
         with core_draw_simulated(), _common.autocast_off(x.device.type):  # the C++ Function's allocations
             return LoraLinearFunction.apply(*tensors[:3], bool(fan_in_fan_out), bool(cast_input), scalings, ps,
-                                            dropout_policy, *tensors[3:], x)[0]
-    if adapters and _autocast_casts_x_per_op(x):
+                                            dropout_policy, *tensors[3:], *((x,) if again else ()))[0]
+    n = len(scalings)
+    if n and _autocast_casts_x_per_op(x):
         # As stock: the base layer's op on its own cast of x, then per adapter our Function on its own cast,
         # added left to right; autograd adds the casts' gradients in x's dtype, in stock's order.
         result = _base_forward(x, weight, bias, fan_in_fan_out)
-        for a, scaling, p in zip(adapters, scalings, ps):
-            xa, A, B, b_bias = _common.autocast_lower_precision(x, a.A, a.B, a.bias)
+        for k, (scaling, p) in enumerate(zip(scalings, ps)):
+            xa, A, B, b_bias = _common.autocast_lower_precision(x, *flat[3 * k: 3 * k + 3])
             with _common.autocast_off(x.device.type):
                 u = LoraLinearFunction.apply(xa, None, None, bool(fan_in_fan_out), bool(cast_input), (scaling,),
                                              (p,), dropout_policy, A, B, b_bias)[0]
             result = result + u
         return result
     tensors = list(_common.autocast_lower_precision(*tensors))
-    flat = []
-    for k in range(len(adapters)):
-        flat += tensors[3 + 3 * k: 6 + 3 * k]
     if (type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or _common.autocast_enabled(x.device.type)):
         with _common.autocast_off(x.device.type):
-            # (x once more for the base layer's part of dX, as in eager; not under torch.compile: dynamo refuses
-            # one tensor passed twice, and compiled stock's sums are Inductor's anyway)
-            again = () if torch.compiler.is_compiling() else (tensors[0],)
             return LoraLinearFunction.apply(tensors[0], tensors[1], tensors[2], bool(fan_in_fan_out),
-                                            bool(cast_input), scalings, ps, dropout_policy, *flat, *again)[0]
+                                            bool(cast_input), scalings, ps, dropout_policy, *tensors[3:],
+                                            *((tensors[0],) if again else ()))[0]
     # Eager, autocast off: _common.Function.apply's eager branch called directly (torch's C apply, tensors unwrapped
     # as its unwrap_dead_wrappers does), without its generic argument handling (~2 us a call for LoRA's arguments).
     x = _unwrap_if_dead(tensors[0])
     return _C_APPLY(LoraLinearFunction, x, *[t if t is None else _unwrap_if_dead(t) for t in tensors[1:3]],
                     bool(fan_in_fan_out), bool(cast_input), scalings, ps, dropout_policy,
-                    *[t if t is None else _unwrap_if_dead(t) for t in flat], x)[0]
+                    *[t if t is None else _unwrap_if_dead(t) for t in tensors[3:]], *((x,) if again else ()))[0]
 
 
 _C_APPLY = _common._C_APPLY

@@ -58,6 +58,7 @@ from slimgrad.functional.dropout import (
     is_simulated_core,
     resolve_policy,
 )
+from slimgrad.functional.lora import adapters_apart
 from slimgrad.kernels import dropout as dropout_kernels
 from slimgrad.kernels.dropout import noise_scale, traced_seed_apply
 
@@ -454,6 +455,18 @@ def lora_conv(x: torch.Tensor, base_out: torch.Tensor, adapters: Sequence[LoraCo
     flat = []
     for ad in adapters:
         flat += [ad.A, ad.B, ad.bias]
+    if adapters_apart(x, len(adapters), [m[3] for m in meta], cast_input, adapters[0].A.dtype, dropout_policy):
+        # As peft's graph: each adapter's term added to the sum so far by a Function of its own, each handing x its
+        # own gradient in peft's order (functional/lora.py's adapters_apart says why)
+        out = base_out
+        for k in range(len(adapters)):
+            out = _apply(x, out, flat[3 * k: 3 * k + 3], meta[k: k + 1], cast_input, dropout_policy)
+        return out
+    return _apply(x, base_out, flat, meta, cast_input, dropout_policy)
+
+
+def _apply(x, base_out, flat, meta, cast_input, dropout_policy):
+    """One call: the core, else the Python Function; ``flat`` holds (A, B, bias) per adapter of ``meta``."""
     if (core := _core(x, base_out, flat, meta, dropout_policy)) is not None:
         opts = []
         for a, b, _, _ in meta:

@@ -29,7 +29,7 @@ from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_enabled, note_input_kept
 from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy, resolve_policy
-from slimgrad.functional.lora import LoraAdapter, LoraLinearFunction, _base_forward, lora_linear
+from slimgrad.functional.lora import LoraAdapter, LoraLinearFunction, _base_forward, adapters_apart, lora_linear
 from slimgrad.integrations._fingerprint import Verified, unknown_reason
 
 __all__ = ["KNOWN", "SlimLinear"]
@@ -253,6 +253,8 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
         for (A, B, bb), s in zip(adapters, scalings):
             result = result + F.linear(F.linear(x, A), B, bb) * s
         return result
+    if len(adapters) > 1 and adapters_apart(x, len(adapters), ps, cast, dtype, policy):
+        return None  # one Function per adapter, as lora_linear runs them (adapters_apart says why)
     if core is None:
         # _common.Function.apply's eager branch called directly (torch's C apply, tensors unwrapped as its
         # unwrap_dead_wrappers does), without its generic argument handling (~2 us a call for LoRA's arguments)

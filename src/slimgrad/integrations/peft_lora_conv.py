@@ -31,6 +31,7 @@ from slimgrad import csrc
 from slimgrad._registry import register_forward
 from slimgrad.functional._common import autocast_enabled, note_input_kept
 from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve_policy
+from slimgrad.functional.lora import adapters_apart
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.integrations._fingerprint import Verified
 from slimgrad.integrations.peft_lora import (
@@ -162,6 +163,8 @@ def _fast_forward(self, x: torch.Tensor):
         opts += [oa, ob]
     if not worth_it or (any(0 < p < 1 for p in ps) and resolve_policy(d.get(POLICY_ATTRIBUTE), device) != "bits"):
         return None  # (peft's own ops keep the minimum; the "seed" policy is the Python Function's)
+    if len(ps) > 1 and adapters_apart(x, len(ps), ps, cast, dtype, d.get(POLICY_ATTRIBUTE)):
+        return None  # one Function per adapter, as lora_conv runs them (functional/lora.py's adapters_apart)
     tensors[1] = base_out = base(x)
     if type(base_out) is not torch.Tensor or base_out.device != device or base_out.dtype not in _FLOATS:
         return None  # (the checked path runs the base layer again: a plain module, the same result)
