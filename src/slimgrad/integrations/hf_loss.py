@@ -32,8 +32,8 @@ with ``ignore_index`` (or ``shift_labels`` as given), mean over non-ignored toke
 ``num_items_in_batch``; a soft cap is applied in the head's dtype before the fp32 upcast, a scale to the head's
 input and bias (rounding like stock's within the check's tolerance). The
 output is the class stock returns (learnt by the check), ``logits=None``, the body's fields of the same names;
-a tuple where stock would return one. No grad, no labels or ``logits_to_keep`` set run the stock forward
-silently (logits wanted); every other reason to run stock (a wrapped loss function, a hooked or LoRA head, an
+a tuple where stock would return one (stock's positions, None in the logits' slot). No grad, no labels or
+``logits_to_keep`` set run the stock forward silently (logits wanted); every other reason to run stock (a wrapped loss function, a hooked or LoRA head, an
 argument the body does not take, an output field such as a MoE ``aux_loss`` the chunked path cannot
 reproduce) warns once, naming class, transformers version and reason, and gives stock's numbers.
 
@@ -361,7 +361,13 @@ class _Verified:
 
     def build(self, loss, outputs, return_dict: bool):
         out = self.output(loss=loss, logits=None, **{n: getattr(outputs, n, None) for n in self.fields})
-        return out if return_dict else out.to_tuple()
+        if return_dict:
+            return out
+        # A tuple with stock's positions: ModelOutput.to_tuple() drops None fields, so the absent logits would have
+        # shifted every later field down one (`loss, logits, cache = out` unpacked the cache as the logits). The
+        # logits' slot holds None, as the ModelOutput's logits field does.
+        return tuple(value for name, value in ((f.name, getattr(out, f.name)) for f in dataclasses.fields(out))
+                     if value is not None or name == "logits")
 
 
 #: (stock class, config, dtype and device type, module structure) -> what the check found
