@@ -426,8 +426,17 @@ class LazyUseCell(UseCell):
     @kept.setter
     def kept(self, value):
         if value and not getattr(self, "_kept", False):
-            self.node.register_prehook(_LearnHook(self.module, self))
+            # The hook holds a cell that is always kept, not this one: this one holds the node, and a node that
+            # holds (through its hook) what holds it is a cycle through C++ that Python's collector cannot see:
+            # a forward whose graph got no backward (a validation pass with grad on, an output turned into
+            # bytes) leaked its graph, saved tensors included, every call.
+            self.node.register_prehook(_LearnHook(self.module, _ALWAYS_KEPT))
+            self.node = None  # (nothing more to register)
         self._kept = value
+
+
+_ALWAYS_KEPT = UseCell()
+_ALWAYS_KEPT.kept = True
 
 
 def _module_forward(module, input, negative_slope):
