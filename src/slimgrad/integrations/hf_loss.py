@@ -35,7 +35,8 @@ output is the class stock returns (learnt by the check), ``logits=None``, the bo
 a tuple where stock would return one (stock's positions, None in the logits' slot). No grad, no labels or
 ``logits_to_keep`` set run the stock forward silently (logits wanted); every other reason to run stock (a wrapped
 loss function, a hooked or LoRA head, an argument the body does not take, an output field such as a MoE
-``aux_loss`` the chunked path cannot reproduce) warns once, naming class, transformers version and reason, and gives stock's numbers.
+``aux_loss`` the chunked path cannot reproduce) warns once, naming class, transformers version and reason, and
+gives stock's numbers.
 
 TRL's ``SFTTrainer`` computes its own loss with its own chunked head (``add_fused_lm_head`` replaces the
 instance's ``forward`` and calls the body): a head whose forward was replaced on the instance is left as
