@@ -552,3 +552,20 @@ def test_meta_device_audits_from_shapes_without_a_peak():
     assert rows(on_meta) == rows(on_cpu)
     assert on_meta.stock_peak is None and on_meta.slim_peak is None and on_cpu.stock_peak > 0
     assert re.search(r"peak over forward\+backward +- +-\n", on_meta.table())
+
+
+def test_lora_case_on_a_model_with_adapters_audits_its_own():
+    """case='lora' on a model that already has peft adapters (a PeftModel: what a user audits) keeps its adapters;
+    it wrapped the model in peft a second time (a second adapter, rows under base_model.model.base_model...)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=50)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 50, (2, 6))
+    report = audit(model, input_ids=ids, labels=ids, case="lora", measure_peak=False)
+    lora = [r for r in report.rows if r.type_name == "peft.tuners.lora.layer.Linear"]
+    assert len(lora) == 2 and not [r for r in report.rows if "base_model.model.base_model" in r.path]
+    assert sum(".lora_A." in n for n, _ in model.named_modules()) == 2  # the user's model untouched

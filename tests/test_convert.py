@@ -315,3 +315,23 @@ def test_register_rejects_non_subclasses_and_duplicates():
         register(nn.Conv2d)(nn.Module)
     with pytest.raises(ValueError, match="already has a replacement"):
         register(nn.Conv2d)(type("Again", (nn.Conv2d,), {}))
+
+
+def test_replacements_keep_the_stock_class_name_and_pickle():
+    """Every replacement's ``type(m).__name__`` is stock's (tools find classes by name: accelerate's
+    get_module_class_from_name for FSDP's wrap policy found LlamaRMSNorm before convert and nothing after, where
+    torch.nn's kept theirs), and a converted model pickles (the class's qualified name is its own)."""
+    import pickle
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    slim = slimgrad.convert(transformers.LlamaForCausalLM(config))
+    from slimgrad._registry import ORIGINALS
+
+    converted = [m for m in slim.modules() if type(m) in ORIGINALS]
+    assert {type(m).__name__ for m in converted} >= {"LlamaRMSNorm", "LlamaMLP"}
+    for m in converted:
+        assert type(m).__name__ == ORIGINALS[type(m)].__name__
+    again = pickle.loads(pickle.dumps(slim))
+    assert [type(m) for m in again.modules()] == [type(m) for m in slim.modules()]

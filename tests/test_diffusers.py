@@ -129,3 +129,90 @@ def test_swiglu_with_another_activation_is_left_alone():
     model, report = slimgrad.convert(torch.nn.Sequential(m), report=True)
     assert type(model[0]) is SwiGLU
     assert "not nn.SiLU" in str(report)
+
+
+# ------------------------------------------------------------------ wrappers installed on the instance (hooks)
+
+def _small_cnn(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GroupNorm(2, 8), torch.nn.SiLU(),
+                               torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1)
+                               ).to(dtype).requires_grad_(False)
+
+
+def _input_step(model, dtype=torch.bfloat16):
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
+    with SavedTensors(exclude=[model]) as kept:
+        out = model(x)
+    out.float().pow(2).sum().backward()
+    return out, x.grad, kept.bytes
+
+
+@pytest.mark.parametrize("order", ["convert-then-hooks", "hooks-then-convert"])
+def test_layerwise_casting_with_converted_convs(order):
+    """diffusers' enable_layerwise_casting (fp8 storage, bf16 compute): it puts fp8 data back into each parameter
+    after every forward, which stock's backward reads (aten's backward takes the mixed dtypes) and the converted
+    conv's backward refused; and, installed before convert, its wrapper called the stock forward it had captured,
+    so the swapped classes never ran (stock's bytes, silently). Now both orders give stock's bits and slimgrad's
+    bytes."""
+    from diffusers.hooks import apply_layerwise_casting
+
+    cast = dict(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, skip_modules_pattern=("1",))
+    stock = _small_cnn()
+    apply_layerwise_casting(stock, **cast)
+    plain = slimgrad.convert(_small_cnn())
+    slim = _small_cnn()
+    if order == "convert-then-hooks":
+        slimgrad.convert(slim, inplace=True)
+        apply_layerwise_casting(slim, **cast)
+    else:
+        apply_layerwise_casting(slim, **cast)
+        slimgrad.convert(slim, inplace=True)
+    out_s, gx_s, kept_s = _input_step(stock)
+    out_k, gx_k, kept_k = _input_step(slim)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="input grad")
+    # the convolutions' weights are fp8-rounded, so not plain's values; its bytes, though
+    assert kept_k == _input_step(plain)[2] < kept_s
+    assert slim[0].weight.dtype == torch.float8_e4m3fn
+
+
+def test_a_deep_copy_of_a_diffusers_hooked_model_is_refused_with_the_remedy():
+    """convert's default deep copy of a model with diffusers hooks would run the original's layers (the hooks'
+    closures), or fail to pickle (group offload): refused, naming the module and what to do."""
+    from diffusers.hooks import apply_layerwise_casting
+
+    model = _small_cnn()
+    apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"diffusers hooks.*inplace=True"):
+        slimgrad.convert(model)
+    assert type(model[0]) is torch.nn.Conv2d  # untouched
+
+
+def test_accelerate_hooks_reach_the_converted_forward_and_revert():
+    """accelerate's add_hook_to_module (device_map dispatch, cpu_offload) keeps the class forward bound as
+    _old_forward: convert re-points it to the converted forward (else stock ran, silently), revert points it back."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    stock = _small_cnn(torch.float32)
+    slim = _small_cnn(torch.float32)
+    for m in slim.modules():
+        accelerate_hooks.add_hook_to_module(m, accelerate_hooks.ModelHook())
+    slimgrad.convert(slim, inplace=True)
+    assert slim[0]._old_forward.__func__ is type(slim[0]).forward
+    out_s, gx_s, kept_s = _input_step(stock, torch.float32)
+    out_k, gx_k, kept_k = _input_step(slim, torch.float32)
+    assert_same(out_k, out_s, what="output")
+    assert_same(gx_k, gx_s, what="input grad")
+    assert kept_k < kept_s
+    slimgrad.revert(slim)
+    assert type(slim[0]) is torch.nn.Conv2d and slim[0]._old_forward.__func__ is torch.nn.Conv2d.forward
+    assert _input_step(slim, torch.float32)[2] == kept_s
+
+
+def test_an_instance_forward_convert_cannot_reach_is_reported_and_left_stock():
+    model = _small_cnn(torch.float32)
+    model[0].forward = lambda x: torch.nn.functional.conv2d(x, model[0].weight, model[0].bias, padding=1)
+    slim, report = slimgrad.convert(model, inplace=True, report=True)
+    assert type(slim[0]) is torch.nn.Conv2d and type(slim[3]) is not torch.nn.Conv2d
+    (skipped,) = [s for s in report.skipped if s.path == "0"]
+    assert "forward is replaced on the instance" in skipped.reason

@@ -731,3 +731,27 @@ def test_module_reached_by_two_paths_keeps_its_parameters():
     # the tied weight is counted once
     assert e.weight_bytes == sum(p.numel() * 4 for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())
+
+
+def test_largest_fitting_finds_the_boundary_and_refuses_a_batch_that_stops_growing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    budget = estimate(model, torch.randn(40, 16), optimizer="sgd").peak_bytes + 1
+    n, est = slimgrad.largest_fitting(model, budget, lambda n: torch.randn(n, 16), optimizer="sgd", high=4096)
+    assert n >= 40 and est.peak_bytes <= budget
+    assert estimate(model, torch.randn(n + 1, 16), optimizer="sgd").peak_bytes > budget
+    # a slice of a fixed tensor stops growing at its length: every n then "fits" and the answer was 'high'
+    xs = torch.randn(16, 16)
+    with pytest.raises(ValueError, match=r"largest_fitting: make_example\(16\) and make_example\(32\) built "
+                                         r"batches of the same shapes .*high="):
+        slimgrad.largest_fitting(model, budget, lambda n: xs[:n], optimizer="sgd")
+    with pytest.raises(TypeError, match="'make_example' must be a function n -> batch"):
+        slimgrad.largest_fitting(model, budget, torch.randn(4, 16))
+    with pytest.raises(TypeError, match="'high' must be an int"):
+        slimgrad.largest_fitting(model, budget, lambda n: torch.randn(n, 16), high=1e6)
+
+
+@pytest.mark.parametrize("device", ["tpu", "xla:0", 3.5])
+def test_estimate_names_a_bad_device(device):
+    with pytest.raises(ValueError, match="estimate: 'device' must"):
+        estimate(nn.Linear(2, 2), torch.randn(1, 2), device=device)

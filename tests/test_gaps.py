@@ -249,7 +249,7 @@ def test_convert_before_get_peft_model_warns():
         warnings.simplefilter("error", SlimgradWarning)
         late = slimgrad.convert(peft.get_peft_model(tiny_llama(), config), inplace=True)
         slimgrad.convert(late, inplace=True)  # converting again registers nothing new
-    assert sum(type(m).__name__ == "SlimLinear" for m in late.modules()) == 2
+    assert sum(type(m).__qualname__ == "SlimLinear" for m in late.modules()) == 2
 
 
 def test_lora_reprs_keep_peft_names():
@@ -257,7 +257,7 @@ def test_lora_reprs_keep_peft_names():
     config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
     stock = peft.get_peft_model(tiny_llama(), config)
     slim = slimgrad.convert(stock)
-    assert type(slim.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "SlimLinear"
+    assert type(slim.base_model.model.model.layers[0].self_attn.q_proj).__qualname__ == "SlimLinear"
     assert repr(slim) == repr(stock) and "lora.Linear(" in repr(slim)
 
 

@@ -190,7 +190,7 @@ def test_tiny_llama_converts(dtype, frozen_norms):
     slim, report = slimgrad.convert(model, report=True)
     norms = [path for path, kind in report.converted if kind == "LlamaRMSNorm"]
     assert len(norms) == 3  # input/post-attention norms of the one layer, and the final norm
-    assert type(slim.model.norm).__name__ == "SlimLlamaRMSNorm"
+    assert type(slim.model.norm).__qualname__ == "SlimLlamaRMSNorm"
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"  # the original is untouched
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     out_s, out_m = model(ids).logits, slim(ids).logits

@@ -151,8 +151,8 @@ def test_saved_bytes_on_meta_counts_from_shapes_as_on_cpu():
     x = torch.randn(2, 3, 8, 8)
     for convert in (False, True):
         on_cpu, on_meta = _cnn("cpu"), _cnn("meta")
-        if convert:  # dropout "auto" keeps bits on CPU and a seed elsewhere (meta included): name one policy
-            on_cpu, on_meta = slimgrad.convert(on_cpu, dropout="bits"), slimgrad.convert(on_meta, dropout="bits")
+        if convert:  # dropout's default policy "auto" is CPU's on meta too (it kept an 8-byte seed there, not bits)
+            on_cpu, on_meta = slimgrad.convert(on_cpu), slimgrad.convert(on_meta)
         expected = saved_bytes(on_cpu, x.clone().requires_grad_())
         assert expected > 0 and saved_bytes(on_meta, x.to("meta").requires_grad_()) == expected
     # storages still count once, views included, on meta as anywhere
@@ -168,6 +168,28 @@ def test_peak_bytes_on_meta_says_it_cannot_measure():
     x = torch.randn(2, 3, 8, 8, device="meta")
     with pytest.raises(ValueError, match="peak_bytes: .*meta device, which allocates no memory"):
         peak_bytes(lambda t: model(t).sum().backward(), x)
+    # the closure form (the README's): the meta tensors are in its closure; it read 16 bytes
+    with pytest.raises(ValueError, match="peak_bytes: .*meta device"):
+        peak_bytes(lambda: model(x).sum().backward())
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(2, 3)
+    with pytest.raises(TypeError, match="peak_bytes: 'fn' must be the callable"):
+        peak_bytes(5)
+    with pytest.raises(TypeError, match="SavedTensors: 'exclude' must be modules or tensors"):
+        SavedTensors(exclude=5)
+    with pytest.raises(TypeError, match="'exclude' must hold modules or tensors, got a str"):
+        saved_bytes(lambda: x * 1, exclude=["weight"])
+    from slimgrad.measure import graph_saved_bytes, saved_in_graph
+
+    with pytest.raises(TypeError, match="saved_in_graph: the outputs must be tensors"):
+        graph_saved_bytes("x")
+    with pytest.raises(TypeError, match="saved_in_graph: the outputs must be tensors"):
+        saved_in_graph(3.0)
+    # one module or tensor alone is taken as the one to exclude
+    lin = nn.Linear(3, 3)
+    assert saved_bytes(lambda: lin(x.requires_grad_()), exclude=lin) == saved_bytes(lin, x)
 
 
 def test_peak_bytes_on_cpu_does_not_count_frees_of_memory_made_before_it():

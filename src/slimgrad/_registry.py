@@ -54,6 +54,10 @@ def register(stock: type[nn.Module], *, option: str | None = None):
             raise ValueError(f"{stock.__name__} already has a replacement: {REPLACEMENTS[stock].__name__}")
         _keep_signature(cls, stock)
         _stock_facade(cls, stock)
+        # stock's name, as torch.nn's replacements have it (``type(m).__name__`` is how tools find classes:
+        # accelerate's get_module_class_from_name for FSDP's wrap policy found LlamaRMSNorm before convert and nothing
+        # after); the qualified name stays the class's own (``Slim<Stock>``), the one pickling looks up
+        cls.__name__ = stock.__name__
         REPLACEMENTS[stock] = cls
         ORIGINALS[cls] = stock
         if option is not None:
@@ -167,7 +171,8 @@ def register_forward(stock: type[nn.Module], forward: Callable, *, module: str,
     """Build and register a replacement for ``stock`` whose only change is ``forward``.
 
     For families with many stock classes that share one forward (every Hugging Face RMSNorm, say). The
-    class is named ``Slim<Stock>`` and published in ``module``'s namespace so pickling finds it.
+    class's qualified name is ``Slim<Stock>`` (its ``__name__`` is stock's: :func:`register`), published in
+    ``module``'s namespace under it so pickling finds it.
     ``unsupported_reason(module) -> str | None`` as for :func:`register`. Registering a stock class twice
     returns the existing replacement.
     """
@@ -179,7 +184,7 @@ def register_forward(stock: type[nn.Module], forward: Callable, *, module: str,
         attrs["unsupported_reason"] = classmethod(lambda cls, m: unsupported_reason(m))
     cls = type(f"Slim{stock.__name__}", (stock,), attrs)
     register(stock, option=option)(cls)
-    setattr(sys.modules[module], cls.__name__, cls)
+    setattr(sys.modules[module], cls.__qualname__, cls)
     return cls
 
 

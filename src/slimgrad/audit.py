@@ -44,10 +44,15 @@ AUDIT_CASES = (*CASES, "lora")
 
 
 def _with_lora(model: nn.Module) -> nn.Module:
+    """``model`` with rank-8 adapters on its linear layers, everything else frozen; a model that has peft LoRA
+    adapters already is audited with its own (wrapping it again stacked a second PeftModel and adapter on it)."""
     try:
         from peft import LoraConfig, get_peft_model
+        from peft.tuners.lora import LoraLayer
     except ImportError:
         raise ImportError("audit: the 'lora' case needs peft: pip install 'slimgrad[hf]'") from None
+    if any(isinstance(m, LoraLayer) for m in model.modules()):
+        return model  # its own adapters, as peft set them up (what trains is peft's choice: adapters only)
     if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
         targets = "all-linear"  # a transformers model: every linear layer but the output head
     else:

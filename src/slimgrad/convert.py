@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import fnmatch
 import logging
+import types
 from collections.abc import Iterable
 
 import torch
@@ -215,6 +216,56 @@ def _deepcopy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _diffusers_hooked(model: nn.Module) -> str | None:
+    """The path of a module carrying diffusers hooks (``enable_layerwise_casting``, ``enable_group_offload``, ...),
+    or None. Their forwards are closures over the hooked modules, which a deep copy shares: the copy would run the
+    original's layers (or, with group offload, fail to copy at all)."""
+    for path, module in model.named_modules():
+        if "_diffusers_hook" in module.__dict__:
+            return path or "(the model itself)"
+    return None
+
+
+def _bound_forwards(module: nn.Module, forward) -> list[tuple[object, str]]:
+    """Where a wrapper installed on the instance keeps ``module``'s class forward ``forward``, bound to it:
+    (holder, attribute) pairs. A class swap does not reach them (a bound method keeps its function), so the
+    wrapper would go on running that forward. Looked for in the instance's own attributes (``forward`` itself;
+    accelerate's ``_old_forward``) and in diffusers' hook registry's function references."""
+    found = []
+
+    def bound_here(value) -> bool:
+        return (isinstance(value, types.MethodType) and value.__self__ is module
+                and getattr(value, "__func__", None) is forward)
+
+    for name, value in module.__dict__.items():
+        if bound_here(value):
+            found.append((module, name))
+    registry = module.__dict__.get("_diffusers_hook")
+    for ref in getattr(registry, "_fn_refs", None) or ():
+        for name in ("forward", "original_forward"):
+            if bound_here(getattr(ref, name, None)):
+                found.append((ref, name))
+    return found
+
+
+def _instance_forward_reason(module: nn.Module, kind: type) -> str | None:
+    """Why ``module`` stays stock although its family converts: its ``forward`` is replaced on the instance by a
+    wrapper that does not call the class's forward through a reference convert can re-point."""
+    own = module.__dict__.get("forward")
+    if own is None or _bound_forwards(module, kind.forward):
+        return None
+    target = getattr(own, "func", own)  # (a functools.partial: accelerate's and diffusers' wrappers)
+    what = getattr(target, "__qualname__", type(own).__name__)
+    return (f"its forward is replaced on the instance ({what}), which would not run the converted forward; "
+            f"left as stock (convert before installing the wrapper)")
+
+
+def _repoint(module: nn.Module, old_forward, new_forward) -> None:
+    """Re-point the wrappers that call ``old_forward`` bound to ``module`` (``_bound_forwards``) to ``new_forward``."""
+    for holder, name in _bound_forwards(module, old_forward):
+        setattr(holder, name, types.MethodType(new_forward, module))
+
+
 def _chunked_engaged(model: nn.Module, swaps) -> bool:
     """Whether a chunked-loss head runs in ``model`` once ``swaps`` are applied (converted now or before)."""
     if any(OPTIONS.get(type(m)) == CHUNKED_LOSS for m, _ in swaps):
@@ -270,7 +321,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     ``dropout``: the dropout policy of the converted modules ("auto", "bits", "seed"; None: the
     process-wide one, see :func:`slimgrad.functional.dropout.set_dropout_policy`): "bits" keeps 1 bit per
     element and draws stock's mask (bitwise stock on CPU), "seed" keeps 8 bytes and redraws in backward,
-    "auto" is bits on CPU and seed elsewhere.
+    "auto" is bits on CPU (and on meta, which counts what CPU keeps) and seed elsewhere.
 
     Gaps are never silent. A module of a family slimgrad claims (RMSNorms, gated MLPs, peft LoRA layers,
     bitsandbytes linears, diffusers activations) that stays stock because no integration recognised its
@@ -314,6 +365,12 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     included = _Selector("include", include, paths)
     excluded = _Selector("exclude", exclude, paths)
 
+    if not inplace and (hooked := _diffusers_hooked(model)) is not None:
+        raise ValueError(
+            f"convert: '{hooked}' carries diffusers hooks (enable_layerwise_casting, enable_group_offload, ...), "
+            f"which a deep copy does not separate from the original model (the copy's hooked forwards would run the "
+            f"original's layers), and convert works on a deep copy unless told otherwise: convert the model before "
+            f"enabling those hooks, or pass inplace=True to convert it in place")
     target = model if inplace else _deepcopy(model)
     result = ConversionReport()
     gaps, disabled = model_gap(target)
@@ -348,6 +405,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             continue
         reason_fn = getattr(replacement, "unsupported_reason", None)
         reason = reason_fn(module) if reason_fn is not None else None
+        if reason is None and "forward" in module.__dict__:
+            reason = _instance_forward_reason(module, kind)
         if reason is not None:
             result.skipped.append(Skipped(path, name, reason))
             # an option the user asked for, or a family the docs claim, that does not engage here: a gap
@@ -370,7 +429,9 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     notify_all(result.gaps, strict=strict)  # before any swap: strict leaves an inplace model untouched
 
     for module, replacement in swaps:
+        stock_forward = type(module).forward
         module.__class__ = replacement
+        _repoint(module, stock_forward, replacement.forward)  # wrappers installed on the instance (accelerate, ...)
         if dropout is not None:
             setattr(module, POLICY_ATTRIBUTE, dropout)  # read by the dropout and LoRA forwards (module_policy)
     remember_converted(target)
@@ -420,6 +481,8 @@ def revert(model: nn.Module) -> nn.Module:
 
 def _restore_stock(module: nn.Module, stock: type) -> None:
     """Give ``module`` its stock class back and drop what slimgrad's layers learned at run time."""
+    converted_forward = type(module).forward
     module.__class__ = stock
+    _repoint(module, converted_forward, stock.forward)
     for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
         del module.__dict__[attr]

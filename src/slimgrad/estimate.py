@@ -1034,7 +1034,14 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     devices = {t.device.type for t in [*model.parameters(), *_pytree.tree_leaves((args, kwargs))]
                if isinstance(t, torch.Tensor)}
     if device is not None:
-        target = torch.device(device)
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"estimate: 'device' must name where the real step will run ('cpu', 'cuda', "
+                             f"'cuda:1'), got {device!r} ({e})") from None
+        if target.type not in ("cpu", "cuda", "meta"):
+            raise ValueError(f"estimate: 'device' must be 'cpu' or 'cuda' (where slimgrad's estimate knows the "
+                             f"kernels), got {device!r}")
         if target.type == "meta":
             raise ValueError("estimate: 'device' names where the real step will run ('cpu', 'cuda'), not 'meta'")
         if target.type == "cuda" and not torch.cuda.is_available():
@@ -1295,14 +1302,29 @@ def largest_fitting(model: nn.Module, budget, make_example: Callable[[int], Any]
                     high: int = 1 << 20, **estimate_options) -> tuple[int, MemoryEstimate | None]:
     """The largest ``n`` in ``[low, high]`` whose simulated step fits ``budget`` (bytes or ``"12GiB"``), and its
     estimate; ``(0, None)`` when even ``low`` does not fit. ``make_example(n)`` builds the batch for size ``n``
-    (``lambda n: {"input_ids": ids[:, :n], "labels": ids[:, :n]}`` for "the longest sequence that fits").
+    (``lambda n: {"input_ids": ids[:, :n], "labels": ids[:, :n]}`` with ``high=ids.shape[1]`` for "the longest
+    sequence that fits"; a batch that stops growing with n raises).
     Doubling, then bisection: about 2·log2(n) simulations, each a few seconds at most, none allocating."""
     limit = parse_bytes(budget)
+    if not callable(make_example):
+        raise TypeError(f"largest_fitting: 'make_example' must be a function n -> batch (the batch for size n), got a "
+                        f"{type(make_example).__name__}; e.g. lambda n: {{'input_ids': ids[:, :n]}}")
+    for name, v in (("low", low), ("high", high)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"largest_fitting: '{name}' must be an int, got {v!r}")
     if low < 1 or high < low:
         raise ValueError(f"largest_fitting: need 1 <= low <= high, got low={low}, high={high}")
+    shapes_at: dict = {}  # the batch's tensor shapes -> the n that built them
 
     def at(n):
         a, kw = split_example(make_example(n))
+        shapes = tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor))
+        if shapes_at.setdefault(shapes, n) != n:
+            # The search doubles n until the step no longer fits: a batch that stopped growing (a slice of a fixed
+            # tensor, ids[:, :n], ends at its length) always fits, and the answer would be 'high'.
+            raise ValueError(f"largest_fitting: make_example({shapes_at[shapes]}) and make_example({n}) built batches "
+                             f"of the same shapes {list(shapes)}: the batch must grow with n (a slice ids[:, :n] stops "
+                             f"at ids' length: pass high=ids.shape[1], or build the batch for n)")
         return estimate(model, *a, **kw, **estimate_options)
 
     best = at(low)

@@ -50,6 +50,21 @@ def _storage_key(t: torch.Tensor):
         return None, 0
 
 
+def _exclude_list(exclude, fn: str) -> list:
+    """``exclude`` as a list of modules and tensors, or a TypeError naming the argument."""
+    if isinstance(exclude, (nn.Module, torch.Tensor)):
+        return [exclude]  # one given alone
+    try:
+        items = list(exclude)
+    except TypeError:
+        raise TypeError(f"{fn}: 'exclude' must be modules or tensors (one, or an iterable of them), got "
+                        f"{type(exclude).__name__}") from None
+    for item in items:
+        if not isinstance(item, (nn.Module, torch.Tensor)):
+            raise TypeError(f"{fn}: 'exclude' must hold modules or tensors, got a {type(item).__name__}")
+    return items
+
+
 def _excluded_keys(exclude: Iterable) -> set:
     keys = set()
     for item in exclude:
@@ -72,7 +87,7 @@ class SavedTensors:
     """
 
     def __init__(self, exclude: Iterable = ()):
-        self._exclude_items = list(exclude)
+        self._exclude_items = _exclude_list(exclude, "SavedTensors")
         self.records: list[SavedRecord] = []
         self._seen: set = set()
         self._hooks = None
@@ -126,7 +141,7 @@ def saved_bytes(fn: Callable, *args, exclude: Iterable = (), **kwargs) -> int:
                         f"saved_bytes counts while the forward runs, so call saved_bytes(model, x) or "
                         f"saved_bytes(lambda: model(x)), not saved_bytes(model(x))")
     extra = [fn] if isinstance(fn, nn.Module) else []
-    with SavedTensors(exclude=list(exclude) + extra) as counter:
+    with SavedTensors(exclude=_exclude_list(exclude, "saved_bytes") + extra) as counter:
         fn(*args, **kwargs)
     return counter.bytes
 
@@ -157,7 +172,11 @@ def saved_in_graph(*outputs: torch.Tensor, exclude: Iterable = ()) -> list[Saved
     slimgrad's Python path: the compiled core's C++ nodes do not show their saved tensors to Python, so a graph
     holding one is refused with a ValueError that says what to use instead.
     """
-    excluded = _excluded_keys(exclude)
+    for k, o in enumerate(outputs):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(f"saved_in_graph: the outputs must be tensors (whose autograd graph is read), got a "
+                            f"{type(o).__name__} at position {k}")
+    excluded = _excluded_keys(_exclude_list(exclude, "saved_in_graph"))
     seen_nodes, seen, records = set(), set(), []
     stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     while stack:
@@ -212,11 +231,16 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
     """
     import gc
 
+    if not callable(fn):
+        raise TypeError(f"peak_bytes: 'fn' must be the callable to run (a step: peak_bytes(lambda: step(batch)), or "
+                        f"a module and its inputs), got a {type(fn).__name__}: the peak is measured while it runs")
     gc.collect()  # garbage of earlier steps freed inside the measured one would count against it
     device = next(
         (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
         None,
     )
+    if device is None and _meta_referenced(fn):
+        device = torch.device("meta")
     if device is not None and device.type == "meta":
         raise ValueError("peak_bytes: the inputs are on the meta device, which allocates no memory, so there is no "
                          "peak to measure; slimgrad.saved_bytes counts what backward keeps on meta tensors (from "
@@ -241,6 +265,46 @@ def peak_bytes(fn: Callable, *args, **kwargs) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     return _cpu_peak(fn, *args, **kwargs)
+
+
+def _is_meta(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_meta
+    if isinstance(value, nn.Module):
+        first = next(value.parameters(), None)
+        if first is None:
+            first = next(value.buffers(), None)
+        return first is not None and first.is_meta
+    return False
+
+
+def _meta_referenced(fn) -> bool:
+    """Whether the closure ``fn`` reaches meta tensors or a model on meta: a module called directly, a bound
+    method's owner, a partial's arguments, a function's closure cells and the global names its code reads (the
+    README's ``peak_bytes(lambda: model(x).sum().backward())`` at a script's top level reads globals). Meta tensors
+    allocate nothing, so such a step has no peak: measured, it read 16 bytes."""
+    import functools
+
+    seen = []
+    if isinstance(fn, functools.partial):
+        seen += list(fn.args) + list(fn.keywords.values())
+        fn = fn.func
+    seen.append(fn)
+    seen.append(getattr(fn, "__self__", None))
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        seen += [cell.cell_contents for cell in (fn.__closure__ or ()) if _cell_filled(cell)]
+        glob = getattr(fn, "__globals__", {})
+        seen += [glob[name] for name in code.co_names if name in glob]
+    return any(_is_meta(v) for v in seen)
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell (a name not yet bound)
+        return False
+    return True
 
 
 def _cpu_peak(fn: Callable, *args, **kwargs) -> int:

@@ -316,6 +316,9 @@ std::array<at::Tensor, 3> conv_bwd(AutogradContext* ctx, const at::Tensor& grad)
   const auto& c = *st->cfg;
   auto saved = ctx->get_saved_variables();
   const at::Tensor& x = saved[0];
+  // A parameter whose data was replaced since forward (diffusers' layerwise casting puts fp8 storage back after each
+  // forward; stock reads the new data too, and aten's backward takes the mixed dtypes): in dY's dtype, the forward's
+  if (saved[1].defined() && saved[1].scalar_type() != grad.scalar_type()) saved[1] = saved[1].to(grad.scalar_type());
   const at::Tensor& weight = saved[1];
   at::Tensor dx, dw, db;
   if (st->need_x && st->need_w) {

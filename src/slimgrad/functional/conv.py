@@ -275,6 +275,11 @@ class _ConvFunction(_common.Function):
         x, weight = ctx.saved_tensors
         if grad is None:  # (an undefined output gradient, as gradcheck passes, where grads are not materialized)
             return None, None, None, None, None
+        if weight is not None and weight.dtype != grad.dtype:
+            # The parameter's data was replaced since forward (diffusers' layerwise casting puts fp8 storage back
+            # after each forward; stock reads the new data too, and aten's backward takes the mixed dtypes): in dY's
+            # dtype, the forward's (exact: the forward's values were the stored ones, cast up)
+            weight = weight.to(grad.dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         dx = dw = db = None

@@ -102,7 +102,7 @@ def resolve_policy(policy, device: torch.device) -> str:
     """"bits" or "seed" for a call on ``device`` (``policy`` None: the process-wide one)."""
     policy = _POLICY if policy is None else policy
     if policy == "auto":
-        return "bits" if device.type == "cpu" else "seed"
+        return "bits" if device.type in ("cpu", "meta") else "seed"
     return policy
 
 
@@ -463,7 +463,7 @@ def dropout(
 ) -> torch.Tensor:
     """``F.dropout`` keeping 1 bit per element (policy "bits", bitwise stock's mask on CPU) or an 8-byte
     seed ("seed") for backward instead of an input-sized float mask; ``policy=None``: the process-wide
-    one (default "auto": bits on CPU, seed elsewhere)."""
+    one (default "auto": bits on CPU and meta, seed elsewhere)."""
     if training and (core := _core(input, p, policy)) is not None:
         return core.dropout_apply(input, p, inplace)
     _check(input, p, "dropout")

@@ -171,7 +171,7 @@ for _cls, _fwd, _why in ((Linear4bit, _forward_4bit, _unsupported_4bit), (Linear
                          (LinearNF4, _forward_4bit, _unsupported_4bit),
                          (Linear8bitLt, _forward_8bit, _unsupported_8bit)):
     if _cls is not None and _CHECKS[_cls].reason() is None:  # otherwise a gap, recorded by the check
-        __all__.append(register_forward(_cls, _fwd, module=__name__, unsupported_reason=_why).__name__)
+        __all__.append(register_forward(_cls, _fwd, module=__name__, unsupported_reason=_why).__qualname__)
 
 
 def _adapters_only_supported() -> bool:

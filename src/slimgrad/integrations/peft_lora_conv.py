@@ -194,7 +194,8 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 for _cls in _STOCK:
     if _CHECKS[_cls].reason() is None:  # otherwise left to peft, recorded as a gap by the check
-        __all__.append(register_forward(_cls, _forward, module=__name__, unsupported_reason=_unsupported).__name__)
+        __all__.append(
+            register_forward(_cls, _forward, module=__name__, unsupported_reason=_unsupported).__qualname__)
 
 
 def refresh() -> None:
