@@ -117,7 +117,7 @@ def test_linear_4bit_subclasses_and_no_bias():
     for cls in (bnb.nn.LinearNF4, bnb.nn.LinearFP4):
         stock = cls(IN, OUT, bias=False, compute_dtype=torch.float32).to("cpu")
         slim = converted(copy.deepcopy(stock))
-        assert type(slim).__name__ == f"Slim{cls.__name__}"
+        assert type(slim).__qualname__ == f"Slim{cls.__name__}" and type(slim).__name__ == cls.__name__
         compare_layers(stock, slim, torch.randn(*ROWS, IN), True, False,
                        quantized._quant_state_tensors(slim.weight.quant_state))
 
