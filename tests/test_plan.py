@@ -770,7 +770,7 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     measurement leaves the model, its generator and its hooks as they were."""
     import time as _time
 
-    from slimgrad.plan import _TIMES, block_offload_seconds, parts_of
+    from slimgrad.plan import _MODEL_TIMES, block_offload_seconds, parts_of
 
     module = sys.modules["slimgrad.plan"]
     calls = []
@@ -787,7 +787,7 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     units = blocks + parts_of(model, blocks)
     rng = torch.get_rng_state()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _TIMES.clear()
+    _MODEL_TIMES.clear()
     seconds = block_offload_seconds(model, units, (), example, repeats=2)
     assert set(seconds) == set(units)
     # (lower bounds at half the sleeps: the plain forward's time is subtracted, and a loaded machine is noisy)
@@ -808,7 +808,7 @@ def test_offload_cost_is_measured_per_unit(monkeypatch):
     mlp = slimgrad.convert(mlp)
     blocks = blocks_of(mlp)
     block_offload_seconds(mlp, blocks, (x,), {}, repeats=1)  # (first calls' one-time allocations)
-    _TIMES.clear()
+    _MODEL_TIMES.clear()
     measuring = slimgrad.peak_bytes(lambda: block_offload_seconds(mlp, blocks, (x,), {}, repeats=1))
     forward = slimgrad.peak_bytes(lambda: mlp(x))  # with gradients: every block's kept tensors
     assert measuring < forward / 2, (measuring, forward)
@@ -954,3 +954,24 @@ def test_smallest_feasible_budget_is_one_a_plan_meets_where_checkpointing_the_la
     assert met.fits and met.peak_after <= refused.smallest_feasible, met
     short = slimgrad.plan(model, refused.smallest_feasible - 3000, example)
     assert not short.fits and "KiB over" in str(short) and "0.0 MiB over" not in str(short), str(short)
+
+
+def test_timings_are_cached_per_model_and_go_with_it():
+    """Block timings are cached with the model (weakly): a new model never reads a freed one's (keyed by id(), a
+    model allocated at a freed one's address could), and the cache does not outlive it."""
+    import gc
+    import weakref
+
+    from slimgrad.plan import _MODEL_TIMES, block_forward_seconds
+
+    mlp, x = _mlp()
+    blocks = blocks_of(mlp)
+    first = block_forward_seconds(mlp, blocks, (x,), {}, repeats=1)
+    assert block_forward_seconds(mlp, blocks, (x,), {}, repeats=1) is first  # cached
+    assert mlp in _MODEL_TIMES
+    alive = weakref.ref(mlp)
+    del mlp
+    gc.collect()
+    assert alive() is None  # the cache does not keep the model
+    other, y = _mlp()
+    assert other not in _MODEL_TIMES

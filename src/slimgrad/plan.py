@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -296,15 +297,21 @@ def planned_actions(model: nn.Module) -> dict[str, str]:
 # -- costs --------------------------------------------------------------------------------------------------
 
 
-_TIMES: dict = {}
+_TIMES: dict = {}  # per device: the host copy bandwidth
+#: model -> {(example shapes, blocks or units): seconds}, gone with the model (keyed by id(model), a new model at a
+#: freed one's address read the freed one's timings)
+_MODEL_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _example_key(model, args, kwargs):
+def _times(model: nn.Module) -> dict:
+    return _MODEL_TIMES.setdefault(model, {})
+
+
+def _example_key(args, kwargs):
     from torch.utils import _pytree
 
     leaves = _pytree.tree_leaves((args, kwargs))
-    return (id(model), tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
-                             for t in leaves))
+    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
 
 
 class _Stopwatch:
@@ -334,9 +341,10 @@ def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, rep
     cached per model and example shapes. Inputs on the meta device give zeros (nothing can run)."""
     from torch.utils import _pytree
 
-    key = (_example_key(model, args, kwargs), tuple(blocks))
-    if key in _TIMES:
-        return _TIMES[key]
+    key = (_example_key(args, kwargs), tuple(blocks))
+    times = _times(model)
+    if key in times:
+        return times[key]
     leaves = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.device.type == "meta" for t in leaves) or any(p.device.type == "meta" for p in model.parameters()):
         return {b: 0.0 for b in blocks}
@@ -371,7 +379,7 @@ def block_forward_seconds(model: nn.Module, blocks: list[str], args, kwargs, rep
         for h in handles:
             h.remove()
     result = {b: (v if v != float("inf") else 0.0) for b, v in best.items()}
-    _TIMES[key] = result
+    times[key] = result
     return result
 
 
@@ -403,9 +411,10 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
     Cached per model and example shapes; meta inputs give zeros (nothing can run)."""
     from torch.utils import _pytree
 
-    key = ("offload", _example_key(model, args, kwargs), tuple(units))
-    if key in _TIMES:
-        return _TIMES[key]
+    key = ("offload", _example_key(args, kwargs), tuple(units))
+    times = _times(model)
+    if key in times:
+        return times[key]
     leaves = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.device.type == "meta" for t in leaves) or any(p.device.type == "meta" for p in model.parameters()):
         return {u: 0.0 for u in units}
@@ -479,7 +488,7 @@ def block_offload_seconds(model: nn.Module, units: list[str], args, kwargs, repe
                     for u in group:
                         best[u] = min(best[u], max(hooked.get(u, 0.0) - plain.get(u, 0.0), 0.0) + unpacked.get(u, 0.0))
     result = {u: (v if v != float("inf") else 0.0) for u, v in best.items()}
-    _TIMES[key] = result
+    times[key] = result
     return result
 
 
