@@ -20,8 +20,77 @@ from torch import nn
 
 #: stock type -> slimgrad type
 REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {}
-#: slimgrad type -> stock type
-ORIGINALS: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+class _Originals(dict):
+    """slimgrad type -> stock type; a class derived from a slimgrad type by a wrapper that re-classes the module it
+    wraps (FSDP2's ``fully_shard`` makes ``FSDP<cls>``, a subclass of the module's class) answers as that slimgrad
+    type, so converted forwards that look their stock class up (``ORIGINALS[type(self)]``) keep working, and convert
+    and revert know the module as converted. Exact keys are plain dictionary hits (the forwards' case)."""
+
+    def __init__(self):
+        super().__init__()
+        self._derived = {}  # derived class -> its slimgrad base's stock type, or None (a cache)
+
+    def _via_base(self, cls):
+        if cls in self._derived:
+            return self._derived[cls]
+        found = next((dict.__getitem__(self, base) for base in getattr(cls, "__mro__", ())[1:]
+                      if dict.__contains__(self, base)), None)
+        self._derived[cls] = found
+        return found
+
+    def __missing__(self, cls):
+        stock = self._via_base(cls)
+        if stock is None:
+            raise KeyError(cls)
+        return stock
+
+    def get(self, cls, default=None):
+        if dict.__contains__(self, cls):
+            return dict.__getitem__(self, cls)
+        stock = self._via_base(cls)
+        return default if stock is None else stock
+
+    def __contains__(self, cls):
+        return dict.__contains__(self, cls) or self._via_base(cls) is not None
+
+    def __setitem__(self, cls, stock):
+        self._derived.clear()  # (a new key may be the base of a class cached as unknown)
+        dict.__setitem__(self, cls, stock)
+
+
+#: slimgrad type -> stock type (and classes derived from a slimgrad type by wrappers: _Originals)
+ORIGINALS: dict[type[nn.Module], type[nn.Module]] = _Originals()
+
+
+def replacement_base(cls: type) -> type | None:
+    """The slimgrad type ``cls`` is or derives from (a wrapper's class such as FSDP2's ``FSDP<cls>``), or None."""
+    return next((base for base in getattr(cls, "__mro__", ()) if dict.__contains__(ORIGINALS, base)), None)
+
+
+_REBASED: dict = {}  # (wrapper class, old base, new base) -> the rebuilt class
+
+
+def rebased(cls: type, old: type, new: type) -> type:
+    """A wrapper's class derived from ``old`` (FSDP2's ``FSDP<cls>``: bases ``(FSDPModule, cls)``), rebuilt on
+    ``new`` instead: what reverting (slimgrad -> stock) a module that a wrapper re-classed after convert gives it, so
+    that it stays wrapped. One class per (class, old, new), shared by its modules."""
+    key = (cls, old, new)
+    if key not in _REBASED:
+        namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        _REBASED[key] = type(cls.__name__, tuple(new if b is old else b for b in cls.__bases__), namespace)
+    return _REBASED[key]
+
+
+def wrapped_stock(cls: type) -> type | None:
+    """The class FSDP2's ``fully_shard`` wrapped, where ``cls`` is the one it re-classed a sharded module as
+    (``FSDP<cls>(FSDPModule, cls)``); else None."""
+    bases = cls.__bases__
+    if len(bases) != 2 or bases[0].__name__ != "FSDPModule":
+        return None
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return bases[1] if fsdp is not None and bases[0] is getattr(fsdp, "FSDPModule", None) else None
 #: stock type -> name of the ``convert`` option that must be True for it to be replaced
 OPTIONS: dict[type[nn.Module], str] = {}
 

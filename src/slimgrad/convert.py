@@ -29,8 +29,11 @@ from ._registry import (
     REPLACEMENTS,
     defined_beyond_init,
     init_only_stock,
+    rebased,
+    replacement_base,
     reports_only,
     subclass_twin,
+    wrapped_stock,
 )
 from .functional.dropout import POLICY_ATTRIBUTE
 from .integrations import load_available
@@ -188,6 +191,11 @@ def _why_not_exact(module: nn.Module) -> str | None:
     stock = next((t for t, r in REPLACEMENTS.items() if isinstance(module, t) and not reports_only(r)), None)
     if stock is None:
         return None
+    if wrapped_stock(type(module)) is not None:
+        # Its parameters are DTensor shards now, which the integrations' checks cannot run on; converted first, the
+        # module keeps its replacement under fully_shard (ORIGINALS answers for FSDP<cls>) and revert keeps it sharded
+        return (f"sharded by FSDP2's fully_shard before convert (its class is {type(module).__name__}); convert "
+                f"first, then fully_shard, as the README's order says")
     if getattr(module, "parametrizations", None) is not None and type(module).__name__.startswith("Parametrized"):
         return (f"has parametrizations (torch.nn.utils.parametrize) on {stock.__name__}; its weight is "
                 f"computed on access, left as stock")
@@ -268,7 +276,7 @@ def _repoint(module: nn.Module, old_forward, new_forward) -> None:
 
 def _chunked_engaged(model: nn.Module, swaps) -> bool:
     """Whether a chunked-loss head runs in ``model`` once ``swaps`` are applied (converted now or before)."""
-    if any(OPTIONS.get(type(m)) == CHUNKED_LOSS for m, _ in swaps):
+    if any(OPTIONS.get(ORIGINALS[r]) == CHUNKED_LOSS for _, r in swaps):  # (r's stock: also for FSDP2's classes)
         return True
     return any(OPTIONS.get(ORIGINALS[type(m)]) == CHUNKED_LOSS for m in model.modules() if type(m) in ORIGINALS)
 
@@ -480,9 +488,13 @@ def revert(model: nn.Module) -> nn.Module:
 
 
 def _restore_stock(module: nn.Module, stock: type) -> None:
-    """Give ``module`` its stock class back and drop what slimgrad's layers learned at run time."""
-    converted_forward = type(module).forward
-    module.__class__ = stock
+    """Give ``module`` its stock class back and drop what slimgrad's layers learned at run time. A module a wrapper
+    re-classed after converting (FSDP2's ``fully_shard``: ``FSDP<cls>``) gets that class rebuilt on the stock one, so
+    it stays wrapped (set to the stock class, it was no longer an FSDP module)."""
+    kind = type(module)
+    converted_forward = kind.forward
+    base = replacement_base(kind)
+    module.__class__ = stock if base is kind or base is None else rebased(kind, base, stock)
     _repoint(module, converted_forward, stock.forward)
     for attr in [a for a in module.__dict__ if a.startswith(_RUNTIME_PREFIX)]:
         del module.__dict__[attr]
