@@ -450,3 +450,40 @@ def test_compile_fullgraph_train():
             assert_same(getattr(slim, name), getattr(stock, name), what=f"compiled {name}")
             assert_same(getattr(slim, name), getattr(stock_eager, name), exact=False,
                         what=f"compiled {name} vs eager")
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("combo", grad_combos(3),
+                         ids=lambda c: "".join("xwb"[i] if f else "-" for i, f in enumerate(c)))
+def test_sync_batch_norm_without_a_process_group_is_batch_norm(combo, training):
+    """SyncBatchNorm computes F.batch_norm except when it synchronises (training under an initialised process group,
+    GPU only): converted, it keeps what BatchNorm2d keeps (it was not converted and not reported, found by the
+    distributed sweep: a frozen eval SyncBatchNorm kept its input); bitwise stock's."""
+    from tests._util import run_step
+
+    need_x, need_w, need_b = combo
+    torch.manual_seed(0)
+    stock = nn.SyncBatchNorm(6).train(training)
+    stock.weight.data.uniform_(0.5, 1.5)
+    stock.running_mean.normal_()
+    stock.running_var.uniform_(0.5, 2)
+    set_requires_grad(stock, weight=need_w, bias=need_b)
+    slim = slim_copy(stock)
+    assert type(slim).__qualname__ == "SyncBatchNorm" and type(slim) is not nn.SyncBatchNorm
+    plain = slim_copy(nn.BatchNorm2d(6).train(training))
+    plain.load_state_dict(stock.state_dict())
+    set_requires_grad(plain, weight=need_w, bias=need_b)
+    from slimgrad.measure import SavedTensors
+
+    results = []
+    for module in (stock, slim, plain):
+        x = torch.randn(4, 6, 5, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(need_x)
+        with SavedTensors(exclude=[module]) as kept:
+            out, gx = run_step(module, x)
+        results.append((out, gx, kept.bytes, module.weight.grad, module.running_mean.clone()))
+    (o_s, g_s, k_s, w_s, r_s), (o_k, g_k, k_k, w_k, r_k), (_, _, k_p, _, _) = results
+    assert_same(o_k, o_s, what="output")
+    assert_same(g_k, g_s, what="x.grad")
+    assert_same(w_k, w_s, what="weight.grad")
+    assert_same(r_k, r_s, what="running_mean")
+    assert k_k == k_p <= k_s

@@ -54,7 +54,12 @@ _SCRIPT = textwrap.dedent("""
         slimgrad.revert(converted)
         result.update(reverted_mlp=type(mlp).__mro__[2].__qualname__, still_sharded=isinstance(mlp, FSDPModule),
                       same_after_revert=step(converted)[0] == stock[0])
-        late, report = slimgrad.convert(shard(copy.deepcopy(base)), inplace=True, report=True)
+        late = shard(copy.deepcopy(base))
+        try:
+            slimgrad.convert(late)  # a deep copy: FSDP2 refuses it
+        except ValueError as e:
+            result["copy_refused"] = str(e)
+        late, report = slimgrad.convert(late, inplace=True, report=True)
         result["late_reasons"] = sorted({s.reason.split(" (")[0] for s in report.skipped})
         print(json.dumps(result))
     finally:
@@ -71,3 +76,4 @@ def test_fully_shard_after_convert_and_revert(tmp_path):
     assert result["converted_mlp"] == "SlimLlamaMLP" and result["converted_head"].startswith("Slim")
     assert result["reverted_mlp"] == "LlamaMLP" and result["still_sharded"] and result["same_after_revert"]
     assert result["late_reasons"] == ["sharded by FSDP2's fully_shard before convert"]
+    assert "sharded by FSDP2's fully_shard" in result["copy_refused"] and "inplace=True" in result["copy_refused"]

@@ -373,6 +373,11 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     included = _Selector("include", include, paths)
     excluded = _Selector("exclude", exclude, paths)
 
+    if not inplace and (sharded := next((p for p, m in model.named_modules() if wrapped_stock(type(m))), None)) \
+            is not None:
+        raise ValueError(f"convert: '{sharded or '(the model itself)'}' is sharded by FSDP2's fully_shard, which "
+                         f"cannot be deep-copied, and convert works on a deep copy unless told otherwise: convert the "
+                         f"model before fully_shard (the README's order), or pass inplace=True")
     if not inplace and (hooked := _diffusers_hooked(model)) is not None:
         raise ValueError(
             f"convert: '{hooked}' carries diffusers hooks (enable_layerwise_casting, enable_group_offload, ...), "

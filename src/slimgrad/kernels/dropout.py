@@ -70,7 +70,7 @@ def noise_scale(p: float, dtype: torch.dtype) -> float:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():  # a real CPU scalar also under a fake-tensor mode (slimgrad.estimate)
-        return torch.ones((), dtype=dtype).div_(1 - p).item()
+        return torch.ones((), dtype=dtype, device="cpu").div_(1 - p).item()  # (not the default device: meta)
 
 
 class TorchDropoutBits:

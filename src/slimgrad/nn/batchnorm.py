@@ -1,4 +1,4 @@
-"""Drop-in BatchNorm1d/2d/3d that keep for backward only what the requested gradients read.
+"""Drop-in BatchNorm1d/2d/3d and SyncBatchNorm that keep for backward only what the requested gradients read.
 
 Only ``forward`` is overridden. Its preamble is stock ``_BatchNorm.forward``'s, line for line, because
 that is where the module-level semantics live (num_batches_tracked, the cumulative average for
@@ -8,12 +8,13 @@ got each of those wrong by re-deriving them.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from slimgrad._registry import register
 from slimgrad.functional.batch_norm import batch_norm
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"]
 
 
 def _forward(self: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
@@ -64,3 +65,18 @@ class BatchNorm2d(nn.BatchNorm2d):
 @register(nn.BatchNorm3d)
 class BatchNorm3d(nn.BatchNorm3d):
     forward = _forward
+
+
+def _sync_forward(self: nn.SyncBatchNorm, input: Tensor) -> Tensor:
+    """Stock's forward where it may synchronise statistics across processes (training under an initialised process
+    group: its sync_batch_norm, GPU only); everywhere else SyncBatchNorm computes F.batch_norm, as the classes above
+    (eval mode, frozen: keeps no input where stock keeps it)."""
+    if self.training and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return nn.SyncBatchNorm.forward(self, input)
+    self._check_non_zero_input_channels(input)
+    return _forward(self, input)
+
+
+@register(nn.SyncBatchNorm)
+class SyncBatchNorm(nn.SyncBatchNorm):
+    forward = _sync_forward
