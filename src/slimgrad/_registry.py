@@ -91,6 +91,8 @@ def wrapped_stock(cls: type) -> type | None:
         return None
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return bases[1] if fsdp is not None and bases[0] is getattr(fsdp, "FSDPModule", None) else None
+
+
 #: stock type -> name of the ``convert`` option that must be True for it to be replaced
 OPTIONS: dict[type[nn.Module], str] = {}
 
