@@ -396,7 +396,7 @@ def _projected_activation(m, x, y, x_grad):
 _RULES: dict[type, Callable] = {
     **dict.fromkeys((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
                      nn.Linear), _weight_reads_input),
-    **dict.fromkeys((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), _batch_norm),
+    **dict.fromkeys((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm), _batch_norm),
     **dict.fromkeys((nn.ReLU, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.Threshold, nn.Hardsigmoid), _mask),
     **dict.fromkeys((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d), _dropout),
     **dict.fromkeys((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d), _max_pool),
