@@ -121,3 +121,14 @@ class OneLayer(nn.Module):
 
     def forward(self, x):
         return self.proj(x)
+
+
+class TwoReaders(nn.Module):
+    """``q(x) * k(x)``: two layers reading one input (attention's q and k), where their input gradients meet."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.q, self.k = make(), make()
+
+    def forward(self, x):
+        return self.q(x) * self.k(x)

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 from tests._util import OneLayer as _Base
-from tests._util import assert_same
+from tests._util import TwoReaders, assert_same
 from torch import nn
 
 peft = pytest.importorskip("peft")
@@ -810,17 +810,10 @@ def test_several_active_adapters_on_a_shared_input(dtype, core):
     of x, whose gradient peft's graph hands over once, pre-summed in fp32): one Function. Bitwise either way, and
     never more kept than peft."""
 
-    class TwoReaders(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.k = nn.Linear(IN, IN, bias=False), nn.Linear(IN, IN, bias=False)
-
-        def forward(self, x):
-            return self.q(x) * self.k(x)
-
     torch.manual_seed(0)
-    stock = get_peft_model(TwoReaders().to(dtype), LoraConfig(r=R, lora_alpha=8, target_modules=["q", "k"],
-                                                              lora_dropout=0.1, init_lora_weights=False))
+    reader = TwoReaders(lambda: nn.Linear(IN, IN, bias=False)).to(dtype)
+    stock = get_peft_model(reader, LoraConfig(r=R, lora_alpha=8, target_modules=["q", "k"],
+                                              lora_dropout=0.1, init_lora_weights=False))
     stock.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q", "k"], lora_dropout=0.1,
                                            init_lora_weights=False))
     stock.base_model._cast_adapter_dtype(adapter_name="second", autocast_adapter_dtype=True)

@@ -224,13 +224,22 @@ def _deepcopy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _diffusers_hooked(model: nn.Module) -> str | None:
-    """The path of a module carrying diffusers hooks (``enable_layerwise_casting``, ``enable_group_offload``, ...),
-    or None. Their forwards are closures over the hooked modules, which a deep copy shares: the copy would run the
-    original's layers (or, with group offload, fail to copy at all)."""
+def _not_copyable(model: nn.Module) -> str | None:
+    """Why ``convert``'s deep copy of ``model`` would be broken, naming the module, or None. FSDP2 refuses to copy a
+    module ``fully_shard`` sharded; diffusers' hooks (``enable_layerwise_casting``, ``enable_group_offload``, ...) are
+    closures over the hooked modules, which a deep copy shares: the copy would run the original's layers (or, with
+    group offload, fail to copy at all)."""
     for path, module in model.named_modules():
+        where = f"'{path or '(the model itself)'}'"
+        if wrapped_stock(type(module)) is not None:
+            return (f"{where} is sharded by FSDP2's fully_shard, which cannot be deep-copied, and convert works on a "
+                    f"deep copy unless told otherwise: convert the model before fully_shard (the README's order), or "
+                    f"pass inplace=True")
         if "_diffusers_hook" in module.__dict__:
-            return path or "(the model itself)"
+            return (f"{where} carries diffusers hooks (enable_layerwise_casting, enable_group_offload, ...), which a "
+                    f"deep copy does not separate from the original model (the copy's hooked forwards would run the "
+                    f"original's layers), and convert works on a deep copy unless told otherwise: convert the model "
+                    f"before enabling those hooks, or pass inplace=True to convert it in place")
     return None
 
 
@@ -373,17 +382,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     included = _Selector("include", include, paths)
     excluded = _Selector("exclude", exclude, paths)
 
-    if not inplace and (sharded := next((p for p, m in model.named_modules() if wrapped_stock(type(m))), None)) \
-            is not None:
-        raise ValueError(f"convert: '{sharded or '(the model itself)'}' is sharded by FSDP2's fully_shard, which "
-                         f"cannot be deep-copied, and convert works on a deep copy unless told otherwise: convert the "
-                         f"model before fully_shard (the README's order), or pass inplace=True")
-    if not inplace and (hooked := _diffusers_hooked(model)) is not None:
-        raise ValueError(
-            f"convert: '{hooked}' carries diffusers hooks (enable_layerwise_casting, enable_group_offload, ...), "
-            f"which a deep copy does not separate from the original model (the copy's hooked forwards would run the "
-            f"original's layers), and convert works on a deep copy unless told otherwise: convert the model before "
-            f"enabling those hooks, or pass inplace=True to convert it in place")
+    if not inplace and (why := _not_copyable(model)) is not None:
+        raise ValueError(f"convert: {why}")
     target = model if inplace else _deepcopy(model)
     result = ConversionReport()
     gaps, disabled = model_gap(target)
