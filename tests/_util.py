@@ -132,3 +132,17 @@ class TwoReaders(nn.Module):
 
     def forward(self, x):
         return self.q(x) * self.k(x)
+
+
+def two_active_adapters(model: nn.Module, r: int, second_dropout: float) -> nn.Module:
+    """``model``'s q and k under peft LoRA with two adapters active at once, both dropping, both in fp32 (peft's
+    upcast, on every release): where several adapters' input gradients meet other layers' at one x."""
+    from peft import LoraConfig, get_peft_model
+
+    stock = get_peft_model(model, LoraConfig(r=r, lora_alpha=8, target_modules=["q", "k"], lora_dropout=0.1,
+                                             init_lora_weights=False))
+    stock.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q", "k"], lora_dropout=second_dropout,
+                                           init_lora_weights=False))
+    stock.base_model._cast_adapter_dtype(adapter_name="second", autocast_adapter_dtype=True)
+    stock.base_model.set_adapter(["default", "second"])
+    return stock

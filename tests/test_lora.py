@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 from tests._util import OneLayer as _Base
-from tests._util import TwoReaders, assert_same
+from tests._util import TwoReaders, assert_same, two_active_adapters
 from torch import nn
 
 peft = pytest.importorskip("peft")
@@ -812,12 +812,7 @@ def test_several_active_adapters_on_a_shared_input(dtype, core):
 
     torch.manual_seed(0)
     reader = TwoReaders(lambda: nn.Linear(IN, IN, bias=False)).to(dtype)
-    stock = get_peft_model(reader, LoraConfig(r=R, lora_alpha=8, target_modules=["q", "k"],
-                                              lora_dropout=0.1, init_lora_weights=False))
-    stock.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q", "k"], lora_dropout=0.1,
-                                           init_lora_weights=False))
-    stock.base_model._cast_adapter_dtype(adapter_name="second", autocast_adapter_dtype=True)
-    stock.base_model.set_adapter(["default", "second"])
+    stock = two_active_adapters(reader, R, second_dropout=0.1)
     slim = slim_of(stock)
     xs, xk = x_for(dtype), x_for(dtype)
     with dropout_policy("bits"), contextlib.nullcontext() if core else csrc.disabled():

@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora.layer import Conv2d as LoraConv2d  # noqa: E402
 
 import slimgrad  # noqa: E402
-from _util import TwoReaders, assert_same, grad_combos  # noqa: E402
+from _util import TwoReaders, assert_same, grad_combos, two_active_adapters  # noqa: E402
 from slimgrad.functional.dropout import _fill_noise, dropout_policy  # noqa: E402
 from slimgrad.measure import SavedTensors  # noqa: E402
 
@@ -206,12 +206,7 @@ def test_several_dropping_adapters_on_a_shared_input(dtype, core):
 
     torch.manual_seed(0)
     reader = TwoReaders(lambda: nn.Conv2d(4, 6, 3, padding=1)).to(dtype)
-    stock = get_peft_model(reader, LoraConfig(r=R, lora_alpha=8, target_modules=["q", "k"],
-                                              lora_dropout=0.1, init_lora_weights=False))
-    stock.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["q", "k"], lora_dropout=0.2,
-                                           init_lora_weights=False))
-    stock.base_model._cast_adapter_dtype(adapter_name="second", autocast_adapter_dtype=True)
-    stock.base_model.set_adapter(["default", "second"])
+    stock = two_active_adapters(reader, R, second_dropout=0.2)
     slim = slimgrad.convert(stock)
     results = []
     with contextlib.nullcontext() if core else csrc.disabled(), dropout_policy("bits"):
