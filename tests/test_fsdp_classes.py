@@ -61,6 +61,9 @@ _SCRIPT = textwrap.dedent("""
             result["copy_refused"] = str(e)
         late, report = slimgrad.convert(late, inplace=True, report=True)
         result["late_reasons"] = sorted({s.reason.split(" (")[0] for s in report.skipped})
+        late = slimgrad.convert(shard(copy.deepcopy(base)), inplace=True, report=True, chunked_loss=True)[1]
+        result["late_chunked_gaps"] = [(g.subject, g.reason.split(" (")[0]) for g in late.gaps
+                                       if g.family == "chunked_loss"]
         print(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -76,4 +79,8 @@ def test_fully_shard_after_convert_and_revert(tmp_path):
     assert result["converted_mlp"] == "SlimLlamaMLP" and result["converted_head"].startswith("Slim")
     assert result["reverted_mlp"] == "LlamaMLP" and result["still_sharded"] and result["same_after_revert"]
     assert result["late_reasons"] == ["sharded by FSDP2's fully_shard before convert"]
+    # chunked_loss asked for on a head sharded first: the gap names the head's own class and why (it said "engaged
+    # on nothing: no causal-LM head" before)
+    assert result["late_chunked_gaps"] == [["transformers.models.llama.modeling_llama.LlamaForCausalLM",
+                                            "sharded by FSDP2's fully_shard before convert"]]
     assert "sharded by FSDP2's fully_shard" in result["copy_refused"] and "inplace=True" in result["copy_refused"]

@@ -402,7 +402,9 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
             continue
         replacement = REPLACEMENTS.get(kind) or subclass_twin(kind)
-        if kind in OPTIONS and not options.get(OPTIONS[kind], False):
+        # (a module FSDP2 sharded before convert answers by the class it wraps: an option not asked for skips it too)
+        option = OPTIONS.get(kind) or OPTIONS.get(wrapped_stock(kind))
+        if option is not None and not options.get(option, False):
             continue
         if replacement is None:
             gap = module_gap(module, chunked_loss=chunked_loss, disabled=disabled)
@@ -411,6 +413,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
                 result.add_gap(gap, path)
             elif reason is not None:
                 result.skipped.append(Skipped(path, name, reason))
+                if option is not None:  # an option asked for that does not engage here (a sharded LM head): a gap
+                    result.add_gap(family_gap(wrapped_stock(kind) or kind, option, reason), path)
             elif kind in _STOCK_IS_MINIMAL or name in _STOCK_IS_MINIMAL_NAMES:
                 result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
             elif kind not in _PURE_CONTAINERS:
