@@ -16,6 +16,8 @@ import sys
 import types
 from collections.abc import Callable
 
+import torch
+import torch.fx._symbolic_trace
 from torch import nn
 
 #: stock type -> slimgrad type
@@ -124,6 +126,7 @@ def register(stock: type[nn.Module], *, option: str | None = None):
         if stock in REPLACEMENTS:
             raise ValueError(f"{stock.__name__} already has a replacement: {REPLACEMENTS[stock].__name__}")
         _keep_signature(cls, stock)
+        _stock_when_traced(cls, stock)
         _stock_facade(cls, stock)
         # stock's name, as torch.nn's replacements have it (``type(m).__name__`` is how tools find classes:
         # accelerate's get_module_class_from_name for FSDP's wrap policy found LlamaRMSNorm before convert and nothing
@@ -173,6 +176,49 @@ def _stock_facade(cls, stock) -> None:
         cls.__prepare_scriptable__ = refuse("script", "__prepare_scriptable__")
     if "_slow_forward" not in cls.__dict__:
         cls._slow_forward = refuse("trace", "_slow_forward")
+
+
+def _stock_when_traced(cls, stock) -> None:
+    """Make ``cls.forward`` run the stock forward under ``torch.export``, and answer ``torch.fx.symbolic_trace``.
+
+    An exported graph is the model to run elsewhere (inference, a quantizer), where what slimgrad keeps for backward
+    is beside the point; and export failed on slimgrad's forwards: strict export traced the autograd Functions without
+    their backward (the exported module gave no gradients, silently), non-strict export put the ReLU masks' packing
+    into the inference graph (2.1x stock's time). Symbolic tracing (Proxies for tensors) stopped at the first branch
+    on ``requires_grad`` with fx's "symbolically traced variables cannot be used as inputs to control flow": where
+    the stock class is one fx traces into (a transformers norm or MLP: transformers' own fx tracer), the stock forward
+    gives stock's graph; a torch.nn layer is a leaf to fx, which a replacement cannot be (fx goes by the class's
+    module), so that raises an error naming slimgrad and ``revert``. The check is two flag reads an eager call
+    (~0.1 us); torch.compile, torch.func and make_fx keep slimgrad's forward.
+    """
+    own = cls.__dict__.get("forward")
+    stock_forward = getattr(stock, "forward", None)
+    if not inspect.isfunction(own) or not callable(stock_forward):
+        return
+    exporting, fx = torch.compiler.is_exporting, torch.fx._symbolic_trace
+    leaf_to_fx = stock.__module__.startswith(("torch.nn.", "torch.ao.nn."))
+    what = f"{stock.__module__}.{stock.__qualname__}"
+
+    def forward(self, *args, **kwargs):
+        if fx._is_fx_tracing_flag or exporting():
+            if exporting():
+                return stock_forward(self, *args, **kwargs)
+            if any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values())):
+                if leaf_to_fx:
+                    raise RuntimeError(
+                        f"slimgrad: torch.fx.symbolic_trace cannot trace slimgrad's replacement for {what}: fx "
+                        f"keeps torch.nn's layers as leaves by their class, which a converted layer no longer has; "
+                        f"call slimgrad.revert(model) first (same parameters, stock classes), trace the reverted "
+                        f"model, and slimgrad.convert the traced GraphModule to train (torch.compile and "
+                        f"torch.export run converted models)")
+                return stock_forward(self, *args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    forward.__name__, forward.__qualname__ = own.__name__, own.__qualname__
+    forward.__module__, forward.__doc__ = own.__module__, own.__doc__
+    forward.__signature__ = inspect.signature(own)
+    forward.__dict__.update(own.__dict__)
+    type.__setattr__(cls, "forward", forward)
 
 
 def _plain(signature: inspect.Signature) -> list[tuple]:

@@ -150,6 +150,11 @@ class Function(torch.autograd.Function):
     @classmethod
     def apply(cls, *args, **kwargs):
         if torch.compiler.is_compiling():
+            if torch.compiler.is_exporting() and cls.stock is not None:
+                # torch.export: stock's ops. Strict export traced the Function's forward without its backward
+                # (the exported module gave no gradients), and an exported graph is for running the model elsewhere,
+                # where slimgrad's savings for backward only cost time (the inference graph packed ReLU masks)
+                return cls.stock(*args, **kwargs)
             return _AUTOGRAD_APPLY(cls, *args, **kwargs)
         if torch._C._are_functorch_transforms_active():
             # Under torch.func (grad, vmap, jacrev, ...). One C call decides it, so eager calls pay nothing more.
