@@ -4,6 +4,7 @@ never computed."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 
@@ -685,3 +686,43 @@ def test_group_norm_batch_one_with_a_small_batch_stride(weight_trains):
     assert_same(gg, gs)
     for a, b in zip(pg, ps):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("weight_trains", [False, True], ids=["frozen", "trained"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["torch", "llama"])
+def test_rms_norm_of_a_fused_projections_slice_keeps_no_more_than_stock(kind, dtype, weight_trains, core):
+    """q split from a fused qkv projection (a view of a 3x wider storage), x needing its gradient: a bf16/fp16 x was
+    kept as the view, pinning the whole base (1.49x stock's bytes, which keeps fp32 copies of x's own size); now a
+    compact copy there. An fp32 x stays the view, as stock keeps it (found by this stop's aliasing sweep)."""
+    import slimgrad
+    from slimgrad import csrc
+    from slimgrad.measure import SavedTensors
+
+    if core and csrc.core() is None:
+        pytest.skip("the compiled core is unavailable here")
+    if kind == "torch":
+        stock = nn.RMSNorm(64, dtype=dtype)
+    else:
+        llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+        stock = llama.LlamaRMSNorm(64).to(dtype)
+    with torch.no_grad():
+        stock.weight.uniform_(-1.5, 1.5)
+    stock.weight.requires_grad_(weight_trains)
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    qkv0 = torch.randn(4, 16, 192, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    results = []
+    for module in (stock, slim):
+        qkv = qkv0.clone().requires_grad_()
+        with contextlib.nullcontext() if core else csrc.disabled(), SavedTensors(exclude=[module]) as kept:
+            out = module(qkv[..., :64])
+        with contextlib.nullcontext() if core else csrc.disabled():
+            out.float().square().sum().backward()
+        results.append((out.detach(), qkv.grad, module.weight.grad, kept.bytes))
+    (out_s, dx_s, dw_s, bytes_s), (out_c, dx_c, dw_c, bytes_c) = results
+    assert torch.equal(out_c, out_s) and torch.equal(dx_c, dx_s)
+    assert (dw_s is None and dw_c is None) or torch.equal(dw_c, dw_s)
+    assert bytes_c <= bytes_s
+    if dtype != torch.float32:  # a compact bf16/fp16 copy of q and fp32 rstd, not the qkv base
+        assert bytes_c <= qkv0[..., :64].numel() * qkv0.element_size() + 4 * 16 * 4

@@ -561,9 +561,14 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
     if (keep_normed) {
       ctx->save_for_backward({Tensor(), Tensor(), Tensor(), f.normed});
     } else {
-      last_kept_x = true;
       const auto& rstd = f.rstd;
-      ctx->save_for_backward({narrow ? x.to(rstd.scalar_type()) : x, rstd, need_x ? w : Tensor(), Tensor()});
+      // A reduced-precision x that views a wider storage (q from a fused qkv projection): a compact copy, as
+      // save_rms (stock keeps its fp32 copy of x's own size; the view would pin the whole base)
+      const bool wider = !narrow && x.element_size() < c10::elementSize(rstd.scalar_type()) &&
+                         static_cast<int64_t>(x.storage().nbytes()) > x.numel() * static_cast<int64_t>(x.element_size());
+      last_kept_x = !narrow && !wider;
+      ctx->save_for_backward({narrow ? x.to(rstd.scalar_type()) : wider ? x.clone(at::MemoryFormat::Preserve) : x,
+                              rstd, need_x ? w : Tensor(), Tensor()});
     }
     return f.out;
   }

@@ -160,9 +160,19 @@ def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
         # normalised input at once, above stock's peak (which holds it and the product).
         ctx.save_for_backward(None, None, None, normed)
     else:
-        _common.note_input_kept(input)
-        kept = input.to(rstd.dtype) if narrow else input
+        kept = input.to(rstd.dtype) if narrow else _kept_input(input, rstd, fused)
+        if kept is input:
+            _common.note_input_kept(input)
         ctx.save_for_backward(kept, rstd, weight if (need_x or fused) else None, None)
+
+
+def _kept_input(input, rstd, fused):
+    """x as backward keeps it: a compact copy where a reduced-precision x views a wider storage (q split from a
+    fused qkv projection) and stock keeps its fp32 copy of x's own size (not its fused kernel, which keeps x):
+    the view would pin the whole base, 1.5x stock's bytes for a third of a bf16 qkv."""
+    if fused or input.element_size() >= rstd.element_size():
+        return input
+    return _common.compact(input)
 
 
 def _normed_no_bigger(normed, input, narrow, rstd) -> bool:
@@ -400,7 +410,7 @@ class RMSNormFunction(_common.Function):
                 ctx.save_for_backward(None, None, None, normed)
             elif need_x or need_w:
                 # only dW: stock keeps the normalised input, compact; a view's base would be more
-                kept = input if need_x else _common.compact(input)
+                kept = _kept_input(input, rstd, _fused_rms(input, weight, style)) if need_x else _common.compact(input)
                 if kept is input:
                     _common.note_input_kept(input)
                 ctx.save_for_backward(kept, rstd, weight, None)
