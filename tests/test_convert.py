@@ -335,3 +335,34 @@ def test_replacements_keep_the_stock_class_name_and_pickle():
         assert type(m).__name__ == ORIGINALS[type(m)].__name__
     again = pickle.loads(pickle.dumps(slim))
     assert [type(m) for m in again.modules()] == [type(m) for m in slim.modules()]
+
+
+class _RebuiltOnCopy(nn.Module):
+    """A model whose copy protocol builds a fresh module (torchvision's create_feature_extractor gives a
+    DualGraphModule, whose deepcopy does this): the copy starts in train mode whatever the original's mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    def forward(self, x):
+        return self.body(x)
+
+    def __deepcopy__(self, memo):
+        fresh = type(self)()
+        fresh.load_state_dict(self.state_dict())
+        return fresh
+
+
+def test_convert_keeps_train_eval_flags_through_a_copy_that_rebuilds_the_model():
+    torch.manual_seed(0)
+    stock = _RebuiltOnCopy()
+    with torch.no_grad():
+        stock.body[1].running_mean.uniform_(-1, 1)
+        stock.body[1].running_var.uniform_(0.5, 2)
+    stock.eval()
+    stock.body[0].train()  # a per-module mix is kept too
+    converted = slimgrad.convert(stock)
+    assert [m.training for m in converted.modules()] == [m.training for m in stock.modules()]
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(converted(x), stock(x))  # eval batch norm: running statistics, as stock's

@@ -221,7 +221,15 @@ def _deepcopy(model: nn.Module) -> nn.Module:
         for value in module.__dict__.values():
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
                 memo[id(value)] = value.detach().clone()
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    # Each module's train/eval flag as the model's: a class whose copy protocol rebuilds it (torchvision's
+    # create_feature_extractor gives a DualGraphModule, whose deepcopy comes back in train mode) would otherwise
+    # turn an eval model's batch norm to batch statistics, silently
+    training = {name: module.training for name, module in model.named_modules(remove_duplicate=False)}
+    for name, module in copied.named_modules(remove_duplicate=False):
+        if name in training and module.training != training[name]:
+            module.training = training[name]
+    return copied
 
 
 def _not_copyable(model: nn.Module) -> str | None:
