@@ -7,6 +7,7 @@ slimgrad twin keeps when only the input needs grad.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tests._util import assert_same
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import slimgrad
 from slimgrad import functional as SF
@@ -270,3 +272,64 @@ def test_route_rejects_non_callables():
 
 def test_functional_forms_are_the_route_targets():
     assert ROUTES[F.conv2d] is SF.conv2d and ROUTES[torch.conv2d] is SF.conv2d
+
+
+_CHECKPOINTS = {
+    "non-reentrant": dict(use_reentrant=False),
+    "no-determinism-check": dict(use_reentrant=False, determinism_check="none"),
+    "selective": dict(use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(
+        lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)),
+    "reentrant": dict(use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("backward_inside", [True, False], ids=["backward-inside", "backward-after"])
+@pytest.mark.parametrize("kind", list(_CHECKPOINTS))
+def test_checkpointed_regions_run_stock_inside_the_mode(kind, backward_inside):
+    """A non-reentrant checkpoint's recomputation runs in backward, outside the mode, with stock's ops: its check of
+    the recomputed tensors failed on slimgrad's masks (CheckpointError), with the check off slimgrad's backward got
+    stock's tensors ("expected scalar type Byte but found Float"), and selective checkpointing found no cached relu.
+    Inside a checkpointed region the mode now runs stock's ops (the region's tensors are recomputed anyway); the
+    layers outside it keep slimgrad's savings (found by this stop's mode sweep)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 4, 3, padding=1))
+    head = nn.Sequential(nn.ReLU(), nn.Dropout(0.3), nn.Flatten(), nn.Linear(64, 5))
+    x0 = torch.randn(2, 3, 8, 8)
+    grads = []
+    for mode in (False, True):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(1)
+        ctx = enabled() if mode else contextlib.nullcontext()
+        with ctx:
+            loss = head(checkpoint(block, x, **_CHECKPOINTS[kind])).square().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        grads.append([x.grad] + [p.grad.clone() for p in (*block.parameters(), *head.parameters())])
+        block.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
+
+
+def test_transformers_gradient_checkpointing_inside_the_mode():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=16)
+    torch.manual_seed(0)
+    stock = transformers.BertForSequenceClassification(cfg).train()
+    slim = copy.deepcopy(stock)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1])
+    results = []
+    for model, mode in ((stock, False), (slim, True)):
+        model.gradient_checkpointing_enable()  # transformers' default: non-reentrant
+        torch.manual_seed(2)
+        with enabled() if mode else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert torch.equal(results[1][0], results[0][0])
+    for name, grad in results[0][1].items():
+        assert torch.equal(results[1][1][name], grad), name
