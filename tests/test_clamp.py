@@ -445,3 +445,22 @@ def test_range_mask_backends_agree(dtype, rule, lo, hi, numel):
         impl = k.implementation()
         assert torch.equal(impl.pack(x, rule, lo, hi), ref_packed), k.backend
         assert torch.equal(bits(impl.select(grad, ref_packed)), bits(ref_sel)), k.backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hardtanh_inplace_takes_min_above_max_as_stock(dtype):
+    """Stock's ``F.hardtanh_`` builtin takes ``min_val > max_val`` (every element becomes max_val, no gradient passes);
+    only ``F.hardtanh`` refuses it. slimgrad's raised, which broke such code inside ``slimgrad.enabled()`` (found by
+    this stop's mode sweep)."""
+    from slimgrad import functional as SF
+
+    x0 = torch.randn(4, 37, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    results = []
+    for fn in (F.hardtanh_, SF.hardtanh_):
+        x = x0.clone().requires_grad_()
+        y = fn(x * 1, 2.0, -1.0)
+        y.sum().backward()
+        results.append((y.detach(), x.grad))
+    assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1])
+    with pytest.raises(ValueError, match="min_val cannot be greater than max_val"):
+        SF.hardtanh(x0, 2.0, -1.0)  # as F.hardtanh

@@ -390,8 +390,10 @@ def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, i
 
 
 def hardtanh_(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
-    """``F.hardtanh_``: :func:`hardtanh` in place."""
-    return hardtanh(input, min_val, max_val, inplace=True)
+    """``F.hardtanh_``: :func:`hardtanh` in place. As stock's builtin, it takes ``min_val > max_val`` (every element
+    becomes ``max_val``, no gradient passes), which only ``F.hardtanh`` refuses."""
+    lo, hi = _real(min_val, "min_val", "hardtanh_"), _real(max_val, "max_val", "hardtanh_")
+    return apply(input, HARDTANH, lo, hi, inplace=True, fn="hardtanh_")
 
 
 def relu6(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
