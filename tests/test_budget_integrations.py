@@ -111,6 +111,40 @@ def test_trainer_budget_plans_on_the_first_batch_and_trains_bitwise_as_without(t
 
 
 @pytest.mark.slow
+def test_trainer_budget_that_checkpoints_nothing_keeps_stocks_cache_and_numbers(tmp_path):
+    """A T5 decoder stack keeps a config of its own whose use_cache stays True in stock training; the callback turned
+    every config's off for every plan, and T5's gradients move by fp32 roundings with the cache off: a plan that
+    checkpointed nothing trained off stock's numbers (third loss 4.367865 against 4.367864, 50 parameters apart).
+    Now the cache is left as stock has it unless the plan checkpoints (found by this stop's task-heads sweep)."""
+    from datasets import Dataset
+
+    def t5():
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=60, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.1, feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0,
+            eos_token_id=1))
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(5, 60, (8, 10), generator=g), torch.randint(5, 60, (8, 6), generator=g)
+    data = Dataset.from_dict({"input_ids": x.tolist(), "labels": y.tolist()}).with_format("torch")
+
+    def train(name, callbacks):
+        args = transformers.TrainingArguments(**training_args(tmp_path, name, per_device_train_batch_size=4,
+                                                              learning_rate=5e-3))
+        trainer = RecordingTrainer(model=t5(), args=args, train_dataset=data, callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    expected = train("stock", [])
+    callback = SlimgradCallback(budget="10GiB")
+    actual = train("budget", [callback])
+    assert callback.plan.actions == {}
+    assert actual.losses == expected.losses
+    assert all(torch.equal(a, b) for a, b in zip(actual.model.parameters(), expected.model.parameters()))
+    assert actual.model.decoder.config.use_cache is True  # as stock's
+
+
 def test_trainer_budget_turns_hf_checkpointing_off_and_plans_instead(tmp_path, caplog):
     """gradient_checkpointing=True checkpoints every layer before training; with a budget the callback turns it
     off (warning) so no layer is checkpointed twice, and the plan checkpoints what the budget needs. The numbers

@@ -178,7 +178,8 @@ class SlimgradCallback(TrainerCallback):
 
         from slimgrad.plan import apply_plan, plan
 
-        if _hf_checkpointing_off(target) and main_process:
+        hf_checkpointing_was_on = _hf_checkpointing_off(target)
+        if hf_checkpointing_was_on and main_process:
             message = ("slimgrad: SlimgradCallback(budget=...) turned off Hugging Face's gradient checkpointing "
                        "(gradient_checkpointing=True / TRL's default), which recomputes every layer: the budget's "
                        "plan checkpoints only the blocks the budget needs (none if keeping less already fits), "
@@ -186,9 +187,12 @@ class SlimgradCallback(TrainerCallback):
                        "SlimgradCallback leaves it on")
             hf_log.warning("%s", message)
             log.warning("%s", message)
-        # a layer recomputed in backward would append its keys and values to a cache a second time (as under
-        # Hugging Face's checkpointing, which turns use_cache off in training); a training step needs no cache
-        self._use_cache = _use_cache_off(target)
+        # The cache as the run without slimgrad has it: Hugging Face's checkpointing turns use_cache off in training
+        # (a recomputed layer would append its keys and values to the cache a second time), so where it was on, off;
+        # else as it is (a T5 decoder fills its cache in training, and off, stock's own gradients move by fp32
+        # roundings: turning it off for every plan made a plan that checkpoints nothing differ from stock). A plan
+        # that checkpoints turns it off itself (apply_plan), as Hugging Face's checkpointing would.
+        self._use_cache = _use_cache_off(target) if hf_checkpointing_was_on else []
         device = _device_of(target)
         example = self.example if self.example is not None else _example_batch(args, kwargs.get("train_dataloader"))
         example = _to_device(example, device)
