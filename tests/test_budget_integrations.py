@@ -405,3 +405,38 @@ def test_callback_counts_the_trainers_optimizer_through_accelerates_wrapper():
     callback.on_train_begin(None, None, None, model=model, optimizer=_Unrebuildable(model.parameters(), 1.0))
     n_params = len(list(model.parameters()))
     assert callback.plan.estimate_before.optimizer_bytes == 2 * param_bytes + 4 * n_params  # + fp32 step counts
+
+
+def test_callback_budget_on_a_trainer_whose_batch_is_not_the_models_inputs_names_example(tmp_path):
+    """sentence-transformers' trainers feed anchor_input_ids, positive_input_ids, ... to a loss that calls
+    model(features) per column: the budget's plan fed that batch to the model as keyword inputs and train() died in
+    the model's forward with a bare TypeError. The error now names SlimgradCallback and example=/loss_fn= (found by
+    this stop's task-heads sweep)."""
+    st = pytest.importorskip("sentence_transformers")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(40)]
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                                     cls_token="[CLS]", sep_token="[SEP]")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=32))
+    bert.save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    model = st.SentenceTransformer(str(tmp_path / "bert"), device="cpu")
+    rows = [" ".join(words[(3 * i + j) % 40] for j in range(4)) for i in range(8)]
+    data = Dataset.from_dict({"anchor": rows, "positive": rows[1:] + rows[:1]})
+    args = st.SentenceTransformerTrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                                                   max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                                                   disable_tqdm=True)
+    trainer = st.SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=data,
+        loss=st.sentence_transformer.losses.MultipleNegativesRankingLoss(model),
+        callbacks=[SlimgradCallback(budget="10GiB")])
+    with pytest.raises(TypeError, match=r"SlimgradCallback\(budget='10GiB'\): the model's forward refused .*"
+                                        r"anchor_input_ids.*Pass example= .*loss_fn="):
+        trainer.train()

@@ -202,6 +202,16 @@ class SlimgradCallback(TrainerCallback):
         with torch.random.fork_rng(devices=devices, device_type="cuda" if device.type == "cpu" else device.type):
             try:
                 chosen = plan(target, self.budget, example, optimizer=optimizer, loss_fn=self.loss_fn)
+            except TypeError as e:
+                if self.example is not None:
+                    raise
+                # a trainer whose batch is not the model's keyword inputs (sentence-transformers' trainers feed
+                # anchor_input_ids, positive_input_ids, ... to a loss that calls model(features) per column)
+                raise TypeError(
+                    f"SlimgradCallback(budget={self.budget!r}): the model's forward refused this trainer's batch as "
+                    f"its keyword inputs ({', '.join(map(str, example)) if isinstance(example, dict) else 'a batch'})"
+                    f": {e}. Pass example= (the model's inputs for one step: a dict of keyword inputs, a tensor, or "
+                    f"a tuple of positional inputs) and loss_fn= (its output -> the scalar loss)") from e
             except ValueError as e:
                 if not isinstance(optimizer, torch.optim.Optimizer) or "cannot rebuild the optimizer" not in str(e):
                     raise
