@@ -559,3 +559,45 @@ def test_quantized_base_under_checkpointing_gives_the_same_gradients(make, reent
     checkpoint(slim, ckpt_x, use_reentrant=reentrant).backward(g)
     assert_same(ckpt_x.grad, plain_x.grad, what="x.grad")
     assert_same(slim.bias.grad, plain_bias, what="bias.grad")
+
+
+def test_chunked_loss_check_leaves_4bit_weights_as_they_were():
+    """convert(chunked_loss=True) checks the head by running the model in eval mode too; bitsandbytes' Linear4bit
+    then repacks its weight for its CPU inference kernel where the input needs no grad (on CPUs with AVX512-BF16,
+    such as CI's): new data, absmax cast to bf16, and every later training step off stock's numbers (loss 4.845902
+    against 4.845938, all 28 LoRA gradients). The check now puts the weights and quant states back (found by this
+    stop's quantization sweep). On a CPU without AVX512-BF16 bitsandbytes never repacks, and this passes as is."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+
+    def qlora_llama():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        model = transformers.LlamaForCausalLM(cfg)
+        for name, lin in [(n, m) for n, m in model.model.named_modules() if type(m) is nn.Linear]:
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
+                                  compress_statistics=True, quant_type="nf4")
+            q.load_state_dict(lin.state_dict())
+            parent, child = name.rsplit(".", 1)
+            setattr(model.model.get_submodule(parent), child, q.to("cpu"))
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+
+    def packed(model):
+        return [n for n, m in model.named_modules()
+                if isinstance(m, bnb.nn.Linear4bit) and getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+
+    stock = qlora_llama()
+    slim = slimgrad.convert(qlora_llama(), inplace=True, chunked_loss=True)
+    assert packed(slim) == [] and packed(stock) == []
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for model in (stock, slim):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[1], losses[0])
+    for (name, p), (_, q) in zip(stock.named_parameters(), slim.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(q.grad, p.grad), name

@@ -483,6 +483,12 @@ def _run_check(module, stock) -> _Verified | str:
         return f"its output embedding is {type(head).__name__}, not a linear layer"
     flags = [(m, m.training) for m in module.modules()]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    # bitsandbytes' 4-bit layers repack their weight for its CPU inference kernel on an eval forward whose input
+    # needs no grad (CPUs with AVX512-BF16): new data, absmax cast to bf16 in the same quant state, and every later
+    # training step computed otherwise than stock's (a QLoRA loss 4.845902 against 4.845938). The check's eval
+    # forward did that: the weights' data and quant states are put back as they were (references, no copies)
+    quantized = [(p, p.data, q, dict(vars(q))) for p in module.parameters()
+                 if (q := getattr(p, "quant_state", None)) is not None and hasattr(q, "__dict__")]
     try:
         with torch.enable_grad():
             return _compare_all(module, stock, head)
@@ -494,6 +500,11 @@ def _run_check(module, stock) -> _Verified | str:
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+        for p, data, state, attributes in quantized:
+            p.data = data
+            p.quant_state = state
+            vars(state).clear()
+            vars(state).update(attributes)
 
 
 def _compare_all(module, stock, head) -> _Verified | str:
