@@ -626,3 +626,35 @@ def test_linear_4bit_backward_peak_not_above_stock(compute_dtype):
         return run
 
     assert slimgrad.peak_bytes(step(slim)) <= slimgrad.peak_bytes(step(stock))
+
+
+def test_dora_over_a_quantized_base_is_reported_as_left_to_peft():
+    """DoRA (a LoRA variant) on peft's bitsandbytes wrappers runs peft's own forward; the report listed those layers
+    as converted (over nn.Linear they were reported left alone, with the reason). Now both say so, and the numbers
+    stay stock's (found by this stop's quantization sweep)."""
+    peft = pytest.importorskip("peft")
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = linear_4bit(bias=False)
+            self.is_loaded_in_4bit = True  # (what peft dispatches its bitsandbytes wrappers on)
+
+        def forward(self, x):
+            return self.q_proj(x)
+
+    def build():
+        torch.manual_seed(3)
+        return peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+
+    stock = build()
+    slim, report = slimgrad.convert(build(), inplace=True, report=True)
+    assert type(slim.base_model.model.q_proj).__module__ == "peft.tuners.lora.bnb"
+    assert not [path for path, _ in report.converted if path.endswith("q_proj")]
+    assert any(s.path.endswith("q_proj") and "LoRA variant adapters" in s.reason for s in report.skipped)
+    x = torch.randn(2, IN)
+    for model in (stock, slim):
+        model(x).sum().backward()
+    for (name, p), (_, q) in zip(stock.named_parameters(), slim.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(q.grad, p.grad), name

@@ -263,7 +263,13 @@ def _peft_check(cls: type, label: str) -> Verified:
 
 
 def _unsupported_lora(module) -> str | None:
-    return _CHECKS[ORIGINALS.get(type(module), type(module))].reason()
+    reason = _CHECKS[ORIGINALS.get(type(module), type(module))].reason()
+    if reason is None and getattr(module, "lora_variant", None):
+        # (DoRA and the other variants: the forward would run peft's own, so the report says stock, as for a
+        # LoRA layer over nn.Linear; it said converted)
+        names = ", ".join(f"{k}: {type(v).__name__}" for k, v in module.lora_variant.items())
+        return f"LoRA variant adapters ({names}) run PEFT's own forward"
+    return reason
 
 
 _PEFT_CLASSES = {name: getattr(_peft_bnb, name, None) for name in ("Linear4bit", "Linear8bitLt")}
