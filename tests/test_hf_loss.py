@@ -478,3 +478,33 @@ def test_a_refusal_for_one_instance_is_not_remembered_for_another_of_the_same_co
         slim = slimgrad.convert(wrapped, chunked_loss=True, include=[transformers.LlamaForCausalLM])
     assert type(slim.get_base_model()) is transformers.LlamaForCausalLM
     _converted(_build("llama"))  # same class, config and dtype, a plain head: engages
+
+
+def _chunked_gap(model) -> str:
+    _, report = slimgrad.convert(model, chunked_loss=True, report=True)
+    gaps = [g.reason for g in report.gaps if g.family == "chunked_loss"]
+    assert len(gaps) == 1, report.gaps
+    return gaps[0]
+
+
+def test_a_head_whose_stock_loss_is_bf16_is_left_to_stock():
+    """BART's decoder head (and Marian's, Pegasus', XLNet's, ...) takes cross-entropy on bf16 logits, a bf16 loss; the
+    chunked loss sums in fp32: 0.3 % off stock's loss and every gradient with it, in bf16 only (found by this stop's
+    sweep over every causal-LM architecture). The check now refuses it there, naming both dtypes."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0)
+    bart = transformers.BartForCausalLM(config)
+    assert "stock loss is computed in torch.bfloat16" in _chunked_gap(bart.to(torch.bfloat16))
+    _assert_chunked_like_stock(_converted(bart.float()), bart)  # fp32: engaged, as before
+
+
+def test_a_vocabulary_no_larger_than_the_hidden_size_is_left_to_stock():
+    """The chunked loss keeps the hidden states where stock keeps the logits: with a vocabulary no larger than the
+    head's input (byte-level vocabularies, RemBERT's 1664-wide head input) that is more than stock (1.14-1.34x)."""
+    torch.manual_seed(0)
+    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_LIKE, "vocab_size": 16}))
+    assert LLAMA_LIKE.get("hidden_size", 0) >= 16
+    assert "vocabulary (16) is no larger than its output embedding's input" in _chunked_gap(small)

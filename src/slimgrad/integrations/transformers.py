@@ -222,6 +222,15 @@ class SlimgradCallback(TrainerCallback):
             raise ValueError(f"SlimgradCallback(budget={self.budget!r}): no plan meets the budget at train begin "
                              f"(estimated per rank, for a batch of {_shapes(example)}):\n{chosen}")
         apply_plan(target, chosen.actions)
+        # the caches a checkpointing plan turned off: back as the user had them at train end (saved with the model)
+        from slimgrad.plan import _USE_CACHE
+
+        turned_off = {id(c) for c, _ in self._use_cache}
+        for module in target.modules():
+            config = module.__dict__.get(_USE_CACHE)
+            if config is not None and id(config) not in turned_off:
+                turned_off.add(id(config))
+                self._use_cache.append((config, True))
         if main_process:
             message = f"{chosen}\n  planned at train begin for a batch of {_shapes(example)} (per rank)"
             level = logging.WARNING if chosen.actions else logging.INFO  # recompute changes the step's time
