@@ -508,3 +508,23 @@ def test_a_vocabulary_no_larger_than_the_hidden_size_is_left_to_stock():
     small = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_LIKE, "vocab_size": 16}))
     assert LLAMA_LIKE.get("hidden_size", 0) >= 16
     assert "vocabulary (16) is no larger than its output embedding's input" in _chunked_gap(small)
+
+
+def test_hidden_states_in_another_dtype_than_the_head_are_cast_as_stock_casts_them():
+    """Mamba's body returns fp32 hidden states to a bf16 head, which stock casts to the head's dtype: the chunked path
+    refused them ("'weight' has dtype torch.bfloat16 but 'hidden' has torch.float32 ... cast them, or run under
+    torch.autocast", advice a user cannot act on), so bf16 Mamba, Mamba2 and FalconMamba never engaged (found by this
+    stop's sweep over every causal-LM architecture). It casts as stock does; the check still compares the numbers."""
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=2,
+                                      expand=2, conv_kernel=4, time_step_rank=4)
+    stock = transformers.MambaForCausalLM(config).to(torch.bfloat16)
+    slim = _converted(stock)
+    ids, labels = _batch()
+    expected = stock(input_ids=ids, labels=labels)
+    actual = slim(input_ids=ids.clone(), labels=labels.clone())
+    assert actual.logits is None
+    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
+    expected.loss.backward()
+    actual.loss.backward()
+    _compare_grads(slim, stock, torch.bfloat16)

@@ -311,6 +311,12 @@ def _loss(call: _Call, recipe: _Recipe, probe=None):
     hidden = outputs.last_hidden_state
     if call.pre_head is not None:
         hidden = _through(call.pre_head, call.head, hidden)
+    if hidden.dtype != call.head.weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        # a body whose hidden states come out in another dtype than its head's (Mamba's fp32 residual stream before a
+        # bf16 head): outside autocast stock's head can only take them cast to its dtype (linear takes one dtype),
+        # and so does the chunked loss; the check compares what the head receives, so a head that did otherwise
+        # stays stock
+        hidden = hidden.to(call.head.weight.dtype)
     if recipe.where == "hidden":
         hidden, bias = recipe.head_input(hidden, call.head.bias)
         if probe is not None:
