@@ -276,6 +276,12 @@ def apply_plan(model: nn.Module, actions: dict[str, str]) -> nn.Module:
     return model
 
 
+def caches_turned_off(model: nn.Module) -> list:
+    """The configs whose ``use_cache`` :func:`apply_plan` turned off (a plan that checkpoints), each once."""
+    configs = {id(c): c for m in model.modules() if (c := m.__dict__.get(_USE_CACHE)) is not None}
+    return list(configs.values())
+
+
 def remove_plan(model: nn.Module) -> nn.Module:
     for module in model.modules():
         config = module.__dict__.pop(_USE_CACHE, None)

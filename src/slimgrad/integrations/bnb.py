@@ -263,13 +263,10 @@ def _peft_check(cls: type, label: str) -> Verified:
 
 
 def _unsupported_lora(module) -> str | None:
-    reason = _CHECKS[ORIGINALS.get(type(module), type(module))].reason()
-    if reason is None and getattr(module, "lora_variant", None):
-        # (DoRA and the other variants: the forward would run peft's own, so the report says stock, as for a
-        # LoRA layer over nn.Linear; it said converted)
-        names = ", ".join(f"{k}: {type(v).__name__}" for k, v in module.lora_variant.items())
-        return f"LoRA variant adapters ({names}) run PEFT's own forward"
-    return reason
+    from slimgrad.integrations.peft_lora import variant_reason
+
+    # (DoRA and the other variants: the forward runs peft's own, so the report says so, as over nn.Linear)
+    return _CHECKS[ORIGINALS.get(type(module), type(module))].reason() or variant_reason(module)
 
 
 _PEFT_CLASSES = {name: getattr(_peft_bnb, name, None) for name in ("Linear4bit", "Linear8bitLt")}

@@ -112,10 +112,17 @@ def _unsupported_layer(module: LoraLinear) -> str | None:
         return _CONV1D_REASON
     if (_stock_type(base) is Conv1D) != bool(module.fan_in_fan_out):
         return "fan_in_fan_out does not match the base layer's weight layout"
-    if module.lora_variant:
-        names = ", ".join(f"{k}: {type(v).__name__}" for k, v in module.lora_variant.items())
-        return f"LoRA variant adapters ({names}) run PEFT's own forward"
-    return None
+    return variant_reason(module)
+
+
+def variant_reason(module: nn.Module) -> str | None:
+    """Why a LoRA layer with LoRA-variant adapters (DoRA, ...) is left to peft, or None: their forward is peft's
+    own (this module's layers and the bitsandbytes wrappers alike)."""
+    variants = getattr(module, "lora_variant", None)
+    if not variants:
+        return None
+    names = ", ".join(f"{k}: {type(v).__name__}" for k, v in variants.items())
+    return f"LoRA variant adapters ({names}) run PEFT's own forward"
 
 
 def _dropout_p(module: nn.Module) -> float | None:

@@ -176,7 +176,7 @@ class SlimgradCallback(TrainerCallback):
         """Plan the budget on the converted model and install it; see the class docstring for the choices."""
         import torch
 
-        from slimgrad.plan import apply_plan, plan
+        from slimgrad.plan import apply_plan, caches_turned_off, plan
 
         hf_checkpointing_was_on = _hf_checkpointing_off(target)
         if hf_checkpointing_was_on and main_process:
@@ -223,14 +223,8 @@ class SlimgradCallback(TrainerCallback):
                              f"(estimated per rank, for a batch of {_shapes(example)}):\n{chosen}")
         apply_plan(target, chosen.actions)
         # the caches a checkpointing plan turned off: back as the user had them at train end (saved with the model)
-        from slimgrad.plan import _USE_CACHE
-
-        turned_off = {id(c) for c, _ in self._use_cache}
-        for module in target.modules():
-            config = module.__dict__.get(_USE_CACHE)
-            if config is not None and id(config) not in turned_off:
-                turned_off.add(id(config))
-                self._use_cache.append((config, True))
+        known = {id(c) for c, _ in self._use_cache}
+        self._use_cache += [(c, True) for c in caches_turned_off(target) if id(c) not in known]
         if main_process:
             message = f"{chosen}\n  planned at train begin for a batch of {_shapes(example)} (per rank)"
             level = logging.WARNING if chosen.actions else logging.INFO  # recompute changes the step's time
