@@ -295,6 +295,17 @@ def storage_bytes(x: torch.Tensor) -> int | None:
     return x.untyped_storage().nbytes()
 
 
+def input_smaller_than_mask(x: torch.Tensor) -> bool:
+    """Whether stock, keeping ``x`` itself, keeps fewer bytes than a 1-bit mask of every element would take: a
+    broadcast view (``expand``: zero strides) shares a storage smaller than its logical size, and keeping that
+    view costs only its storage. The mask activations whose stock op keeps the input run stock's op there, so
+    they never keep more than stock. A contiguous input (the common case) answers at once."""
+    if x.is_contiguous():
+        return False
+    nbytes = storage_bytes(x)
+    return nbytes is not None and nbytes * 8 <= x.numel()
+
+
 def _is_fake_tensor(x: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 

@@ -367,6 +367,8 @@ def _apply(input, negative_slope, inplace, keep_output, fn, use=None):
         return F.leaky_relu(input, negative_slope, inplace=inplace)
     if inplace and input.is_leaf:
         raise RuntimeError(_LEAF_INPLACE)
+    if negative_slope is not None and not inplace and _common.input_smaller_than_mask(input):
+        return F.leaky_relu(input, negative_slope)  # stock keeps x: a broadcast view's small storage
     core = _core_for(input)
     if core is not None:
         out = core.relu_mask_apply(input, negative_slope, bool(inplace), bool(keep_output))
@@ -450,6 +452,8 @@ def _module_forward(module, input, negative_slope):
         inplace = bool(module.inplace)
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)
+        if negative_slope is not None and not inplace and _common.input_smaller_than_mask(input):
+            return F.leaky_relu(input, negative_slope)
         core = _core_for(input)
         if core is not None:
             out = core.relu_mask_apply(input, negative_slope, inplace, False)

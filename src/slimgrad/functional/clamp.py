@@ -363,6 +363,8 @@ def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False
         return _stock(input, kind, lo, hi, value, inplace)
     if inplace and input.is_leaf:
         raise RuntimeError(_LEAF_INPLACE)
+    if not inplace and _common.input_smaller_than_mask(input):
+        return _stock(input, kind, lo, hi, value, False)  # stock keeps x: a broadcast view's small storage
     keep_output = bool(keep_output) and output_can_stand_in(kind, lo, hi, value, input.dtype)
     core = csrc.for_eager(input)
     if core is not None:
@@ -433,6 +435,8 @@ def module_forward(module, input, kind, lo, hi=None, value=None):
         inplace = bool(module.inplace)
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)
+        if not inplace and _common.input_smaller_than_mask(input):
+            return _stock(input, kind, lo, hi, value, False)
         core = csrc.for_eager(input)
         if core is not None:
             out = core.range_mask_apply(input, _KINDS[kind], lo, 0.0 if hi is None else hi,
