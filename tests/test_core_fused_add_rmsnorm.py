@@ -55,7 +55,9 @@ def check(x0, r0, w0, rg, style, use_ds):
     py = _run("python", x0.clone() if x0._base is None else x0, r0, w0, rg, style, use_ds)
     stock = _run("stock", x0.clone() if x0._base is None else x0, r0, w0, rg, style, use_ds)
     if any(rg):
-        assert "CppNode" in core[6] and "CppNode" not in py[6], (core[6], py[6])
+        # an fp64 sum in the styles that compute in fp32 runs the Python Function (it keeps s's fp32 copy)
+        fp64_sum = style != "t5" and torch.promote_types(x0.dtype, r0.dtype) == torch.float64
+        assert ("CppNode" in core[6]) != fp64_sum and "CppNode" not in py[6], (core[6], py[6])
     for k, what in enumerate(("y", "s", "dx", "dr", "dw")):
         assert_same(core[k], py[k], what=f"core vs python {what}")
     assert core[5] == py[5], ("saved bytes core vs python", core[5], py[5])
@@ -129,8 +131,41 @@ def test_errors_and_autocast_run_python():
     assert "CppNode" not in y.grad_fn.name()
 
 
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("rg", [r for r in grad_combos(3) if any(r)], ids=lambda r: "".join(
+    "xrw"[i] if f else "-" for i, f in enumerate(r)))
+def test_fp64_keeps_no_more_than_stock_hf_norm(style, rg):
+    """fp64: Llama's, OLMo2's and Gemma's norms compute in fp32 and keep s's fp32 copy; the sum kept in fp64 was
+    twice that (the mode sweep). T5's computes in fp64 and keeps s."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    cls = {"llama": LlamaRMSNorm, "olmo2": Olmo2RMSNorm, "gemma": GemmaRMSNorm, "t5": T5LayerNorm}[style]
+    x0, r0 = _t((64, 256), torch.float64, 1), _t((64, 256), torch.float64, 2)
+    results = []
+    for fused in (False, True):
+        norm = cls(256, eps=1e-6).double()
+        with torch.no_grad():
+            norm.weight.copy_(_t((256,), torch.float64, 3))
+        norm.weight.requires_grad_(rg[2])
+        x, r = x0.clone().requires_grad_(rg[0]), r0.clone().requires_grad_(rg[1])
+        with SavedTensors(exclude=[norm]) as kept:
+            y, s = fused_add_rms_norm(x, r, norm.weight, 1e-6, style) if fused else (None, x + r)
+            if not fused:
+                y = norm(s)
+        torch.autograd.backward([y], [torch.ones_like(y)])
+        results.append((y, x.grad, r.grad, norm.weight.grad, kept.bytes))
+    (ys, *gs, stock_bytes), (yf, *gf, fused_bytes) = results
+    assert torch.equal(yf, ys)
+    for a, b in zip(gf, gs):
+        assert_same(a, b, exact=False, rtol=1e-12, atol=1e-12)
+    assert fused_bytes <= stock_bytes
+
+
 def test_double_backward_refused():
-    mod = FusedAddRMSNorm(8).double()
+    mod = FusedAddRMSNorm(8, style="t5").double()
     x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
     y, _ = mod(x, torch.randn(2, 8, dtype=torch.float64))
     assert "CppNode" in y.grad_fn.name()

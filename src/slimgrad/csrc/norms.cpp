@@ -890,6 +890,10 @@ py::object fused_add_rms(py::handle x_obj, py::handle r_obj, py::handle w_obj, p
   if (x->dim() < 1 || r->sizes() != x->sizes() || w->dim() != 1 || w->size(0) != x->size(-1)) return py::none();
   variable_list out;
   const bool grad = at::GradMode::is_enabled() && (x->requires_grad() || r->requires_grad() || w->requires_grad());
+  // an fp64 sum in the styles that compute in fp32: the Python Function keeps s's fp32 copy (half of s, what
+  // stock's norm keeps), which this Function does not
+  if (grad && style != kT5 && at::promote_types(x->scalar_type(), r->scalar_type()) == at::kDouble)
+    return py::none();
   if (!grad) {
     auto s = *x + *r;
     auto f = rms_fast_ok(s, *w, style) ? rms_forward_fast(s, *w, *eps, 1, style, false, at::kFloat)

@@ -312,6 +312,13 @@ class _CoreRmsSimulation:
         return _weight_grad(_upstream_of_product(grad_out, self.style, weight, normed.dtype), normed, weight)
 
 
+def _core_declines_fp64_sum(input, residual, weight, style) -> bool:
+    """csrc/norms.cpp fused_add_rms declines an fp64 sum in the styles that compute in fp32 (the Python Function
+    keeps its fp32 copy)."""
+    return (style != "t5" and torch.promote_types(input.dtype, residual.dtype) == torch.float64
+            and torch.is_grad_enabled() and (input.requires_grad or residual.requires_grad or weight.requires_grad))
+
+
 class _CoreFusedAddSimulation(_CoreRmsSimulation):
     """What the compiled core's FusedAddRMSNorm allocates (csrc/norms.cpp FusedAddRMSNormFn: the sum, then RMSNorm's
     one-pass kernels where they apply to it, else its aten ops), as a fast kernel of
@@ -326,7 +333,7 @@ class _CoreFusedAddSimulation(_CoreRmsSimulation):
         if (not is_simulated_core(input) or _registry.get_preference() == _registry.TRITON
                 or _torch_function_mode_enabled() or _common.autocast_enabled("cpu") or style not in _STYLE_CODE
                 or style == "torch" or weight is None or weight.device != input.device
-                or residual.device != input.device):
+                or residual.device != input.device or _core_declines_fp64_sum(input, residual, weight, style)):
             return None
         return cls((input.dim() - 1,), style)
 
@@ -1015,8 +1022,12 @@ class FusedAddRMSNormFunction(_common.Function):
         ctx.mask = (need_x, need_r, need_w)
         ctx.style = style
         ctx.in_dtypes = (input.dtype, residual.dtype)
+        ctx.s_dtype = s.dtype
         if need_x or need_r or need_w:
-            ctx.save_for_backward(s, rstd, weight)
+            # An fp64 s in the styles that compute in fp32: its fp32 copy, all backward reads of it and half its
+            # bytes (stock's norm keeps that copy). The torch code only: no Triton kernel takes fp64.
+            narrow = impl is None and style in ("llama", "olmo2", "gemma") and s.element_size() > rstd.element_size()
+            ctx.save_for_backward(s.to(rstd.dtype) if narrow else s, rstd, weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -1035,11 +1046,11 @@ class FusedAddRMSNormFunction(_common.Function):
             elif need_s:
                 ds = grad_s
         elif grad_out is not None:
-            ds, dw = _rms_backward(grad_out, s, rstd, weight, (s.dim() - 1,), ctx.style, need_s, need_w, s.dtype)
+            ds, dw = _rms_backward(grad_out, s, rstd, weight, (s.dim() - 1,), ctx.style, need_s, need_w, ctx.s_dtype)
         if ctx.impl is None and need_s and grad_s is not None:
             ds = grad_s if ds is None else ds + grad_s
         if need_s and ds is None:
-            ds = torch.zeros_like(s)
+            ds = torch.zeros_like(s, dtype=ctx.s_dtype)
         dx = ds.to(ctx.in_dtypes[0]) if need_x else None
         dr = ds.to(ctx.in_dtypes[1]) if need_r else None
         return dx, dr, (dw if need_w else None), None, None, None
@@ -1059,7 +1070,10 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
                        style: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """``s = input + residual``; returns ``(RMSNorm(s), s)`` with ``style``'s casting (Llama by default),
     keeping s and one fp32 stat per row."""
-    core = _core(input)
+    only_dw = (torch.is_grad_enabled() and isinstance(input, torch.Tensor) and isinstance(residual, torch.Tensor)
+               and isinstance(weight, torch.Tensor) and weight.requires_grad
+               and not (input.requires_grad or residual.requires_grad))
+    core = None if only_dw else _core(input)
     if core is not None and style in _STYLE_CODE and style != "torch":
         # one C++ Function (csrc/norms.cpp), the Function below op for op; None where it declines (then the
         # checks below give the error, or the Python Function runs)
@@ -1075,6 +1089,11 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
                          f"got {tuple(residual.shape)}")
     if weight is None or weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
         raise ValueError(f"fused_add_rms_norm: argument 'weight' must have shape [{input.shape[-1]}]")
+    if only_dw:
+        # s needs no gradient: RMSNorm of it keeps what its only dW reads (the normalised input, where stock's norm
+        # keeps that), where the Function kept s and rstd (one more fp32 per row; fp64: s in fp64)
+        s = input + residual
+        return rms_norm_hf(s, weight, eps, style), s
     impl = _fused_add_impl(input, residual, weight, input.shape[-1])
     if impl is None:  # a fake tensor whose real one the core would serve: what the core allocates
         impl = _CoreFusedAddSimulation.of(input, residual, weight, style)
