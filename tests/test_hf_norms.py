@@ -33,6 +33,9 @@ CLASSES = {  # module, class, casting style
     "mt5": ("mt5", "MT5LayerNorm", "t5"),
     "umt5": ("umt5", "UMT5LayerNorm", "t5"),
     "longt5": ("longt5", "LongT5LayerNorm", "t5"),
+    # the same computation written otherwise (left stock, reported, until their forwards were read)
+    "llama4": ("llama4", "Llama4TextRMSNorm", "llama"),
+    "helium": ("helium", "HeliumRMSNorm", "olmo2"),
 }
 
 
@@ -103,7 +106,9 @@ def test_matches_reference_bitwise(key, dtype):
             assert slim.weight.grad is None
         x = x0.clone().requires_grad_(rg_x)
         got, ref = saved_bytes(slim, x), saved_bytes(stock, x)
-        assert got == minimum_bytes(style, x, rg_x, rg_w), (what, got)
+        # Helium's fp64 weight: its fp32 copy, which the product reads for dX (stock keeps it too)
+        w_copy = 4 * x.shape[-1] if key == "helium" and dtype == torch.float64 and rg_x else 0
+        assert got == minimum_bytes(style, x, rg_x, rg_w) + w_copy, (what, got)
         assert got <= ref
         if rg_x and dtype in (torch.bfloat16, torch.float16):
             assert got < ref, (what, got, ref)
@@ -112,7 +117,7 @@ def test_matches_reference_bitwise(key, dtype):
 @pytest.mark.parametrize("fp32_weight", [False, True], ids=["w-as-x", "w-fp32"])
 @pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("key", ["llama", "olmo2", "gemma", "t5"])
+@pytest.mark.parametrize("key", ["llama", "olmo2", "gemma", "t5", "llama4", "helium"])
 def test_step_peak_not_above_stock(key, dtype, core, fp32_weight):
     """A training step's peak, every requires_grad combination: the backward may not hold more at once than
     stock's, whose engine frees dY after each node (found above it: T5 fp64 with x alone training, +1/2 x, the
