@@ -333,3 +333,24 @@ def test_transformers_gradient_checkpointing_inside_the_mode():
     assert torch.equal(results[1][0], results[0][0])
     for name, grad in results[0][1].items():
         assert torch.equal(results[1][1][name], grad), name
+
+
+@pytest.mark.slow
+def test_compiled_model_inside_the_mode_is_one_graph():
+    """dynamo cannot call the builtin the mode asks whether a checkpointed forward runs: ``fullgraph=True``
+    raised (Unsupported), and without it every routed layer broke the graph (the compile sweep)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 4, 3))
+    model.eval().requires_grad_(False)  # input-only (style transfer, adversarial examples): bitwise stock's
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    expected_out = torch.compile(copy.deepcopy(model), backend="eager", fullgraph=True)(x)
+    (expected,) = torch.autograd.grad(expected_out.sum(), x)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    with enabled():
+        out = torch.compile(model, backend="eager", fullgraph=True)(x)
+    (got,) = torch.autograd.grad(out.sum(), x)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(out, expected_out) and torch.equal(got, expected)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from slimgrad import functional as SF
+from slimgrad.functional._common import in_checkpointed_forward
 
 __all__ = ["ROUTES", "enabled", "route"]
 
@@ -93,28 +94,13 @@ def _requires_grad(args, kwargs) -> bool:
     return False
 
 
-#: qualified-name prefixes of the pack hooks torch.utils.checkpoint's non-reentrant form (selective checkpointing
-#: and transformers' ``gradient_checkpointing_enable`` included) installs around a checkpointed forward and its
-#: recomputation
-_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
-
-
-def _in_checkpointed_forward() -> bool:
-    """Whether a non-reentrant checkpoint's forward (or recomputation) is running: its recomputation runs in
-    backward, outside the mode, with stock's ops, and its check that the recomputed tensors match the forward's
-    (or, with that check off, slimgrad's backward handed stock's tensors) failed on slimgrad's masks. Inside such a
-    region the mode runs stock's ops: what the region keeps is recomputed anyway."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
-
-
 class _SlimgradMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         target = ROUTES.get(func)
         if (target is not None and torch.is_grad_enabled() and _requires_grad(args, kwargs)
-                and not _in_checkpointed_forward()):
+                and not in_checkpointed_forward()):
             return target(*args, **kwargs)
         return func(*args, **kwargs)
 

@@ -306,6 +306,26 @@ def input_smaller_than_mask(x: torch.Tensor) -> bool:
     return nbytes is not None and nbytes * 8 <= x.numel()
 
 
+#: qualified-name prefixes of the pack hooks torch.utils.checkpoint's non-reentrant form (selective checkpointing
+#: and transformers' ``gradient_checkpointing_enable`` included) installs around a checkpointed forward and its
+#: recomputation
+_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+
+
+def in_checkpointed_forward() -> bool:
+    """Whether a non-reentrant checkpoint's forward (or its recomputation in backward) is running, in eager.
+
+    A recomputation must save what the forward saved (checkpoint checks it, selective checkpointing replays the
+    forward's ops): inside such a region the mode runs stock's ops (the recomputation runs outside the mode) and
+    the activation modules do not apply a decision learned in between (``learn_from_use``: another backward may
+    have ended since the forward). Under torch.compile there is no such region to see (dynamo cannot call this
+    builtin: ``fullgraph=True`` broke inside ``slimgrad.enabled()``), and no recomputation replays eager's ops."""
+    if torch.compiler.is_compiling():
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
+
+
 def _is_fake_tensor(x: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 

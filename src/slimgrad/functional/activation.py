@@ -446,6 +446,10 @@ def _module_forward(module, input, negative_slope):
     module's output during the previous step (then it is shared, not extra); see the producer/consumer
     rule in ``_common``."""
     keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
+    if keep_output and _common.in_checkpointed_forward():
+        # a checkpointed region keeps the mask, the default: its recomputation, after another backward may have
+        # published a new decision, must save what its forward saved
+        keep_output = False
     if not keep_output and type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
         # The common case in one call, with the producer's bookkeeping made lazy (LazyUseCell): the compiled core,
         # else, in eager, the Python Function (CUDA's path, where the core does not serve).
