@@ -242,7 +242,7 @@ def test_convert_before_get_peft_model_warns():
     config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
     early = slimgrad.convert(tiny_llama())
     with pytest.warns(SlimgradWarning, match=r"LoRA layer peft\.tuners\.lora\.layer\.Linear .*peft .*"
-                                             r"converted before get_peft_model.*after get_peft_model"):
+                                             r"get_peft_model, add_adapter.*convert\(model, inplace=True\) again"):
         peft.get_peft_model(early, config)
     # the right order: converting after get_peft_model converts the adapters and says nothing of the kind
     with warnings.catch_warnings():
@@ -250,6 +250,12 @@ def test_convert_before_get_peft_model_warns():
         late = slimgrad.convert(peft.get_peft_model(tiny_llama(), config), inplace=True)
         slimgrad.convert(late, inplace=True)  # converting again registers nothing new
     assert sum(type(m).__qualname__ == "SlimLinear" for m in late.modules()) == 2
+    # an adapter on new layers added to a converted model: the warning's advice (convert again) converts them
+    _notices.reset_warned()
+    with pytest.warns(SlimgradWarning, match=r"add_adapter.*convert\(model, inplace=True\) again"):
+        late.add_adapter("second", peft.LoraConfig(r=2, target_modules=["k_proj"]))
+    slimgrad.convert(late, inplace=True)
+    assert sum(type(m).__qualname__ == "SlimLinear" for m in late.modules()) == 3
 
 
 def test_lora_reprs_keep_peft_names():

@@ -122,8 +122,9 @@ def model_gap(model: nn.Module) -> tuple[list[Gap], set[str]]:
 #: of them means the user converted before ``get_peft_model``
 _CONVERTED: weakref.WeakSet = weakref.WeakSet()
 _HOOK = None
-_LATE_LORA = ("added by peft after slimgrad.convert (converted before get_peft_model): LoRA layers added later "
-              "run as stock; call slimgrad.convert after get_peft_model (SlimgradCallback does so at train begin)")
+_LATE_LORA = ("added by peft after slimgrad.convert (get_peft_model, add_adapter or load_adapter on a converted "
+              "model): LoRA layers added later run as stock; call slimgrad.convert(model, inplace=True) again after "
+              "adding them (SlimgradCallback converts at train begin)")
 
 
 def remember_converted(model: nn.Module) -> None:
