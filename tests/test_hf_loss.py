@@ -528,3 +528,22 @@ def test_hidden_states_in_another_dtype_than_the_head_are_cast_as_stock_casts_th
     expected.loss.backward()
     actual.loss.backward()
     _compare_grads(slim, stock, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_compiled_after_another_chunked_model_was_dropped():
+    """The check's result lived in a WeakKeyDictionary that dynamo guarded by entry position: a model dropped (in a
+    reference cycle, collected while the next one was traced) broke the guard (IndexError; the compile sweep)."""
+    ids, labels = _batch()
+    first = _converted(_build("llama"))
+    torch.compile(first, backend="eager")(input_ids=ids, labels=labels).loss.backward()
+    stock = _build("llama")
+    second = _converted(_build("llama"))
+    del first  # in reference cycles: the collector frees it while the second model is traced
+    torch._dynamo.reset()
+    out = torch.compile(second, backend="eager")(input_ids=ids, labels=labels)
+    assert out.logits is None  # the chunked path ran under compile
+    expected = stock(input_ids=ids, labels=labels).loss
+    _close(out.loss, expected, "loss", **TOL[torch.float32])
+    hf_loss_state = [k for k in vars(second) if k.startswith("_slimgrad_chunked")]
+    assert hf_loss_state and not any(k.startswith("_slimgrad_") for k in vars(slimgrad.revert(second)))

@@ -50,7 +50,6 @@ import dataclasses
 import importlib
 import inspect
 import json
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -379,8 +378,35 @@ class _Verified:
 
 #: (stock class, config, dtype and device type, module structure) -> what the check found
 _CHECKS: dict[tuple, _Verified | str] = {}
-#: module -> its check result (a module's config key is computed once)
-_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the module attribute (in its __dict__) holding its check result: a module's config key is computed once
+_CHECKED = "_slimgrad_chunked_check"
+
+
+class _CheckOf:
+    """A module's check result, held in the module's ``__dict__``. dynamo reads a traced module's attribute as a
+    constant, where the WeakKeyDictionary this replaced got guards on the dictionary's entries by position: a
+    model dropped and collected while another was traced broke them (IndexError under torch.compile). A copy of
+    the module (deepcopy, pickling) starts unchecked, as a new module did."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result=None):
+        self.result = result
+
+    def __deepcopy__(self, memo):
+        return _CheckOf()
+
+    def __reduce__(self):
+        return _CheckOf, ()
+
+
+def _recalled(module):
+    holder = module.__dict__.get(_CHECKED)
+    return None if holder is None else holder.result
+
+
+def _forget(module) -> None:
+    module.__dict__.pop(_CHECKED, None)
 
 
 def _key(module, stock):
@@ -407,7 +433,7 @@ def check(module) -> _Verified | str:
     :class:`_Verified`, or the reason the chunked path is not used for it."""
     if "forward" in module.__dict__:  # per module, never cached: the class may be fine elsewhere
         return _PATCHED
-    result = _MODULES.get(module)
+    result = _recalled(module)
     if result is None:
         stock = ORIGINALS.get(type(module), type(module))
         key = _key(module, stock)
@@ -419,7 +445,7 @@ def check(module) -> _Verified | str:
             else:
                 _notices.forget_class_gap(stock)
         if not (isinstance(result, str) and result.startswith(_META)):
-            _MODULES[module] = result
+            module.__dict__[_CHECKED] = _CheckOf(result)
     return result
 
 
@@ -653,10 +679,10 @@ def _forward(self, *args, **kwargs):
     if isinstance(plan, str):
         _decline(stock, plan)
     elif plan is not None:
-        verified = _MODULES.get(self)
+        verified = _recalled(self)
         if isinstance(verified, _Verified) and verified.modifiers != _modifiers(self.config):
             verified = None  # the config changed since the check: check again (compiled: run stock)
-            _MODULES.pop(self, None)
+            _forget(self)
         if verified is None and not torch.compiler.is_compiling():
             verified = check(self)
         if not isinstance(verified, _Verified):
