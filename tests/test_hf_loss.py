@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -547,3 +548,45 @@ def test_compiled_after_another_chunked_model_was_dropped():
     _close(out.loss, expected, "loss", **TOL[torch.float32])
     hf_loss_state = [k for k in vars(second) if k.startswith("_slimgrad_chunked")]
     assert hf_loss_state and not any(k.startswith("_slimgrad_") for k in vars(slimgrad.revert(second)))
+
+
+def test_a_head_inside_another_hf_model_is_a_gap_not_engaged():
+    """An encoder-decoder (or BLIP-2) calls its causal-LM decoder without labels and computes the loss from the
+    logits itself: the chunked head never ran, yet convert reported it converted (the multimodal sweep)."""
+    bert = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   intermediate_size=48)
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=V, n_positions=64,
+                                   add_cross_attention=True, is_decoder=True)
+    torch.manual_seed(0)
+    model = transformers.EncoderDecoderModel(encoder=transformers.BertModel(bert),
+                                             decoder=transformers.GPT2LMHeadModel(gpt2))
+    model.config.decoder_start_token_id, model.config.pad_token_id = 1, 0
+    _notices.reset_warned()
+    with pytest.warns(SlimgradWarning, match=r"GPT2LMHeadModel .*inside EncoderDecoderModel, which calls it without "
+                                             r"labels"):
+        slim, report = slimgrad.convert(model, chunked_loss=True, report=True)
+    assert type(slim.decoder) is transformers.GPT2LMHeadModel  # left stock
+    assert any("EncoderDecoderModel" in g.reason for g in report.gaps)
+    ids, labels = _batch()
+    torch.manual_seed(1)  # the same dropout masks
+    expected = model(input_ids=ids, labels=labels)
+    torch.manual_seed(1)
+    got = slim(input_ids=ids, labels=labels)
+    assert torch.equal(got.loss, expected.loss) and got.logits is not None
+
+
+def test_a_training_call_without_labels_says_the_chunked_loss_cannot_serve_it():
+    """A caller that computes its own loss from the logits (TRL's DPO, a value head, a custom loss): stock's forward
+    runs, with a warning once, not silently."""
+    stock = _build("llama")
+    slim = _converted(_build("llama"))
+    ids, _ = _batch()
+    _notices.reset_warned()
+    with pytest.warns(SlimgradWarning, match="called in training without labels"):
+        got = slim(input_ids=ids).logits
+    assert torch.equal(got, stock(input_ids=ids).logits)
+    slim.eval()
+    _notices.reset_warned()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlimgradWarning)
+        slim(input_ids=ids)  # evaluation wants logits: nothing to say

@@ -188,20 +188,25 @@ def _stock_when_traced(cls, stock) -> None:
     on ``requires_grad`` with fx's "symbolically traced variables cannot be used as inputs to control flow": where
     the stock class is one fx traces into (a transformers norm or MLP: transformers' own fx tracer), the stock forward
     gives stock's graph; a torch.nn layer is a leaf to fx, which a replacement cannot be (fx goes by the class's
-    module), so that raises an error naming slimgrad and ``revert``. The check is two flag reads an eager call
-    (~0.1 us); torch.compile, torch.func and make_fx keep slimgrad's forward.
+    module), so that raises an error naming slimgrad and ``revert``.
+
+    Eager forward-mode AD (``torch.autograd.forward_ad.dual_level``: JVP penalties, consistency models) runs the stock
+    forward as well: slimgrad's Functions define no ``jvp`` (their forwards are stock's ops; a dual input raised
+    "jvp is not implemented" where stock ran), and inside a dual level the stock forward is what gives stock's
+    tangents. The check is three flag reads an eager call (~0.1 us); torch.compile, torch.func and make_fx keep
+    slimgrad's forward.
     """
     own = cls.__dict__.get("forward")
     stock_forward = getattr(stock, "forward", None)
     if not inspect.isfunction(own) or not callable(stock_forward):
         return
-    exporting, fx = torch.compiler.is_exporting, torch.fx._symbolic_trace
+    exporting, fx, forward_ad = torch.compiler.is_exporting, torch.fx._symbolic_trace, torch.autograd.forward_ad
     leaf_to_fx = stock.__module__.startswith(("torch.nn.", "torch.ao.nn."))
     what = f"{stock.__module__}.{stock.__qualname__}"
 
     def forward(self, *args, **kwargs):
-        if fx._is_fx_tracing_flag or exporting():
-            if exporting():
+        if fx._is_fx_tracing_flag or exporting() or forward_ad._current_level >= 0:
+            if exporting() or forward_ad._current_level >= 0:
                 return stock_forward(self, *args, **kwargs)
             if any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values())):
                 if leaf_to_fx:

@@ -298,16 +298,36 @@ def _chunked_engaged(model: nn.Module, swaps) -> bool:
     return any(OPTIONS.get(ORIGINALS[type(m)]) == CHUNKED_LOSS for m in model.modules() if type(m) in ORIGINALS)
 
 
+def _inside_hf_model(target: nn.Module, path: str) -> str | None:
+    """The class name of a Hugging Face model (a ``PreTrainedModel``) that ``target``'s module at ``path`` sits
+    inside, or None. Such a composite (BLIP-2's language model, an encoder-decoder's decoder) calls its causal-LM
+    head without labels and computes the loss from the logits itself: the head's chunked loss would not engage.
+    peft's wrappers are not models of transformers, so a LoRA-wrapped head engages as the head alone does."""
+    modeling = __import__("sys").modules.get("transformers.modeling_utils")
+    if modeling is None or not path:
+        return None
+    parts = path.split(".")
+    for depth in range(len(parts)):
+        parent = target.get_submodule(".".join(parts[:depth]))
+        if isinstance(parent, modeling.PreTrainedModel):
+            return type(parent).__name__
+    return None
+
+
+def _nested_head_reason(outer: str) -> str:
+    return f"it sits inside {outer}, which calls it without labels and computes the loss from the logits itself"
+
+
 def _plan_with_chunked_loss(target: nn.Module, chosen, budget, example, optimizer, loss_fn):
     """The plan with the loss computed in chunks, where a causal-LM head takes it and it fits with less
     recomputation (or fits at all); otherwise ``chosen``, with the heads left as they were."""
     from .plan import plan
 
     swapped = []
-    for module in target.modules():
+    for path, module in target.named_modules():
         kind = type(module)
         replacement = REPLACEMENTS.get(kind)
-        if OPTIONS.get(kind) != CHUNKED_LOSS or replacement is None:
+        if OPTIONS.get(kind) != CHUNKED_LOSS or replacement is None or _inside_hf_model(target, path):
             continue
         reason_fn = getattr(replacement, "unsupported_reason", None)
         if reason_fn is not None and reason_fn(module) is not None:
@@ -428,8 +448,12 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             elif kind not in _PURE_CONTAINERS:
                 result.unknown[name] = result.unknown.get(name, 0) + 1
             continue
+        reason = None
+        if option == CHUNKED_LOSS and (outer := _inside_hf_model(target, path)) is not None:
+            reason = _nested_head_reason(outer)
         reason_fn = getattr(replacement, "unsupported_reason", None)
-        reason = reason_fn(module) if reason_fn is not None else None
+        if reason is None and reason_fn is not None:
+            reason = reason_fn(module)
         if reason is None and "forward" in module.__dict__:
             reason = _instance_forward_reason(module, kind)
         if reason is not None:

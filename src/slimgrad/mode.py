@@ -100,7 +100,7 @@ class _SlimgradMode(TorchFunctionMode):
             kwargs = {}
         target = ROUTES.get(func)
         if (target is not None and torch.is_grad_enabled() and _requires_grad(args, kwargs)
-                and not in_checkpointed_forward()):
+                and not in_checkpointed_forward() and torch.autograd.forward_ad._current_level < 0):
             return target(*args, **kwargs)
         return func(*args, **kwargs)
 

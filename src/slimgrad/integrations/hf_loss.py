@@ -121,6 +121,11 @@ def _describe(fn) -> str:
     return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
 
 
+_UNLABELLED = ("it was called in training without labels: its caller computes the loss from the logits (a model "
+               "around it, such as BLIP-2's or an encoder-decoder's; TRL's DPO or value head; a custom loss), which "
+               "the chunked path cannot do for it")
+
+
 def _plan(self, stock, args, kwargs) -> _Call | str | None:
     """What the chunked path would run for ``self(*args, **kwargs)``: a :class:`_Call`; None where stock is
     what the caller wants (no grad, no labels, logits asked for, a call stock itself refuses); a reason string
@@ -148,7 +153,9 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
             return "the call passes extra positional arguments, which the chunked path cannot name for the body"
     labels = arguments.pop("labels", extra.pop("labels", None))
     if labels is None:
-        return None
+        # a training call without labels: its caller computes the loss from the logits, which the chunked path
+        # cannot serve (said once, not silently; evaluation and no-grad calls want logits anyway)
+        return _UNLABELLED if self.training else None
     keep = arguments.pop("logits_to_keep", extra.pop("logits_to_keep", 0))
     if isinstance(keep, torch.Tensor) or keep != 0:
         return None
