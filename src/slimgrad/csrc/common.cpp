@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -64,5 +66,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "slimgrad's compiled eager core (built by slimgrad.csrc on first use)";
   m.def("set_double_backward_message",
         [](const std::string& key, const std::string& text) { slimgrad::messages()[key] = text; });
+  // autocast's own cast of an op's input (at::autocast::cached_cast): a trainable fp32 leaf is cast once per autocast
+  // region and every call in the region shares that copy, so the calls' gradients meet in the lower precision at the
+  // one cast, as stock's do (a per-call .to() summed them in fp32: siamese forwards in one region differed by an ulp)
+  m.def("autocast_cached_cast", [](const at::Tensor& t, py::handle dtype) {
+    return at::autocast::cached_cast(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, t, t.device().type());
+  });
   for (auto r : slimgrad::registrars()) r(m);
 }

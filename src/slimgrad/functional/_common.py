@@ -270,8 +270,15 @@ def autocast_lower_precision(*tensors: torch.Tensor | None):
     dtype = autocast_dtype(first.device.type)
     if dtype is None:
         return tensors
+    # autocast's cached cast where the compiled core can call it (a trainable fp32 leaf cast once per region, shared
+    # by every call in it, so several forwards' gradients meet at the one cast as stock's do); else a plain .to(),
+    # the same per call (csrc/common.cpp)
+    from slimgrad import csrc
+
+    core = csrc.for_eager(first, cuda=True)
+    cast = core.autocast_cached_cast if core is not None else torch.Tensor.to
     return tuple(
-        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        cast(t, dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
         for t in tensors
     )
 
