@@ -314,6 +314,14 @@ def disabled():
         set_enabled(old)
 
 
+def _compiled_autograd_on() -> bool:
+    """Whether torch's compiled autograd is on (``torch._dynamo.compiled_autograd._enable``): it cannot take the
+    core's C++ Functions (a capsule in their saved state, ``mark_dirty`` of the in-place ones: "unhashable type" and
+    an internal assert), and takes the Python Functions. Read only once dynamo is imported (no import here)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(module.compiled_autograd_enabled)
+
+
 def for_eager(x: torch.Tensor, cuda: bool = False):
     """The core module when an eager call on ``x`` may run it, else None: the core is on and built, ``x`` is a
     plain CPU tensor (not a subclass: DTensor, functorch wrappers, fake tensors), and neither torch.compile nor a
@@ -323,7 +331,8 @@ def for_eager(x: torch.Tensor, cuda: bool = False):
     unless ``SLIMGRAD_CORE_CUDA=0``."""
     if (not _STATE["enabled"] or type(x) is not torch.Tensor
             or not (x.is_cpu or (cuda and x.is_cuda and _STATE["cuda"]))
-            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or _compiled_autograd_on()):
         return None  # checked before loading: never build or load the core inside a compile trace
     module = _STATE["module"]
     if module is _UNLOADED:

@@ -62,8 +62,8 @@ def double_backward_message(cls) -> str:
         f"slimgrad: {layer} ({cls.__name__}, once_differentiable) does not support double backward (a gradient "
         f"of a gradient, e.g. torch.autograd.grad(..., create_graph=True) and then backward through it, as "
         f"gradient penalties do): "
-        f"it keeps only what a single backward reads. Keep these layers stock: slimgrad.convert(model, {how}), "
-        f"or slimgrad.revert(model) / leave `with slimgrad.enabled():` for this computation."
+        f"it keeps only what a single backward reads. Keep these layers stock with convert's {how}, or "
+        f"slimgrad.revert(model) / leave `with slimgrad.enabled():` for this computation."
     )
 
 
@@ -275,12 +275,17 @@ def autocast_lower_precision(*tensors: torch.Tensor | None):
     # the same per call (csrc/common.cpp)
     from slimgrad import csrc
 
-    core = csrc.for_eager(first, cuda=True)
-    cast = core.autocast_cached_cast if core is not None else torch.Tensor.to
+    plain = first.data if type(first) is torch.nn.Parameter else first  # (for_eager takes plain tensors only)
+    core = csrc.for_eager(plain, cuda=True)
     return tuple(
-        cast(t, dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        t if t is None or not t.is_floating_point() or t.dtype == torch.float64
+        else core.autocast_cached_cast(t, dtype) if core is not None and type(t) in _CACHEABLE
+        else t.to(dtype)
         for t in tensors
     )
+
+
+_CACHEABLE = (torch.Tensor, torch.nn.Parameter)
 
 
 def autocast_off(device_type: str):

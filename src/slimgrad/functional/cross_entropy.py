@@ -45,12 +45,16 @@ def default_chunk_size(rows: int, hidden_size: int, vocab_size: int) -> int:
 
 def _chunk_logits(h, weight, bias, softcap):
     """One chunk's fp32 logits, computed as the Hugging Face head computes them; also returns the tanh
-    output that soft-capping's backward reads (None without soft-capping)."""
+    output that soft-capping's backward reads (None without soft-capping). ``softcap``: None or (cap, in_fp32):
+    capped in the linear's dtype (Gemma 2/3) or after the fp32 upcast (Beam)."""
     z = F.linear(h, weight, bias)
     t = None
     if softcap is not None:
-        t = torch.tanh(z / softcap)
-        z = t * softcap
+        cap, in_fp32 = softcap
+        if in_fp32:
+            z = z.float()
+        t = torch.tanh(z / cap)
+        z = t * cap
     return z.float(), t
 
 
@@ -151,11 +155,13 @@ class FusedLinearCrossEntropyFunction(_common.Function):
                 grad_logp += rows[:, None]
             g = _aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
             del grad_logp, logp
-            if low_precision:
+            if low_precision and not (softcap is not None and softcap[1]):
                 g = g.to(weight.dtype)
             if softcap is not None:
-                g = _aten.tanh_backward(g * softcap, tanh_out) / softcap
+                g = _aten.tanh_backward(g * softcap[0], tanh_out) / softcap[0]
                 del tanh_out
+                if low_precision and softcap[1]:  # capped in fp32: the upcast's backward comes after the cap's
+                    g = g.to(weight.dtype)
             if need_h:
                 torch.mm(g, weight, out=dh[start:stop])
             if need_w or need_b:
@@ -177,7 +183,8 @@ class FusedLinearCrossEntropyFunction(_common.Function):
         """Stock's computation: the whole logits, Hugging Face's head and loss."""
         logits = F.linear(hidden, weight, bias)
         if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+            cap, in_fp32 = softcap
+            logits = torch.tanh((logits.float() if in_fp32 else logits) / cap) * cap
         return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
 
@@ -249,13 +256,15 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     chunk_size: int | None = None,
     softcap: float | None = None,
+    softcap_in_fp32: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without materialising the
     logits (see the module docstring for what is kept and how exact it is).
 
     ``hidden`` is (..., H) and ``target`` has hidden's leading shape; ``reduction="none"`` returns fp32
     losses of target's shape. ``softcap`` applies Gemma's ``tanh(z / softcap) * softcap`` to the logits (in
-    the linear's dtype, as Hugging Face does) before the loss. ``chunk_size`` is rows per chunk; None picks
+    the linear's dtype, as Gemma's heads do; ``softcap_in_fp32=True``: after the upcast, as Beam's) before the loss.
+    ``chunk_size`` is rows per chunk; None picks
     chunks whose logits are about the size of ``hidden``. Under autocast the linear runs in autocast's
     lower-precision dtype, as stock ``F.linear`` would.
     """
@@ -268,7 +277,7 @@ def fused_linear_cross_entropy(
     with _common.autocast_off(hidden.device.type):
         loss = FusedLinearCrossEntropyFunction.apply(
             h2, weight, t1, bias, ignore_index, float(label_smoothing), reduction, chunk_size,
-            None if softcap is None else float(softcap),
+            None if softcap is None else (float(softcap), bool(softcap_in_fp32)),
         )
         if type(loss) is tuple:  # (loss, total_weight); stock's computation (under torch.func) returns the loss
             loss = loss[0]
