@@ -755,3 +755,22 @@ def test_largest_fitting_finds_the_boundary_and_refuses_a_batch_that_stops_growi
 def test_estimate_names_a_bad_device(device):
     with pytest.raises(ValueError, match="estimate: 'device' must"):
         estimate(nn.Linear(2, 2), torch.randn(1, 2), device=device)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
+def test_estimate_under_gradient_checkpointing(converted, reentrant):
+    """torch's checkpoint copies the CPU generator's state per checkpointed block (5 KiB each, made outside any
+    dispatch mode), which the simulated step did not count: 3.4-4.7 % low on this tiny Llama (the quantization
+    sweep found 2-9 %)."""
+    model, example = bm.llama_lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        model.enable_input_require_grads()
+    if converted:
+        model = slimgrad.convert(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    measured = bm.measured_step_peak(model, example, opt)
+    e = _estimate(model, example, optimizer="adamw")
+    err = bm.relative_error(e.step_peak_bytes, measured)
+    assert abs(err) <= 0.001, (e.step_peak_bytes, measured, f"{err:+.3%}")

@@ -147,11 +147,9 @@ class _PlannedForward:
         self.previous = previous  # an instance-level forward that was there before (None: the class's)
 
     def _contexts(self):
-        recompute = _recomputation(self.module)
-        # torch's checkpoint keeps the CPU generator's state (5 KiB, made outside any dispatch mode) as long as it
-        # keeps this context; under slimgrad.estimate a tensor of that size, held alike, makes the peak count it
-        recompute.rng_state_stand_in = _rng_state_stand_in()
-        return contextlib.nullcontext(), recompute
+        # (the copies of the CPU generator's state torch's checkpoint takes, 5 KiB each, are counted by
+        # slimgrad.estimate for every checkpoint in a simulated step, the user's own too: estimate._rng_states_counted)
+        return contextlib.nullcontext(), _recomputation(self.module)
 
     def _inner(self, *args, **kwargs):
         if self.previous is not None:
@@ -206,29 +204,11 @@ def _dense(t: torch.Tensor) -> bool:
     return is_non_overlapping_and_dense_or_false(t)
 
 
-def _rng_state_stand_in():
-    """Inside :func:`slimgrad.estimate` on CPU: a simulated tensor the size of ``torch.get_rng_state()``."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from .estimate import _Allocations
-
-    sims = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Allocations)]
-    if not sims or sims[-1].device_type != "cpu":
-        return None  # a real step, or a CUDA one (there the generator states are host memory)
-    return torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8)
-
-
 @contextlib.contextmanager
 def _recomputation(block: nn.Module):
-    """The recomputation's context: batch-norm statistics restored, and under :func:`slimgrad.estimate` on CPU a
-    stand-in for the copy of the generator's state that torch's checkpoint holds while it recomputes
-    (``fork_rng``), 5 KiB that counted where a step's peak fell inside a recomputation."""
-    forked = _rng_state_stand_in()
-    try:
-        with _running_stats_restored(block):
-            yield
-    finally:
-        del forked
+    """The recomputation's context: batch-norm statistics restored."""
+    with _running_stats_restored(block):
+        yield
 
 
 @contextlib.contextmanager
