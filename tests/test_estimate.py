@@ -774,3 +774,29 @@ def test_estimate_under_gradient_checkpointing(converted, reentrant):
     e = _estimate(model, example, optimizer="adamw")
     err = bm.relative_error(e.step_peak_bytes, measured)
     assert abs(err) <= 0.001, (e.step_peak_bytes, measured, f"{err:+.3%}")
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
+def test_hold_output_estimates_a_loop_that_holds_the_output(converted):
+    """``out = model(**batch); out.loss.backward(); opt.step()`` holds the logits through backward and the step,
+    where the Trainer frees them: the default estimate read 14 % low for that loop (the figures sweep);
+    ``hold_output=True`` estimates it."""
+    model, example = _build("llama_lora", converted)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    args, kwargs = split_example(example)
+
+    def held_loop():
+        opt.zero_grad(set_to_none=True)
+        out = model(*args, **kwargs)
+        out.loss.backward()
+        opt.step()
+
+    for _ in range(2):
+        held_loop()
+    opt.zero_grad(set_to_none=True)
+    measured = slimgrad.peak_bytes(held_loop)
+    held = _estimate(model, example, optimizer="adamw", hold_output=True)
+    freed = _estimate(model, example, optimizer="adamw")
+    assert abs(bm.relative_error(held.step_peak_bytes, measured)) <= 0.001, (held.step_peak_bytes, measured)
+    assert freed.step_peak_bytes < held.step_peak_bytes
+    assert held.kept_bytes == freed.kept_bytes  # the held output is not "kept for backward"

@@ -318,7 +318,7 @@ def _nested_head_reason(outer: str) -> str:
     return f"it sits inside {outer}, which calls it without labels and computes the loss from the logits itself"
 
 
-def _plan_with_chunked_loss(target: nn.Module, chosen, budget, example, optimizer, loss_fn):
+def _plan_with_chunked_loss(target: nn.Module, chosen, budget, example, **plan_options):
     """The plan with the loss computed in chunks, where a causal-LM head takes it and it fits with less
     recomputation (or fits at all); otherwise ``chosen``, with the heads left as they were."""
     from .plan import plan
@@ -336,7 +336,7 @@ def _plan_with_chunked_loss(target: nn.Module, chosen, budget, example, optimize
         swapped.append((module, kind))
     if not swapped:
         return chosen
-    alternative = plan(target, budget, example, optimizer=optimizer, loss_fn=loss_fn)
+    alternative = plan(target, budget, example, **plan_options)
     if alternative.fits and (not chosen.fits or alternative.extra_seconds < chosen.extra_seconds):
         alternative.notes.append("chunked loss is on (it fits with less recomputation): a training forward with "
                                  "labels returns the loss and logits=None; pass chunked_loss=False to keep logits")
@@ -348,7 +348,7 @@ def _plan_with_chunked_loss(target: nn.Module, chosen, budget, example, optimize
 
 def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=None, report: bool = False,
             chunked_loss: bool | None = None, dropout: str | None = None, strict: bool = False, budget=None,
-            example=None, optimizer=None, loss_fn=None):
+            example=None, optimizer=None, loss_fn=None, hold_output: bool = False):
     """Return ``model`` with every convertible module replaced by its slimgrad twin.
 
     ``inplace=False`` (default) converts a deep copy: parameters and buffers are copied (with their
@@ -380,7 +380,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     ``budget`` (bytes, or ``"12GiB"``) with ``example`` (one batch: a dict of keyword inputs, a tensor, or a
     tuple of positional inputs): after converting, fit one training step into the budget with
     :func:`slimgrad.plan` (checkpointing, or on CUDA offloading, only the blocks that must) and install the
-    plan; ``optimizer`` and ``loss_fn`` are as in :func:`slimgrad.estimate`. With a budget and
+    plan; ``optimizer``, ``loss_fn`` and ``hold_output`` (a loop that holds the model's output through backward,
+    where the Hugging Face ``Trainer`` frees it) are as in :func:`slimgrad.estimate`. With a budget and
     ``chunked_loss`` left at None, the plan turns chunked loss on where a causal-LM head takes it and that
     fits with less recomputation (or fits at all); ``chunked_loss=False`` keeps the logits whatever it costs.
     The plan is printed on the ``slimgrad`` logger and, with ``report=True``, is the report's ``plan``. A
@@ -393,7 +394,7 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
                          "of keyword inputs, a tensor, or a tuple of positional inputs)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: 'model' must be a torch.nn.Module, got {type(model).__name__}")
-    for name, flag in (("inplace", inplace), ("report", report), ("strict", strict)):
+    for name, flag in (("inplace", inplace), ("report", report), ("strict", strict), ("hold_output", hold_output)):
         if not isinstance(flag, bool):
             raise TypeError(f"convert: '{name}' must be True or False, got {flag!r}")
     if chunked_loss is not None and not isinstance(chunked_loss, bool):
@@ -487,9 +488,10 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     if budget is not None:
         from .plan import apply_plan, plan
 
-        chosen = plan(target, budget, example, optimizer=optimizer, loss_fn=loss_fn)
+        plan_options = {"optimizer": optimizer, "loss_fn": loss_fn, "hold_output": hold_output}
+        chosen = plan(target, budget, example, **plan_options)
         if chunked_auto and (not chosen.fits or chosen.actions):
-            chosen = _plan_with_chunked_loss(target, chosen, budget, example, optimizer, loss_fn)
+            chosen = _plan_with_chunked_loss(target, chosen, budget, example, **plan_options)
         if not chosen.fits:
             if inplace:  # leave the user's model as it came: the conversion was for the plan
                 for module, _ in swaps:

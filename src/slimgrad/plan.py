@@ -561,12 +561,14 @@ def first_fitting(n: int, fits: Callable[[int], bool], start: int) -> int:
 
 
 def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable | None = None,
-         blocks: list[str] | None = None, actions=("checkpoint", "offload"), parts: bool = True) -> MemoryPlan:
+         blocks: list[str] | None = None, actions=("checkpoint", "offload"), parts: bool = True,
+         hold_output: bool = False) -> MemoryPlan:
     """The cheapest per-block plan that fits one training step of ``model`` on ``example`` into ``budget``.
 
     ``budget``: bytes, or a string such as ``"12GiB"``. ``example``: one batch as the model takes it (a dict
-    of keyword inputs, a tensor, or a tuple of positional inputs); ``optimizer``, ``loss_fn``: as in
-    :func:`slimgrad.estimate`. ``actions``: which of ``"checkpoint"``, ``"offload"`` the plan may use
+    of keyword inputs, a tensor, or a tuple of positional inputs); ``optimizer``, ``loss_fn``, ``hold_output``
+    (a loop that holds the model's output through backward): as in :func:`slimgrad.estimate`. ``actions``: which
+    of ``"checkpoint"``, ``"offload"`` the plan may use
     (offload only on CUDA). ``parts``: whether a block's composite parts (:func:`parts_of`) may be planned
     instead of the whole block. The model is not changed: :func:`apply_plan` (or ``slimgrad.convert(model,
     budget=..., example=...)``) installs the result.
@@ -589,7 +591,7 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
             apply_plan(model, acts)
             try:
                 return estimate(model, *args, optimizer=optimizer, loss_fn=loss_fn, blocks=block_paths + part_paths,
-                                **kwargs)
+                                hold_output=hold_output, **kwargs)
             finally:
                 remove_plan(model)
 
