@@ -581,9 +581,21 @@ def audit(model: nn.Module, *args, loss_fn: Callable | None = None, case: str | 
     where = next((t for t in _pytree.tree_leaves((args, forward_kwargs)) if isinstance(t, torch.Tensor)), None)
     if where is not None and where.device.type == "meta":  # nothing allocated: no peak to show ("-"), kept bytes
         measure_peak = False                                # come from the shapes
-    peaks = {name: (peak_bytes(lambda _device, m=m: step(m)().backward(), where) if measure_peak else None)
-             for name, m in (("stock", stock), ("slim", slim))}
+    peaks = {name: (_step_peak(m, step(m), where) if measure_peak else None) for name, m in (("stock", stock),
+                                                                                                ("slim", slim))}
     return _assemble(stock, fold, units, runs["stock"], runs["slim"], peaks, case)
+
+
+def _step_peak(model: nn.Module, run, where) -> int:
+    """A training step's peak as it runs after ``zero_grad()``: the gradients are allocated inside it (the copies
+    held the gradients of their earlier runs, and the peak left them out: half a real all-trainable step's)."""
+    for p in model.parameters():
+        p.grad = None
+    try:
+        return peak_bytes(lambda _device: run().backward(), where)
+    finally:
+        for p in model.parameters():
+            p.grad = None
 
 
 def _assemble(stock: nn.Module, fold, units, r_stock: _Run, r_slim: _Run, peaks, case) -> AuditReport:
