@@ -800,3 +800,36 @@ def test_hold_output_estimates_a_loop_that_holds_the_output(converted):
     assert abs(bm.relative_error(held.step_peak_bytes, measured)) <= 0.001, (held.step_peak_bytes, measured)
     assert freed.step_peak_bytes < held.step_peak_bytes
     assert held.kept_bytes == freed.kept_bytes  # the held output is not "kept for backward"
+
+
+def test_estimate_inside_autocast_with_batch_norm():
+    """Under the user's autocast, a batch norm's recorded backward (its saved statistics bf16 in the simulation,
+    fp32 in the kernel) raised when replayed to measure its scratch, where the real step runs (the figures sweep):
+    it now counts no scratch for that op and says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    x = torch.randn(4, 3, 32, 32)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+
+    step()
+    for p in model.parameters():
+        p.grad = None
+    measured = slimgrad.peak_bytes(step)
+    for p in model.parameters():
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        e = estimate(model, x, loss_fn=lambda out: out.float().sum())
+    assert abs(bm.relative_error(e.step_peak_bytes, measured)) <= 0.01, (e.step_peak_bytes, measured)
+    assert any("native_batch_norm_backward" in n for n in e.notes)
+
+
+def test_an_optimizer_that_reads_values_gets_a_clear_error():
+    model, example = _build("llama_lora", False)
+    opt = torch.optim.Adafactor([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with pytest.raises(ValueError, match="optimizer's step reads a tensor's values.*optimizer='adamw'"):
+        _estimate(model, example, optimizer=opt)

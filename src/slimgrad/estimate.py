@@ -603,7 +603,7 @@ def _replay_bytes(sig) -> int:
 _MEASURED: dict = {}
 
 
-def _measure_scratch(signatures: dict, device: str, skipped: list[str]) -> None:
+def _measure_scratch(signatures: dict, device: str, skipped: list[str], failed: list[str] | None = None) -> None:
     """The most bytes each op signature holds at once inside its call, outputs included, measured by running it
     on real (random) tensors of the same shapes: the allocator's own records on CPU (the profiler's memory
     events), ``max_memory_allocated`` on CUDA. One op's inputs are allocated at a time. Each op runs twice and
@@ -611,6 +611,7 @@ def _measure_scratch(signatures: dict, device: str, skipped: list[str]) -> None:
     workspaces: measured 64 KiB on a CPU conv backward), which a real step after the first does not repeat.
     Results are kept for the process (threads, cuDNN's benchmark mode and oneDNN's switch are part of the
     key: they change the kernels, and so the scratch)."""
+    failed = [] if failed is None else failed
     context = (device, torch.get_num_threads(), bool(torch.backends.cudnn.benchmark),
                bool(torch.backends.mkldnn.enabled))
     todo = []
@@ -626,9 +627,12 @@ def _measure_scratch(signatures: dict, device: str, skipped: list[str]) -> None:
                 todo.append(sig)
     if not todo:
         return
-    # a replayed op may draw random numbers (SDPA's dropout): the user's generators must not move
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
-        _replay(todo, signatures, device, context)
+    # a replayed op may draw random numbers (SDPA's dropout): the user's generators must not move. The recorded ops
+    # are autocast's output (the simulation sees them below it): replayed with autocast on (an estimate called
+    # inside the user's autocast region), autocast cast their arguments again (batch norm's: "mixed dtype" raised)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []), \
+            torch.autocast(device, enabled=False):
+        _replay(todo, signatures, device, context, failed)
 
 
 def _routing_decides_scratch(sig, device: str) -> bool:
@@ -657,11 +661,20 @@ def _replay_inputs(sig) -> tuple[list, dict]:
     return args, kwargs
 
 
-def _replay(todo: list, signatures: dict, device: str, context: tuple) -> None:
+def _replay(todo: list, signatures: dict, device: str, context: tuple, failed: list[str]) -> None:
+    """Measure each signature's scratch on real inputs. An op whose replay raises (fake tensors' meta functions can
+    give another dtype than the real kernel: batch norm's saved statistics under autocast came out bf16, which its
+    backward refuses) counts no scratch and is named in ``failed``: the estimate says so, it does not raise."""
     if device == "cuda":
         for sig in todo:
             args, kwargs = _replay_inputs(sig)
             func = sig[0]
+            try:
+                func(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - see the docstring
+                signatures[sig] = 0
+                failed.append(func.__name__)
+                continue
             for _ in range(2):
                 torch.cuda.synchronize()
                 start = torch.cuda.memory_allocated()
@@ -673,13 +686,19 @@ def _replay(todo: list, signatures: dict, device: str, context: tuple) -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    windows = []
+    windows, replayed = [], []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for sig in todo:
             args, kwargs = _replay_inputs(sig)
             func = sig[0]
-            out = func(*args, **kwargs)  # the first call, not counted
+            try:
+                out = func(*args, **kwargs)  # the first call, not counted
+            except Exception:  # noqa: BLE001 - see the docstring
+                signatures[sig] = 0
+                failed.append(func.__name__)
+                continue
             del out
+            replayed.append(sig)
             with torch.profiler.record_function("slimgrad.estimate.replay"):
                 out = func(*args, **kwargs)
                 del out
@@ -689,7 +708,7 @@ def _replay(todo: list, signatures: dict, device: str, context: tuple) -> None:
     memory = sorted((e.start_ns(), e.nbytes()) for e in events
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     i = 0
-    for sig, (start, end) in zip(todo, windows):
+    for sig, (start, end) in zip(replayed, windows):
         while i < len(memory) and memory[i][0] < start:
             i += 1
         current = top = 0
@@ -878,6 +897,11 @@ def _data_dependence_explained(sim: _Allocations):
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        if sim.phase == "optimizer":
+            raise ValueError(f"estimate: the optimizer's step reads a tensor's values ({e.func}; Adafactor's "
+                             f"step calls .item()), which a simulated step cannot (fake tensors hold no data). Pass "
+                             f"optimizer='adamw', 'sgd' or an instance whose step reads no values, or measure the "
+                             f"step with slimgrad.peak_bytes around a real one") from e
         owner, node = sim.failed_at or sim._where()
         where = f"{sim.phase} of {owner or '(model)'}" + (f" ({node})" if node else "")
         raise ValueError(f"estimate: the step reads a tensor's values ({e.func}) in the {where}, which a "
@@ -1165,7 +1189,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
             sim.phase = "optimizer"
             for p in unique_trainable:
                 p.grad = torch.zeros_like(p)
-            opt.step()
+            with _data_dependence_explained(sim):
+                opt.step()
             for p in unique_trainable:
                 p.grad = None
             sim.sweep()
@@ -1215,7 +1240,8 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         del held_output
 
     skipped: list[str] = []
-    _measure_scratch(sim.signatures, device, skipped)
+    failed: list[str] = []
+    _measure_scratch(sim.signatures, device, skipped, failed)
     if any(sig[0] in _GROUPED_MM and value and _routing_decides_scratch(sig, device)
            for sig, value in sim.signatures.items()):
         notes.append("the scratch of the experts' grouped matmuls (aten._grouped_mm) depends on how the router "
@@ -1300,7 +1326,10 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline,
         notes=notes + ([f"scratch space inside {len(skipped)} op call(s) ({', '.join(sorted(set(skipped)))}) is not "
                         f"counted: their inputs exceed SLIMGRAD_ESTIMATE_REPLAY_BYTES ({_gib(_REPLAY_LIMIT)})"]
-                       if skipped else []))
+                       if skipped else [])
+        + ([f"scratch space inside {', '.join(sorted(set(failed)))} is not counted: replayed on real tensors of the "
+            f"simulated dtypes it raised (the simulation gave some output another dtype than the real kernel does)"]
+           if failed else []))
 
 
 # -- how the peak grows with the batch ----------------------------------------------------------------------
