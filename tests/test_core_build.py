@@ -70,6 +70,30 @@ def test_a_broken_cache_is_rebuilt(tmp_path):
     assert library.stat().st_size > 1000
 
 
+def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path):
+    """Loading a truncated library (an interrupted copy of the cache) killed the process with SIGBUS: a library
+    whose checksum does not match is rebuilt, never loaded."""
+    out, _ = _finish(_run(_LOAD, _env(tmp_path)))
+    library = Path(out.split()[-1])
+    data = library.read_bytes()
+    library.write_bytes(data[: len(data) // 2])
+    out, err = _finish(_run(_LOAD, _env(tmp_path)))
+    assert "LOADED True" in out and "building its compiled core" in err
+    assert library.read_bytes() != data[: len(data) // 2]
+
+
+def test_a_complete_entry_loads_without_the_lock(tmp_path):
+    """A read-only cache (a container image's prebuilt core) cannot open the build lock: a complete entry loads
+    without it, where the core was not used at all."""
+    out, _ = _finish(_run(_LOAD, _env(tmp_path)))
+    library = Path(out.split()[-1])
+    lock = library.parent.parent / f"{library.parent.name}.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # opening it for writing fails, as on a read-only file system
+    out, err = _finish(_run(_LOAD, _env(tmp_path)))
+    assert "LOADED True" in out and "building" not in err and "Python path" not in err
+
+
 def test_without_a_compiler_the_python_path_runs_and_says_why(tmp_path):
     # only this interpreter's directory on PATH: python and pip's ninja, no C++ compiler
     bindir = tmp_path / "bin"

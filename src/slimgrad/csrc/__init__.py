@@ -234,19 +234,53 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
         raise RuntimeError(f"slimgrad: cannot build the compiled core: {reason}")
     key = _key()
     directory, name = _build_dir(key), _module_name(key)
+    if not force and _verified(directory, name):
+        # a complete entry loads without the lock: a read-only cache (a container image's prebuilt core, a shared
+        # SLIMGRAD_CACHE_DIR) could not open the lock file, and the core was not used at all
+        return _finish(_import(_library_path(directory, name), name))
     with _file_lock(directory.parent / f"{directory.name}.lock"):
         if force:
             shutil.rmtree(directory, ignore_errors=True)
         library = _library_path(directory, name)
         if library.exists():
-            try:
-                return _finish(_import(library, name))
-            except Exception:  # a broken or truncated cache entry: rebuild it once
-                shutil.rmtree(directory, ignore_errors=True)
+            if _verified(directory, name):
+                try:
+                    return _finish(_import(library, name))
+                except Exception:  # noqa: BLE001 - a broken cache entry: rebuild it once
+                    pass
+            # an entry without its checksum, or another's (an interrupted copy, a crash before the data reached the
+            # disk): loading a truncated library killed the process with SIGBUS, so it is rebuilt, never loaded
+            shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
         with _Progress(quiet or verbose):
             module = _compile(directory, name, verbose)
+        _write_checksum(directory, name)
         return _finish(module)
+
+
+def _checksum_path(directory: Path, name: str) -> Path:
+    return directory / f"{name}.sha256"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_checksum(directory: Path, name: str) -> None:
+    """The library's sha256, written once the build is complete (to a temporary file, then renamed: a reader sees
+    the whole checksum or none)."""
+    target = _checksum_path(directory, name)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(_digest(_library_path(directory, name)))
+    os.replace(tmp, target)
+
+
+def _verified(directory: Path, name: str) -> bool:
+    """Whether the cache holds a complete library: its checksum file exists and matches its contents."""
+    try:
+        return _checksum_path(directory, name).read_text().strip() == _digest(_library_path(directory, name))
+    except OSError:
+        return False
 
 
 #: Python Functions the core also serves that _common._LAYERS does not name (their message is its default one)
