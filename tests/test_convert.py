@@ -206,6 +206,41 @@ def test_a_converted_init_only_subclass_pickles_into_a_new_process(tmp_path):
     assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
+def test_converted_hf_layers_unpickle_whatever_the_process_saw_before(tmp_path):
+    """The Slim<Stock> classes of the Hugging Face integrations exist once their integration has seen the modeling
+    module: a layer saved on its own, or a model loaded after something else was converted, could not be loaded
+    ("Can't get attribute 'SlimQwen2RMSNorm'"; the processes sweep). They pickle by their stock class now."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    torch.manual_seed(0)
+    norm = slimgrad.convert(nn.Sequential(Qwen2RMSNorm(8)))[0]
+    assert type(norm).__qualname__ == "SlimQwen2RMSNorm"
+    config = transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = slimgrad.convert(transformers.Qwen2ForCausalLM(config))
+    torch.save(norm, tmp_path / "norm.pt")
+    torch.save(model, tmp_path / "model.pt")
+    x = torch.randn(2, 8)
+    torch.save((x, norm(x)), tmp_path / "io.pt")
+    code = (
+        "import sys, torch, torch.nn as nn, slimgrad; "
+        # a converted model of another family first: the integrations are imported before Qwen2's module is
+        "slimgrad.convert(nn.Sequential(nn.Conv2d(1, 1, 1), nn.ReLU())); "
+        f"norm = torch.load({str(tmp_path / 'norm.pt')!r}, weights_only=False); "
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False); "
+        f"x, y = torch.load({str(tmp_path / 'io.pt')!r}); "
+        "assert type(norm).__qualname__ == 'SlimQwen2RMSNorm' and torch.equal(norm(x), y); "
+        "assert type(model.model.norm).__qualname__ == 'SlimQwen2RMSNorm'; "
+        "assert type(model.model.layers[0].mlp).__qualname__ == 'SlimQwen2MLP'; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_subclasses_that_define_more_than_set_up_are_left_alone_naming_what_they_define():
     class Scaled(nn.Conv2d):
         def _conv_forward(self, input, weight, bias):

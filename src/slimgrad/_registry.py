@@ -11,6 +11,7 @@ must see the same parameters after conversion as before.
 
 from __future__ import annotations
 
+import copyreg
 import inspect
 import sys
 import types
@@ -304,10 +305,36 @@ def register_forward(stock: type[nn.Module], forward: Callable, *, module: str,
              "__doc__": f"slimgrad's drop-in for {stock.__module__}.{stock.__name__} (forward only)."}
     if unsupported_reason is not None:
         attrs["unsupported_reason"] = classmethod(lambda cls, m: unsupported_reason(m))
+    attrs["__reduce_ex__"] = _reduce_by_stock
     cls = type(f"Slim{stock.__name__}", (stock,), attrs)
     register(stock, option=option)(cls)
     setattr(sys.modules[module], cls.__qualname__, cls)
     return cls
+
+
+def _reduce_by_stock(self, protocol):
+    """Pickle a module of a built replacement by its stock class. The ``Slim<Stock>`` classes exist only once their
+    integration has seen the stock class's modeling module: a process that had already converted (or loaded)
+    something else, or a layer saved on its own, could not load a converted Hugging Face norm or MLP ("Can't get
+    attribute 'SlimQwen2RMSNorm'"), where the stock model loads. The stock class imports its own module, and
+    :func:`_rebuild_converted` finds the replacement then."""
+    reduced = super(type(self), self).__reduce_ex__(protocol)
+    stock = ORIGINALS.get(type(self))
+    if (stock is None or not isinstance(reduced, tuple) or len(reduced) < 2 or reduced[0] is not copyreg.__newobj__
+            or reduced[1][0] is not type(self)):
+        return reduced  # (a class rebuilt on this one, FSDP2's, or protocol 0/1: pickled as torch pickles it)
+    return (_rebuild_converted, (stock, *reduced[1][1:]), *reduced[2:])
+
+
+def _rebuild_converted(stock: type, *args):
+    """Unpickling: an instance of ``stock``'s replacement (registered now if its integration had not yet seen
+    ``stock``); stock's class where no integration converts it here (a newer transformers edited it)."""
+    from .integrations import load_available
+
+    if stock not in REPLACEMENTS:
+        load_available()
+    kind = REPLACEMENTS.get(stock, stock)
+    return kind.__new__(kind, *args)
 
 
 # -- subclasses that change nothing a call computes -----------------------------------------------------------
