@@ -440,3 +440,34 @@ def test_callback_budget_on_a_trainer_whose_batch_is_not_the_models_inputs_names
     with pytest.raises(TypeError, match=r"SlimgradCallback\(budget='10GiB'\): the model's forward refused .*"
                                         r"anchor_input_ids.*Pass example= .*loss_fn="):
         trainer.train()
+
+
+def test_callback_budget_names_example_when_the_model_refuses_the_batch_with_a_value_error():
+    """transformers 5's forwards take **kwargs: ORPO's and CPO's batch columns (prompt_input_ids, ...) passed unnoticed
+    and the model raised "You must specify exactly one of input_ids or inputs_embeds", a bare ValueError from inside
+    the estimate (the TRL sweep). The error names SlimgradCallback and example=/loss_fn=, as for a TypeError."""
+    ids = torch.randint(0, 64, (2, 8))  # (the tiny Llama's vocabulary is larger)
+    batch = {"prompt_input_ids": ids, "chosen_input_ids": ids}
+    loader = torch.utils.data.DataLoader([batch], batch_size=None, collate_fn=lambda rows: rows[0])
+    callback = SlimgradCallback(budget="1GiB")
+    args = type("Args", (), {"per_device_train_batch_size": 1})()
+    with pytest.raises(ValueError, match=r"SlimgradCallback\(budget='1GiB'\): the model's forward refused .*"
+                                         r"prompt_input_ids.*input_ids or inputs_embeds.*Pass example= .*loss_fn="):
+        callback.on_train_begin(args, None, None, model=tiny_llama(), train_dataloader=loader)
+
+
+def test_callback_budget_says_when_trl_computes_the_loss_with_its_fused_head():
+    """TRL 1.x's trainers call model(..., fused_lm_head=True), a loss the plan cannot simulate; on CPU its fallback put
+    real steps 4-12x over budgets the plan met (the TRL sweep): the plan says so."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head")
+    model = tiny_llama()
+    trl_utils.add_fused_lm_head(model)
+    ids = torch.randint(0, 64, (2, 8))  # (the tiny Llama's vocabulary is larger)
+    callback = SlimgradCallback(budget="1GiB", example={"input_ids": ids, "labels": ids})
+    callback.on_train_begin(None, None, None, model=model)
+    assert any("fused LM head" in n and "cannot simulate" in n for n in callback.plan.notes)
+    plain = SlimgradCallback(budget="1GiB", example={"input_ids": ids, "labels": ids})
+    plain.on_train_begin(None, None, None, model=tiny_llama())
+    assert not any("fused LM head" in n for n in plain.plan.notes)

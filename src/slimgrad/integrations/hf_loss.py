@@ -122,8 +122,8 @@ def _describe(fn) -> str:
 
 
 _UNLABELLED = ("it was called in training without labels: its caller computes the loss from the logits (a model "
-               "around it, such as BLIP-2's or an encoder-decoder's; TRL's DPO or value head; a custom loss), which "
-               "the chunked path cannot do for it")
+               "around it, such as BLIP-2's or an encoder-decoder's; TRL's ORPO, CPO or value head; a custom loss), "
+               "which the chunked path cannot do for it")
 
 
 def _plan(self, stock, args, kwargs) -> _Call | str | None:
@@ -464,7 +464,8 @@ def check(module) -> _Verified | str:
 # -- the behavioural check -------------------------------------------------------------------------------------
 
 _META = "its parameters are on the meta device"
-_PATCHED = ("its forward is replaced on the instance (TRL's add_fused_lm_head under SFTTrainer, or another patch), so "
+_PATCHED = ("its forward is replaced on the instance (TRL's add_fused_lm_head under its SFT, DPO, KTO, GRPO or RLOO "
+            "trainer, or another patch), so "
             "the class forward slimgrad would replace is not the one called; TRL's fused head already computes the "
             "loss without the logits")
 

@@ -202,22 +202,36 @@ class SlimgradCallback(TrainerCallback):
         with torch.random.fork_rng(devices=devices, device_type="cuda" if device.type == "cpu" else device.type):
             try:
                 chosen = plan(target, self.budget, example, optimizer=optimizer, loss_fn=self.loss_fn)
+            except ValueError as e:
+                if isinstance(optimizer, torch.optim.Optimizer) and "cannot rebuild the optimizer" in str(e):
+                    hf_log.warning("slimgrad: %s; the budget is planned with AdamW's state (two fp32 copies of "
+                                   "the trainable parameters) instead", e)
+                    chosen = plan(target, self.budget, example, optimizer="adamw", loss_fn=self.loss_fn)
+                elif self.example is None and not str(e).startswith(_SLIMGRAD_ERRORS):
+                    # the model's own refusal (transformers 5's forwards take **kwargs: ORPO's prompt_input_ids, ...
+                    # pass unnoticed, and then "You must specify exactly one of input_ids or inputs_embeds")
+                    raise ValueError(self._batch_refused(example, e)) from e
+                else:
+                    raise
             except TypeError as e:
                 if self.example is not None:
                     raise
                 # a trainer whose batch is not the model's keyword inputs (sentence-transformers' trainers feed
-                # anchor_input_ids, positive_input_ids, ... to a loss that calls model(features) per column)
-                raise TypeError(
-                    f"SlimgradCallback(budget={self.budget!r}): the model's forward refused this trainer's batch as "
-                    f"its keyword inputs ({', '.join(map(str, example)) if isinstance(example, dict) else 'a batch'})"
-                    f": {e}. Pass example= (the model's inputs for one step: a dict of keyword inputs, a tensor, or "
-                    f"a tuple of positional inputs) and loss_fn= (its output -> the scalar loss)") from e
-            except ValueError as e:
-                if not isinstance(optimizer, torch.optim.Optimizer) or "cannot rebuild the optimizer" not in str(e):
-                    raise
-                hf_log.warning("slimgrad: %s; the budget is planned with AdamW's state (two fp32 copies of "
-                               "the trainable parameters) instead", e)
-                chosen = plan(target, self.budget, example, optimizer="adamw", loss_fn=self.loss_fn)
+                # anchor_input_ids, positive_input_ids, ... to a loss that calls model(features) per column; GRPO's
+                # collator hands a list of prompts)
+                raise TypeError(self._batch_refused(example, e)) from e
+        fused = _trl_fused_head(target)
+        if fused is not None:
+            # TRL's trainers (SFT, DPO, KTO, GRPO, RLOO in TRL 1.x) call model(..., fused_lm_head=True) for their loss:
+            # the plan simulated the model's own loss, not that head, whose CPU fallback holds about 15 logits-sized
+            # fp32 buffers for up to 32768 tokens at a time (a tiny Llama LoRA, vocabulary 4096: DPO's real step
+            # peaked 12x over a budget the plan met, KTO 10x, SFT 4.3x; the TRL sweep)
+            chosen.notes.append(
+                f"TRL computes this trainer's loss with its fused LM head ({type(fused).__name__}.forward(..., "
+                f"fused_lm_head=True)), which the plan cannot simulate: the budget covers the model's forward and "
+                f"backward, not that loss, and on CPU TRL's fallback for it can put the step several times over the "
+                f"budget (measured 4-12x on tiny models); measure a real step (slimgrad.peak_bytes) before relying "
+                f"on the budget")
         if not chosen.fits:
             raise ValueError(f"SlimgradCallback(budget={self.budget!r}): no plan meets the budget at train begin "
                              f"(estimated per rank, for a batch of {_shapes(example)}):\n{chosen}")
@@ -227,10 +241,17 @@ class SlimgradCallback(TrainerCallback):
         self._use_cache += [(c, True) for c in caches_turned_off(target) if id(c) not in known]
         if main_process:
             message = f"{chosen}\n  planned at train begin for a batch of {_shapes(example)} (per rank)"
-            level = logging.WARNING if chosen.actions else logging.INFO  # recompute changes the step's time
+            # recompute changes the step's time; a loss the plan cannot see changes its peak
+            level = logging.WARNING if chosen.actions or fused is not None else logging.INFO
             hf_log.log(level, "%s", message)
             log.log(level, "%s", message)
         return chosen
+
+    def _batch_refused(self, example, e: BaseException) -> str:
+        return (f"SlimgradCallback(budget={self.budget!r}): the model's forward refused this trainer's batch as its "
+                f"keyword inputs ({', '.join(map(str, example)) if isinstance(example, dict) else 'a batch'}): {e}. "
+                f"Pass example= (the model's inputs for one step: a dict of keyword inputs, a tensor, or a tuple of "
+                f"positional inputs) and loss_fn= (its output -> the scalar loss)")
 
     @staticmethod
     def _log(model: nn.Module, report: ConversionReport) -> None:
@@ -299,6 +320,20 @@ def _device_of(model: nn.Module):
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+#: how slimgrad's own planning errors begin (not the model's refusal of a batch)
+_SLIMGRAD_ERRORS = ("estimate:", "plan:", "slimgrad", "convert:")
+
+
+def _trl_fused_head(model: nn.Module) -> nn.Module | None:
+    """The module TRL's ``add_fused_lm_head`` patched (its instance forward takes ``fused_lm_head``), or None."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+            return module
+    return None
 
 
 def _example_batch(args, dataloader):
