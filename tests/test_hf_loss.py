@@ -577,8 +577,8 @@ def test_a_head_inside_another_hf_model_is_a_gap_not_engaged():
 
 
 def test_a_training_call_without_labels_says_the_chunked_loss_cannot_serve_it():
-    """A caller that computes its own loss from the logits (TRL's ORPO or CPO, a value head, a custom loss): stock's forward
-    runs, with a warning once, not silently."""
+    """A caller that computes its own loss from the logits (TRL's ORPO or CPO, a value head, a custom loss): stock's
+    forward runs, with a warning once, not silently."""
     stock = _build("llama")
     slim = _converted(_build("llama"))
     ids, _ = _batch()

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import fnmatch
 import logging
+import sys
 import types
 from collections.abc import Iterable
 
@@ -303,7 +304,7 @@ def _inside_hf_model(target: nn.Module, path: str) -> str | None:
     inside, or None. Such a composite (BLIP-2's language model, an encoder-decoder's decoder) calls its causal-LM
     head without labels and computes the loss from the logits itself: the head's chunked loss would not engage.
     peft's wrappers are not models of transformers, so a LoRA-wrapped head engages as the head alone does."""
-    modeling = __import__("sys").modules.get("transformers.modeling_utils")
+    modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None or not path:
         return None
     parts = path.split(".")
