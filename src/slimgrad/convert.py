@@ -67,8 +67,8 @@ def qualified_name(kind: type) -> str:
 
 
 _CHUNKED_ON_NOTHING = ("convert(chunked_loss=True) engaged on nothing: this model holds no causal-LM head slimgrad "
-                       "recognises (a transformers *ForCausalLM / *LMHeadModel with a linear lm_head), so the loss "
-                       "still materialises the full logits")
+                       "recognises (a transformers *ForCausalLM / *LMHeadModel with a linear lm_head), so its loss is "
+                       "computed as stock computes it, from the logits its head makes")
 
 #: containers whose forward only calls their children: nothing of their own runs as stock
 _PURE_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterDict, nn.ParameterList)
