@@ -471,3 +471,14 @@ def test_callback_budget_says_when_trl_computes_the_loss_with_its_fused_head():
     plain = SlimgradCallback(budget="1GiB", example={"input_ids": ids, "labels": ids})
     plain.on_train_begin(None, None, None, model=tiny_llama())
     assert not any("fused LM head" in n for n in plain.plan.notes)
+
+
+def test_callback_chunked_loss_under_trl_distillation_says_it_engages_on_nothing():
+    """TRL's DistillationTrainer computes its loss with its own chunked divergence from the body: the head was
+    reported converted and chunked_loss did nothing, silently (the TRL sweep)."""
+    from slimgrad import _notices
+
+    args = type("DistillationConfig", (), {"__module__": "trl.trainer.distillation_config"})()
+    _notices.reset_warned()
+    with pytest.warns(slimgrad.SlimgradWarning, match="DistillationTrainer computes its loss"):
+        SlimgradCallback(chunked_loss=True).on_train_begin(args, None, None, model=tiny_llama())

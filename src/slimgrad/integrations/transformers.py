@@ -73,6 +73,13 @@ def _sft_reads_logits(args) -> bool:
     return isinstance(args, SFTConfig) and not hasattr(trl_utils, "add_fused_lm_head")
 
 
+def _distillation_computes_its_own_loss(args) -> bool:
+    """Whether ``args`` configure TRL's ``DistillationTrainer``, whose training loss never calls the head's forward
+    (chunked_loss=True was reported converted there and did nothing, silently: the TRL sweep)."""
+    kind = type(args)
+    return kind.__name__ == "DistillationConfig" and kind.__module__.startswith("trl")
+
+
 class SlimgradCallback(TrainerCallback):
     """Converts the trainer's model in place with :func:`slimgrad.convert` when training begins.
 
@@ -154,6 +161,12 @@ class SlimgradCallback(TrainerCallback):
                 "(TRL releases without add_fused_lm_head), which chunked_loss=True leaves None; chunked_loss is "
                 "left off for this run, everything else is converted (use_liger_kernel=True is TRL's own chunked "
                 "loss there)"), strict=bool(options.get("strict", False)))
+        if options.get("chunked_loss") and _distillation_computes_its_own_loss(args):
+            _notices.notify(_notices.Gap(
+                "trl", _notices.library_version("trl"), "trl.DistillationTrainer", "chunked_loss",
+                "TRL's DistillationTrainer computes its loss with its own chunked divergence from the model's body "
+                "(the head's forward runs only to generate, without grad), so chunked_loss=True engages on nothing "
+                "there; it keeps no full logits either"), strict=bool(options.get("strict", False)))
         _, report = convert(target, inplace=True, report=True, **options)
         self.report = report
         main_process = state is None or getattr(state, "is_local_process_zero", True)
