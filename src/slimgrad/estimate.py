@@ -847,8 +847,9 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
 
 
 def _storage_keys(output) -> set:
-    """The storage keys (as :class:`_Allocations` files them) of the tensors in a model's output (a ModelOutput,
-    a tuple, a dict, a tensor), so that an output held through backward is not counted as kept for it."""
+    """The storage keys (as :class:`_Allocations` files them) of the tensors in ``output`` (a ModelOutput, a tuple,
+    a list, a dict, a tensor; None is skipped): a model's output held through backward, not counted as kept for it,
+    and the gradients."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     keys, todo = set(), [output]
@@ -1223,14 +1224,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
             loss.backward()
             del loss
         sim.sweep()
-        grad_keys = set()
-        for p in unique_trainable:
-            if p.grad is not None:
-                s = _storage(p.grad)
-                if s is not None:
-                    from torch.multiprocessing.reductions import StorageWeakRef
-
-                    grad_keys.add(StorageWeakRef(s).cdata)
+        grad_keys = _storage_keys([p.grad for p in unique_trainable])
         grad_bytes = sum(sim.live[k][1] for k in grad_keys if k in sim.live)
         if opt is not None:
             sim.phase = "optimizer"

@@ -143,14 +143,18 @@ def _variance_path_grad(c, up):
     return c * two_up
 
 
+def keeps_fp32_copy(style: str, x: torch.Tensor, rstd: torch.Tensor) -> bool:
+    """Whether backward keeps x's fp32 copy instead of x: the Llama, OLMo2 and Gemma styles compute in fp32 whatever
+    the input, so an fp64 x's fp32 copy is what backward reads, and half its size (stock's norms keep that copy)."""
+    return style in ("llama", "olmo2", "gemma") and x.element_size() > rstd.element_size()
+
+
 def save_rms(ctx, input, weight, rstd, normed, need_x, style, fused):
     """What ``RMSNormFunction``'s torch code keeps for backward (x and rstd, or only the normalised input), in eager
     and under torch.func; ``normed``: the normalised input when it was computed, else None."""
     ctx.w_meta = None if weight is None else (weight.shape, weight.dtype)
     # The weight is a parameter (not an activation): keeping it costs nothing.
-    # These styles compute in fp32 whatever the input: an fp64 input's fp32 copy is what backward reads,
-    # and half its size.
-    narrow = style in ("llama", "olmo2", "gemma") and input.element_size() > rstd.element_size()
+    narrow = keeps_fp32_copy(style, input, rstd)
     if not need_x and normed is not None and (narrow or _normed_no_bigger(normed, input, narrow, rstd)):
         # Only dW: the normalised input is all it reads; kept when no bigger than x plus rstd (x's dtype
         # in Llama/T5 style, or fp32 input in the fp32 styles). This is also what stock keeps there. The
@@ -1026,7 +1030,7 @@ class FusedAddRMSNormFunction(_common.Function):
         if need_x or need_r or need_w:
             # An fp64 s in the styles that compute in fp32: its fp32 copy, all backward reads of it and half its
             # bytes (stock's norm keeps that copy). The torch code only: no Triton kernel takes fp64.
-            narrow = impl is None and style in ("llama", "olmo2", "gemma") and s.element_size() > rstd.element_size()
+            narrow = impl is None and keeps_fp32_copy(style, s, rstd)
             ctx.save_for_backward(s.to(rstd.dtype) if narrow else s, rstd, weight)
 
     @staticmethod
