@@ -401,3 +401,57 @@ def test_convert_keeps_train_eval_flags_through_a_copy_that_rebuilds_the_model()
     assert [m.training for m in converted.modules()] == [m.training for m in stock.modules()]
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(converted(x), stock(x))  # eval batch norm: running statistics, as stock's
+
+
+def _slimgrad_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, slimgrad.SlimgradWarning)]
+
+
+def test_a_copy_of_a_compiled_model_says_it_runs_eagerly():
+    """torch's Module.__getstate__ drops Module.compile(): convert's default copy would run eagerly, silently."""
+    from slimgrad import _notices
+
+    _notices.reset_warned()
+    model = small_cnn()
+    model.compile()
+    with pytest.warns(slimgrad.SlimgradWarning, match=r"does not copy Module.compile\(\)"):
+        slim = slimgrad.convert(model)
+    assert slim.__dict__.get("_compiled_call_impl") is None  # the fact the warning states
+    _notices.reset_warned()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        kept = slimgrad.convert(model, inplace=True)  # keeps the compiled call: nothing to say
+    assert kept._compiled_call_impl is not None and not _slimgrad_warnings(record)
+
+
+def test_an_optimizer_built_before_a_copying_convert_warns_at_its_empty_step():
+    import warnings
+
+    from slimgrad import _notices
+
+    _notices.reset_warned()
+    torch.manual_seed(0)
+    model = small_cnn()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    slim = slimgrad.convert(model)
+    late = torch.optim.SGD(slim.parameters(), lr=0.1)
+    slim(torch.randn(2, 3, 8, 8)).sum().backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        late.step()  # the converted model's own parameters: nothing to say
+        assert not _slimgrad_warnings(record)
+        before = [p.detach().clone() for p in model.parameters()]
+        early.step()
+        early.step()  # once per optimizer
+    said = _slimgrad_warnings(record)
+    assert len(said) == 1 and "before slimgrad.convert" in said[0] and "inplace=True" in said[0]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # what it warns of: nothing moved
+    # an optimizer of the original that trains the original (a stock-versus-slimgrad comparison) is left alone
+    stock_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        stock_opt.step()
+    assert not _slimgrad_warnings(record)

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ._copied import note_copy
 from ._gaps import CHUNKED_LOSS, claimed_family, family_gap, model_gap, module_gap, remember_converted
 from ._notices import Gap, notify_all
 from ._registry import (
@@ -504,6 +505,8 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
             log.warning("%s", chosen)
         else:
             log.info("%s", chosen)
+    if not inplace:
+        note_copy(model)  # an optimizer or a Module.compile() made on the original does not follow the copy
     if result.skipped and not report:  # with report=True the caller has the report: no warning on top
         log.warning("%s", result)
     elif result.skipped:
