@@ -175,3 +175,30 @@ def test_package_ships_the_sources():
     pyproject = (Path(slimgrad.__file__).parents[2] / "pyproject.toml").read_text()
     assert '"slimgrad.csrc" = ["*.cpp", "*.h"]' in pyproject
     assert "common.cpp" in csrc.status()["sources"]
+
+
+def test_a_build_prunes_the_cache_to_the_most_recently_used_entries(tmp_path):
+    """Each release or source edit is a new entry of ~11 MB, never removed: a development cache reached 553 MB. A
+    build keeps csrc.KEEP_BUILDS entries of its torch version, Python and machine (itself and the most recently
+    used), and leaves other versions' entries alone."""
+    first, _ = _finish(_run(_LOAD, _env(tmp_path)))
+    built = Path(first.split()[-1]).parent
+    core_dir = built.parent
+    tag = built.name.rsplit("-", 1)[0]
+    shutil.rmtree(built)  # the next process builds again, among the entries below
+    fake = {}
+    for age, key in enumerate("abcdef0123456789 0123456789abcdef 1111111111111111 2222222222222222".split()):
+        entry = core_dir / f"{tag}-{key}"
+        entry.mkdir()
+        (entry / f"slimgrad_core_{key}.so").write_bytes(b"not a library")
+        os.utime(entry / f"slimgrad_core_{key}.so", (1e9 - age * 1e6, 1e9 - age * 1e6))
+        fake[key] = entry
+    other = core_dir / "torch1.0.0-py30-x86_64-3333333333333333"  # another torch version: not this build's to prune
+    other.mkdir()
+    out, err = _finish(_run(_LOAD, _env(tmp_path)))
+    assert "LOADED True" in out and "building its compiled core" in err
+    kept = sorted(d.name for d in core_dir.iterdir() if d.is_dir())
+    assert len([k for k in kept if k.startswith(tag)]) == csrc.KEEP_BUILDS
+    assert fake["abcdef0123456789"].exists() and fake["0123456789abcdef"].exists()  # the two most recently used
+    assert not fake["1111111111111111"].exists() and not fake["2222222222222222"].exists()
+    assert other.exists()

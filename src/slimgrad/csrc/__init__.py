@@ -237,6 +237,7 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
     if not force and _verified(directory, name):
         # a complete entry loads without the lock: a read-only cache (a container image's prebuilt core, a shared
         # SLIMGRAD_CACHE_DIR) could not open the lock file, and the core was not used at all
+        _touch(directory, name)
         return _finish(_import(_library_path(directory, name), name))
     with _file_lock(directory.parent / f"{directory.name}.lock"):
         if force:
@@ -255,7 +256,55 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
         with _Progress(quiet or verbose):
             module = _compile(directory, name, verbose)
         _write_checksum(directory, name)
-        return _finish(module)
+    _prune(directory)
+    return _finish(module)
+
+
+#: how many builds of one torch version, Python and machine the cache keeps, the most recently used: each slimgrad
+#: release (or source edit) is an entry of ~11 MB, and a development machine's cache had reached 553 MB
+KEEP_BUILDS = 3
+
+
+def _touch(directory: Path, name: str) -> None:
+    """Mark the entry used now (its checksum file's time), for :func:`_prune`; a read-only cache stays as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(_checksum_path(directory, name))
+
+
+def _last_used(directory: Path) -> float:
+    try:
+        return max(p.stat().st_mtime for p in directory.iterdir())
+    except (OSError, ValueError):  # gone meanwhile, or empty
+        return 0.0
+
+
+def _prune(directory: Path) -> None:
+    """After a build, remove the entries of the same torch version, Python and machine beyond the
+    :data:`KEEP_BUILDS` most recently used (the new one counts). Each is removed under its own build lock, taken
+    without waiting: an entry another process is building is left. A process that loaded a removed library keeps
+    running (the mapping outlives the file); a later one rebuilds it."""
+    try:
+        import fcntl
+    except ImportError:  # no non-blocking lock to take: keep everything
+        return
+    tag = directory.name.rsplit("-", 1)[0]
+    try:
+        others = [d for d in directory.parent.glob(f"{tag}-*") if d.is_dir() and d != directory]
+    except OSError:
+        return
+    others.sort(key=_last_used, reverse=True)
+    for old in others[max(KEEP_BUILDS - 1, 0):]:
+        lock = old.parent / f"{old.name}.lock"
+        try:
+            with open(lock, "a+") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # being built or checked right now
+                shutil.rmtree(old, ignore_errors=True)  # (its lock file stays: a process may be waiting on it)
+                fcntl.flock(f, fcntl.LOCK_UN)
+        except OSError:  # a read-only cache: nothing to prune
+            continue
 
 
 def _checksum_path(directory: Path, name: str) -> Path:
