@@ -383,6 +383,36 @@ def test_moe_router_outputs_requested_at_call_time_run_stock_with_a_warning():
     _close(actual.aux_loss, expected.aux_loss, "aux loss", rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("where", ["keyword", "config"])
+def test_moe_router_outputs_asked_for_run_the_body_once(where):
+    """The chunked path ran the whole body, saw router_logits, dropped that graph and ran stock's forward: every
+    such call ran the body twice (hooks fired twice, dropout drew twice: loss 5.53942 against 5.53801; peak 604 KB
+    against 415 KB; the hfloss sweep). It is decided from the call's flags before the body runs."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(**{**LLAMA_LIKE, "attention_dropout": 0.3}, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    stock = transformers.MixtralForCausalLM(cfg).train()
+    slim = _converted(copy.deepcopy(stock))
+    ids, labels = _batch()
+    kwargs = {"output_router_logits": True} if where == "keyword" else {}
+    if where == "config":
+        for model in (stock, slim):
+            model.config.output_router_logits = True
+    calls = []
+    slim.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    torch.manual_seed(5)
+    expected = stock(input_ids=ids, labels=labels, **kwargs)
+    expected.loss.backward()
+    torch.manual_seed(5)
+    with pytest.warns(SlimgradWarning, match="output_router_logits"):
+        actual = slim(input_ids=ids, labels=labels, **kwargs)
+    actual.loss.backward()
+    assert len(calls) == 1
+    _close(actual.loss, expected.loss, "loss with aux loss", rtol=0, atol=0)
+    for p, q in zip(stock.parameters(), slim.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_meta_device_is_left_as_stock_with_a_warning():
     with torch.device("meta"):
         model = MODELS["llama"]()
@@ -503,6 +533,27 @@ def test_a_head_whose_stock_loss_is_bf16_is_left_to_stock():
     _assert_chunked_like_stock(_converted(bart.float()), bart)  # fp32: engaged, as before
 
 
+def test_a_cast_after_convert_is_checked_again():
+    """Converted in fp32 then cast with .to(bfloat16): the fp32 check's verdict was kept, and BART returned an fp32
+    chunked loss where stock's is bf16 (3.952882 against 3.953125, gradients 1.14x their largest value off; the
+    hfloss sweep). The head's dtype is part of what the verdict depends on."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0)
+    stock = transformers.BartForCausalLM(config)
+    slim = _converted(copy.deepcopy(stock))
+    stock.to(torch.bfloat16)
+    slim.to(torch.bfloat16)
+    ids, labels = _batch()
+    expected = stock(input_ids=ids, labels=labels)
+    with pytest.warns(SlimgradWarning, match="stock loss is computed in torch.bfloat16"):
+        actual = slim(input_ids=ids, labels=labels)
+    assert actual.loss.dtype == torch.bfloat16 and actual.logits is not None
+    _close(actual.loss, expected.loss, "loss", rtol=0, atol=0)
+
+
 def test_a_vocabulary_no_larger_than_the_hidden_size_is_left_to_stock():
     """The chunked loss keeps the hidden states where stock keeps the logits: with a vocabulary no larger than the
     head's input (byte-level vocabularies, RemBERT's 1664-wide head input) that is more than stock (1.14-1.34x)."""
@@ -616,3 +667,30 @@ def test_a_bf16_soft_cap_is_applied_in_the_dtype_stock_applies_it(family, in_fp3
         if p.grad is not None:
             scale = p.grad.float().abs().max().item()
             assert (q.grad.float() - p.grad.float()).abs().max().item() <= 4e-3 * scale
+
+
+def test_an_fp32_soft_cap_under_autocast_is_applied_in_the_dtype_stock_applies_it():
+    """In fp32 a cap in the head's dtype and one after the fp32 upcast are the same numbers, so the fp32 check took
+    Gemma's recipe for Beam; under bf16 autocast (Trainer(bf16=True)) its gradients were 2.3 % off stock's (the hfloss
+    sweep). The check tells them apart by stock's logits under autocast; Gemma 2 keeps its recipe."""
+    if not hasattr(transformers, "BeamForCausalLM"):
+        pytest.skip("Beam needs a newer transformers")
+    for family, in_fp32 in (("beam", True), ("gemma2", False)):
+        extra = {"num_experts": 4, "num_experts_per_tok": 2} if family == "beam" else {}
+        stock = _decoder(family, head_dim=8, final_logit_softcapping=0.1, **extra)()
+        slim = _converted(copy.deepcopy(stock))
+        assert hf_loss.check(slim).recipe.softcap_fp32 is in_fp32, family
+        ids, labels = _batch()
+        results = []
+        for model in (stock, slim):
+            torch.manual_seed(2)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(input_ids=ids, labels=labels)
+            out.loss.backward()
+            results.append(out)
+        assert results[1].logits is None
+        _close(results[1].loss, results[0].loss, "loss", rtol=1e-6, atol=0)
+        for p, q in zip(stock.parameters(), slim.parameters()):
+            if p.grad is not None:
+                scale = p.grad.float().abs().max().item()
+                assert (q.grad.float() - p.grad.float()).abs().max().item() <= 4e-3 * scale, family

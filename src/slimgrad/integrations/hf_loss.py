@@ -288,10 +288,16 @@ _SCALES = (("logit_scale", False), ("output_multiplier", False), ("lm_head_multi
 _SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")
 
 
-def _modifiers(config) -> tuple:
-    """The config values a recipe is read from: a change after the check (a user setting ``logit_scale``)
-    makes the module be checked again before its next chunked call."""
-    return tuple(_config_value(config, n) for n in (*_SOFTCAPS, *dict(_SCALES), "vocab_size"))
+def _modifiers(module) -> tuple:
+    """What the check's verdict depends on that can change after it: the config values a recipe is read from (a
+    user setting ``logit_scale``) and the head's dtype and device (``model.to(torch.bfloat16)`` after converting in
+    fp32: BART's bf16 loss is computed on bf16 logits, which the fp32 check never saw). A change makes the module
+    be checked again before its next chunked call."""
+    config = module.config
+    head = module.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    where = (weight.dtype, weight.device.type) if isinstance(weight, torch.Tensor) else None
+    return (*(_config_value(config, n) for n in (*_SOFTCAPS, *dict(_SCALES), "vocab_size")), where)
 
 
 def _recipes(config) -> list[_Recipe]:
@@ -368,7 +374,7 @@ class _Verified:
     missing: tuple[str, ...]  # its fields the body's output lacks (a MoE's aux_loss): computed by the head
     seen: frozenset  # the body output fields set in the check
     recipe: _Recipe = _PLAIN
-    modifiers: tuple = ()  # _modifiers(config) when checked
+    modifiers: tuple = ()  # _modifiers(module) when checked
     refuses_num_items: bool = False  # stock raises when given num_items_in_batch: such calls run stock
 
     def unreproducible(self, outputs) -> list[str]:
@@ -376,6 +382,23 @@ class _Verified:
         if not self.missing:
             return []
         return sorted(set(outputs.keys()) - self.seen - _HARMLESS)
+
+    def asked_for_more(self, body_args: dict, config) -> str | None:
+        """Why this call asks the body for an output the check did not see and the head may compute more from (a
+        MoE's ``output_router_logits=True``, by keyword or set on the config after the check), or None. Decided
+        before the body runs, from the call's ``output_*`` flags; :meth:`unreproducible` is the net behind it."""
+        if not self.missing:
+            return None
+        flags = {n for n in body_args if n.startswith("output_")} | {"output_router_logits"}
+        for flag in sorted(flags):
+            value = body_args.get(flag)
+            if value is None:
+                value = _config_value(config, flag)
+            field = flag[len("output_"):]
+            if value is True and field not in self.seen and field not in _HARMLESS:
+                return (f"the call asks for {flag}=True, from which the head computes more than the chunked path "
+                        f"reproduces (a MoE router's auxiliary loss)")
+        return None
 
     def build(self, loss, outputs, return_dict: bool):
         out = self.output(loss=loss, logits=None, **{n: getattr(outputs, n, None) for n in self.fields})
@@ -596,6 +619,9 @@ def _compare_recipe(module, stock, head, call, seeded, rtol, recipe, takes_any) 
         if isinstance(result, str):
             return f"{result} ({'training' if training else 'eval'} mode)"
         verified = verified or result
+    if (recipe.softcap is not None and recipe.scale is None and head.weight.dtype == torch.float32
+            and not _caps_as_stock_under_autocast(module, stock, head, call, seeded, recipe)):
+        return _NUMBERS + "under autocast its soft-capped logits are not this recipe's (the cap runs in another dtype)"
     if takes_any:
         module.train(True)
         with_items = {**call, "num_items_in_batch": torch.tensor(float(CHECK_TOKENS + 3), device=head.weight.device)}
@@ -623,6 +649,31 @@ def _capped_as_stock(head, hidden, recipe, logits) -> bool:
             z = z.float()
         z = torch.tanh(z / recipe.softcap) * recipe.softcap
     return z.dtype == logits.dtype and torch.equal(z, logits.detach())
+
+
+def _caps_as_stock_under_autocast(module, stock, head, call, seeded, recipe) -> bool:
+    """Whether ``recipe`` caps an fp32 head's logits as stock does under bf16 autocast (``Trainer(bf16=True)``).
+    In fp32 a cap in the head's dtype and one after an fp32 upcast are the same numbers, so the fp32 check took
+    Gemma's recipe for Beam, which caps after the upcast: under autocast its gradients were 2.3 % off stock's.
+    Stock's logits there, made by the same linear on the same hidden states, tell the two apart bit for bit."""
+    seen = {}
+
+    def pre_hook(mod, args):
+        seen["hidden"] = args[0].detach()
+
+    device = head.weight.device.type
+    with seeded(0), torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        handle = head.register_forward_pre_hook(pre_hook)
+        try:
+            expected = stock.forward(module, **call)
+        except Exception:  # noqa: BLE001 - a model that cannot run under autocast here: nothing to tell apart by
+            return True
+        finally:
+            handle.remove()
+        logits = getattr(expected, "logits", None)
+        if "hidden" not in seen or not isinstance(logits, torch.Tensor):
+            return True
+        return _capped_as_stock(head, seen["hidden"], recipe, logits)
 
 
 def _compare(module, stock, head, call, seeded, rtol, recipe, grads: bool) -> _Verified | str:
@@ -695,7 +746,7 @@ def _compare(module, stock, head, call, seeded, rtol, recipe, grads: bool) -> _V
             return f"its stock output has {name!r}, which its body's output does not give"
         if not _close(getattr(outputs, name, None), expected[name], rtol):
             return f"its stock output's {name!r} differs from its body's"
-    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()), recipe, _modifiers(module.config))
+    return _Verified(type(expected), fields, missing, frozenset(outputs.keys()), recipe, _modifiers(module))
 
 
 # -- the replacement forward -----------------------------------------------------------------------------------
@@ -710,7 +761,7 @@ def _forward(self, *args, **kwargs):
         _decline(stock, plan)
     elif plan is not None:
         verified = _recalled(self)
-        if isinstance(verified, _Verified) and verified.modifiers != _modifiers(self.config):
+        if isinstance(verified, _Verified) and verified.modifiers != _modifiers(self):
             verified = None  # the config changed since the check: check again (compiled: run stock)
             _forget(self)
         if verified is None and not torch.compiler.is_compiling():
@@ -719,6 +770,8 @@ def _forward(self, *args, **kwargs):
             _decline(stock, verified or "the module was not checked (first seen under torch.compile)")
         elif plan.num_items is not None and verified.refuses_num_items:
             pass  # stock raises its own error
+        elif (more := verified.asked_for_more(plan.body_args, self.config)) is not None:
+            _decline(stock, more)  # said before the body runs: running it twice drew dropout twice, kept two graphs
         else:
             loss, outputs = _loss(plan, verified.recipe)
             extra = verified.unreproducible(outputs)
