@@ -288,6 +288,12 @@ class BatchNormFunction(_common.Function):
 
     @classmethod
     def under_transform(cls, *args):
+        if any(t is not None and torch._C._functorch.is_batchedtensor(t) for t in args[1:5]):
+            # vmap over stacked weights or statistics (torch.func's ensembling recipe, stack_module_state): vmap's
+            # rule for batch norm then returns a view made inside the Function, which autograd forbids changing in
+            # place (a ResNet's ReLU(inplace=True) or `y += identity` raised where stock runs; the param sweep).
+            # Stock's op there: its numbers and its memory
+            return cls.stock(*args)
         return super().under_transform(*args[:-1], True)
 
     @staticmethod
