@@ -344,3 +344,38 @@ def test_trl_example_tiny():
 def test_trl_example_smollm2_real_weights():
     result = _example().run(tiny=False, steps=2, batch_size=2, max_length=32)
     _check_example(result, lora_layers=30 * len(TARGETS))
+
+
+def test_callback_chunked_loss_engages_under_trainer_bf16(tmp_path):
+    """Trainer(bf16=True) has accelerate wrap the model's forward on the instance (autocast, fp32 outputs), capturing
+    the class's forward before SlimgradCallback converts: the chunked loss never ran, and the check blamed TRL's fused
+    head (the hfloss sweep). The wrapper chain is rebuilt around the converted forward: logits None, stock's losses;
+    revert puts the stock forward back in the chain."""
+    from slimgrad.integrations.transformers import SlimgradCallback
+
+    class Logits(transformers.TrainerCallback):
+        seen = []
+
+    class LogitsTrainer(RecordingTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, out = super().compute_loss(model, inputs, True, num_items_in_batch)
+            Logits.seen.append(out.logits is None)
+            return (loss, out) if return_outputs else loss
+
+    def train(callbacks):
+        Logits.seen = []
+        args = transformers.TrainingArguments(**training_args(tmp_path, "bf16", bf16=True))
+        trainer = LogitsTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), callbacks=callbacks)
+        trainer.train()
+        return trainer, list(Logits.seen)
+
+    stock, stock_seen = train(None)
+    callback = SlimgradCallback(chunked_loss=True)
+    slim, slim_seen = train([callback])
+    assert stock_seen == [False] * 3 and slim_seen == [True] * 3
+    assert not [g for g in callback.report.gaps if g.family == "chunked_loss"]
+    assert_same_losses(slim.losses, stock.losses, exact=False)
+    model = slim.model
+    slimgrad.revert(model)
+    ids = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    assert model(input_ids=ids, labels=ids).logits is not None  # the wrapper calls stock's forward again

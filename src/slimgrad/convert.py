@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ._copied import note_copy
+from ._forward_chain import reaches, rewrapped
 from ._gaps import CHUNKED_LOSS, claimed_family, family_gap, model_gap, module_gap, remember_converted
 from ._notices import Gap, notify_all
 from ._registry import (
@@ -279,7 +280,7 @@ def _instance_forward_reason(module: nn.Module, kind: type) -> str | None:
     """Why ``module`` stays stock although its family converts: its ``forward`` is replaced on the instance by a
     wrapper that does not call the class's forward through a reference convert can re-point."""
     own = module.__dict__.get("forward")
-    if own is None or _bound_forwards(module, kind.forward):
+    if own is None or _bound_forwards(module, kind.forward) or reaches(own, kind.forward):
         return None
     target = getattr(own, "func", own)  # (a functools.partial: accelerate's and diffusers' wrappers)
     what = getattr(target, "__qualname__", type(own).__name__)
@@ -288,9 +289,14 @@ def _instance_forward_reason(module: nn.Module, kind: type) -> str | None:
 
 
 def _repoint(module: nn.Module, old_forward, new_forward) -> None:
-    """Re-point the wrappers that call ``old_forward`` bound to ``module`` (``_bound_forwards``) to ``new_forward``."""
+    """Re-point the wrappers that call ``old_forward`` bound to ``module`` (``_bound_forwards``) to ``new_forward``,
+    and rebuild an instance ``forward`` whose wrapper chain captured ``old_forward`` (accelerate's mixed precision:
+    ``_forward_chain``)."""
     for holder, name in _bound_forwards(module, old_forward):
         setattr(holder, name, types.MethodType(new_forward, module))
+    own = module.__dict__.get("forward")
+    if own is not None and (rebuilt := rewrapped(own, old_forward, new_forward)) is not None:
+        module.forward = rebuilt
 
 
 def _chunked_engaged(model: nn.Module, swaps) -> bool:

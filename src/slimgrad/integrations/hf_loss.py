@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimgrad import _notices
+from slimgrad._forward_chain import reaches
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.cross_entropy import fused_linear_cross_entropy
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
@@ -466,8 +467,9 @@ def _key(module, stock):
 def check(module) -> _Verified | str:
     """The check's result for ``module`` (run on first use, then cached per class, config and dtype): a
     :class:`_Verified`, or the reason the chunked path is not used for it."""
-    if "forward" in module.__dict__:  # per module, never cached: the class may be fine elsewhere
-        return _PATCHED
+    own = module.__dict__.get("forward")
+    if own is not None and not reaches(own, type(module).forward):
+        return _PATCHED  # per module, never cached: the class may be fine elsewhere
     result = _recalled(module)
     if result is None:
         stock = ORIGINALS.get(type(module), type(module))
