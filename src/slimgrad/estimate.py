@@ -419,6 +419,8 @@ class _Allocations(TorchDispatchMode):
         self.failed_at: tuple | None = None  # (owner, node) of the op that raised, for the error
         self.fake_mode = None  # set by estimate: converts the real packed weights an op reads (_as_fake_params)
         self.wrapped: list = []  # (weak output, storage): saved numbers of the last op (_count_saved_number)
+        self.made_by: dict[int, int] = {}  # cdata -> id of the autograd node whose backward made it
+        self.summed = None  # (cdata, event index, bytes, kind): a sum of two gradients the engine may do in place
 
     def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
@@ -475,6 +477,7 @@ class _Allocations(TorchDispatchMode):
         self.watches[key] = weakref.ref(storage, lambda _, key=key: dead.append(key))
 
     def sweep(self) -> None:
+        summed, self.summed = self.summed, None
         if not self.dead:
             return
         dead = self.dead[:]
@@ -482,11 +485,48 @@ class _Allocations(TorchDispatchMode):
         for k in dead:
             entry = self.live.pop(k, None)
             self.watches.pop(k, None)
+            self.made_by.pop(k, None)
             if entry is None:
                 continue
             _, n, kind, _ = entry
             self.current -= n
             self.totals[kind] -= n
+        if summed is not None and summed[0] in dead:
+            self._summed_in_place(*summed)
+
+    def _note_sum(self, func, args, kwargs, out) -> None:
+        """Remember a backward ``add`` that may be the engine summing two gradients of one tensor (a parameter or an
+        activation read twice): its first operand a gradient another node made, the second of its shape and dtype.
+        A real step sums those in place when the engine holds the only reference (``aten::add_``, no new storage);
+        under any dispatch mode, as here, the engine sums out of place. :meth:`sweep` tells which it was."""
+        if (self.phase != "backward" or func is not torch.ops.aten.add.Tensor or kwargs.get("alpha", 1) != 1
+                or len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args)
+                or not isinstance(out, torch.Tensor)):
+            return
+        first, second = args
+        if (first._base is not None or first.shape != second.shape or first.dtype != second.dtype
+                or first.shape != out.shape or first.dtype != out.dtype or first.stride() != out.stride()):
+            return
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storages = [_storage(t) for t in (first, out)]
+        if any(st is None for st in storages) or storages[0].nbytes() != storages[1].nbytes():
+            return
+        key = StorageWeakRef(storages[0]).cdata
+        made = self.made_by.get(key)
+        entry = self.live.get(key)
+        if made is None or made == id(torch._C._current_autograd_node()) or entry is None or entry[1] == 0:
+            return  # not a gradient of an earlier node: a sum inside one node's backward, which allocates
+        self.summed = (key, len(self.events) - 1, entry[1], entry[2])
+
+    def _summed_in_place(self, key: int, index: int, n: int, kind: str) -> None:
+        """The first operand of the sum at ``events[index]`` died before the next op: the engine held its only
+        reference, so the real step summed into it (``add_``) and never held both. That op's event is corrected;
+        every later one already counts the operand freed."""
+        current, new, sig, phase, owner, node, totals, transient = self.events[index]
+        totals = dict(totals)
+        totals[kind] = totals.get(kind, 0) - n
+        self.events[index] = (current - n, max(new - n, 0), sig, phase, owner, node, totals, transient)
 
     def _where(self):
         if self.phase == "backward":
@@ -544,9 +584,15 @@ class _Allocations(TorchDispatchMode):
         kind = {"forward": "activations", "backward": "backward", "optimizer": "optimizer"}[self.phase]
         owner, node = self._where()
         new = 0
+        made = id(torch._C._current_autograd_node()) if self.phase == "backward" else None
         for t in _pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                new += self.add(t, kind, owner)
+                added = self.add(t, kind, owner)
+                new += added
+                if added and made is not None:
+                    from torch.multiprocessing.reductions import StorageWeakRef
+
+                    self.made_by[StorageWeakRef(_storage(t)).cdata] = made
         # the op's Python numbers, wrapped in host tensors while it runs (on CPU: device memory there)
         transient = _wrapped_numbers(func, args, kwargs) if self.device_type == "cpu" else 0
         if func in _SAVES_NUMBER and isinstance(out, torch.Tensor):
@@ -562,6 +608,7 @@ class _Allocations(TorchDispatchMode):
             except TypeError:
                 sig = None
         self.events.append((self.current, new, sig, self.phase, owner, node, dict(self.totals), transient))
+        self._note_sum(func, args, kwargs, out)
         return out
 
 
