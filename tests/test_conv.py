@@ -1129,18 +1129,54 @@ def test_checkpoint(use_reentrant):
         assert_same(a.grad, b.grad, what=n, **({} if n != "0.bias" else BIAS_TOL))
 
 
-def test_bad_padding_string_names_argument():
-    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
-    with pytest.raises(ValueError, match="padding"):
-        sf.conv2d(x, w, padding="full")
-    with pytest.raises(ValueError, match="padding='same'"):
-        sf.conv2d(x, w, padding="same", stride=2)
-    with pytest.raises(ValueError, match="stride"):
-        sf.conv2d(x, w, stride=(1, 2, 3))
-    with pytest.raises(TypeError, match="weight"):
-        sf.conv2d(x, "w")
-    with pytest.raises(RuntimeError, match="input"):
-        sf.conv2d(torch.randn(5, 5), w)
+_BAD_CONV_CALLS = {
+    "padding='full'": dict(padding="full"),
+    "padding='same' with stride 2": dict(padding="same", stride=2),
+    "stride of 3 values": dict(stride=(1, 2, 3)),
+    "stride=1.5": dict(stride=1.5),
+    "groups=0": dict(groups=0),
+    "groups=True": dict(groups=True),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_CONV_CALLS))
+def test_bad_arguments_raise_stocks_error_type_naming_the_argument(case):
+    """A user's ``except`` written for stock must catch slimgrad's error: ValueError was raised where stock raises
+    RuntimeError (groups=0, a bad padding string, a wrong-length stride) or TypeError (stride=1.5, groups=True)
+    (the errors sweep)."""
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 2, 3, 3)
+    kwargs = _BAD_CONV_CALLS[case]
+    with pytest.raises(Exception) as stock:
+        F.conv2d(x, w, **kwargs)
+    with pytest.raises(stock.type) as ours:
+        sf.conv2d(x, w, **kwargs)
+    assert next(iter(kwargs)) in str(ours.value)
+
+
+def test_numpy_integer_options_run_as_stock():
+    """Stock takes anything with __index__ (numpy integers) for sizes and groups; converted conv and pooling raised
+    (the errors sweep)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    for make in (lambda: nn.Conv2d(4, 4, 3, stride=np.int64(2), padding=np.int64(1), groups=np.int64(2)),
+                 lambda: nn.MaxPool2d(np.int64(2)), lambda: nn.AvgPool2d(np.int64(2), stride=np.int32(1))):
+        stock = make()
+        slim = slim_copy(stock)
+        x1 = torch.randn(2, 4, 8, 8, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        assert_same(slim(x2), stock(x1), what="output")
+        stock(x1).sum().backward()
+        slim(x2).sum().backward()
+        assert_same(x2.grad, x1.grad, what="x")
+
+
+def test_complex_convolution_under_the_mode_runs_stock():
+    x = torch.randn(1, 2, 5, 5, dtype=torch.cfloat)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.cfloat)
+    with slimgrad.enabled():
+        got = F.conv2d(x, w)
+    assert torch.equal(got, F.conv2d(x, w))
 
 
 def test_conv_transpose_rejects_non_zero_padding_mode_like_stock():

@@ -339,3 +339,33 @@ def test_parametrized_weight_is_computed_once_per_forward(make, weight_trains):
         ys.square().sum().backward()
         yg.square().sum().backward()
         assert_same(xg.grad, xs.grad)
+
+
+def test_flags_of_the_wrong_kind_raise_as_stock_and_0d_tensor_numbers_run():
+    """Stock refuses a str for ceil_mode / count_include_pad / dropout's training (TypeError); slimgrad read "no" as
+    True and ran. Stock takes a 0-d tensor as a number (negative_slope, min_val, threshold); slimgrad raised under
+    the mode (the errors sweep)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    for stock_call, slim_module in ((lambda: F.max_pool2d(x, 2, ceil_mode="no"), torch.nn.MaxPool2d(2, ceil_mode="no")),
+                                    (lambda: F.avg_pool2d(x, 2, padding=1, count_include_pad="no"),
+                                     torch.nn.AvgPool2d(2, padding=1, count_include_pad="no"))):
+        with pytest.raises(TypeError):
+            stock_call()
+        with pytest.raises(TypeError, match="must be bool"):
+            slimgrad.convert(slim_module)(x)
+    with pytest.raises(TypeError):
+        F.dropout(x, 0.5, training="no")
+    with slimgrad.enabled(), pytest.raises(TypeError, match="'training' must be bool"):
+        F.dropout(x, 0.5, training="no")
+    for call in (lambda t: F.leaky_relu(t, torch.tensor(0.2)), lambda t: F.hardtanh(t, min_val=torch.tensor(-0.5)),
+                 lambda t: F.threshold(t, torch.tensor(0.1), 0.0)):
+        x1 = torch.randn(2, 8, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        expected = call(x1)
+        expected.sum().backward()
+        with slimgrad.enabled():
+            got = call(x2)
+        got.sum().backward()
+        assert torch.equal(got, expected) and torch.equal(x2.grad, x1.grad)

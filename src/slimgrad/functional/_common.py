@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 
 import torch
@@ -359,6 +360,38 @@ def check_tensor(value, name: str, *, fn: str) -> None:
     """Raise a TypeError naming the argument when ``value`` is not a tensor."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{fn}: argument '{name}' must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _index(value, name: str, nd: int, fn: str) -> int:
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # ints and what stock's argument parser takes as one (numpy integers)
+        except TypeError:
+            pass
+    raise TypeError(f"{fn}: argument '{name}' must be an int or a tuple of {nd} ints, got {value!r}")
+
+
+def int_tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
+    """A size argument (stride, padding, kernel size, ...) spread to ``nd`` ints as aten spreads it: an int or a
+    sequence of 1 or ``nd`` ints, where an int is anything with ``__index__`` but a bool (numpy integers, as stock
+    takes them). The errors are of stock's types: TypeError for a value of the wrong kind, RuntimeError for the
+    wrong number of values."""
+    if not isinstance(value, (tuple, list, torch.Size)):
+        return (_index(value, name, nd, fn),) * nd
+    values = tuple(_index(v, name, nd, fn) for v in value)
+    if len(values) == 1:
+        return values * nd
+    if len(values) != nd:
+        raise RuntimeError(f"{fn}: expected {name} to be a single integer value or a list of {nd} values, but got "
+                           f"{name}={list(values)}")
+    return values
+
+
+def check_flag(value, name: str, *, fn: str) -> bool:
+    """A bool argument as stock's parser takes it (a TypeError for anything else: "no" was read as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: argument '{name}' must be bool, not {type(value).__name__}")
+    return value
 
 
 # The producer/consumer rule. An activation (a ReLU module, say) can keep either a small mask or its

@@ -74,17 +74,17 @@ _PAD_BACKWARD = {
 _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 
-def _tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * nd
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        if len(value) == 1:
-            return tuple(value) * nd
-        if len(value) == nd:
-            return tuple(value)
-    raise ValueError(f"{fn}: argument '{name}' must be an int or a tuple of {nd} ints, got {value!r}")
+_tuple = _common.int_tuple
+
+
+def _groups(groups, fn: str) -> int:
+    """``groups`` as stock takes it: an int (or numpy integer; TypeError otherwise), positive (RuntimeError)."""
+    if isinstance(groups, bool) or not hasattr(groups, "__index__"):
+        raise TypeError(f"{fn}: argument 'groups' must be int, not {type(groups).__name__}")
+    groups = groups.__index__()
+    if groups < 1:
+        raise RuntimeError(f"{fn}: non-positive groups is not supported (argument 'groups' is {groups})")
+    return groups
 
 
 def _circular_pad_backward(grad: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
@@ -573,6 +573,11 @@ def conv_nd(
     Where stock keeps what we would keep (the weight trains, no explicit padding), stock's functional
     runs directly: no Function, no bookkeeping beyond noting that X is kept. ``normalised``: ``options``' answer
     for these arguments, where the caller has it (a module's cache)."""
+    if padding_mode == "zeros" and isinstance(x, torch.Tensor) and x.is_complex():
+        # complex convolutions: stock's F.conv splits them into real ones, which aten's kernels take
+        if transposed:
+            return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
+        return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
     core = csrc.for_eager(x, cuda=True)
     if core is not None:
         cfg = _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, groups, nd, transposed,
@@ -599,8 +604,7 @@ def conv_nd(
     _common.check_tensor(weight, "weight", fn=fn)
     if bias is not None:
         _common.check_tensor(bias, "bias", fn=fn)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"{fn}: argument 'groups' must be a positive int, got {groups!r}")
+    groups = _groups(groups, fn)
     if x.dim() not in (nd + 1, nd + 2):
         raise RuntimeError(
             f"{fn}: Expected {nd + 1}D (unbatched) or {nd + 2}D (batched) input, "
@@ -685,12 +689,12 @@ def options(nd, transposed, stride, padding, dilation, output_padding, padding_m
         padding_t = (0,) * nd
     elif isinstance(padding, str):
         if transposed:
-            raise ValueError(f"{fn}: argument 'padding' must be an int or a tuple of ints, got {padding!r}")
+            raise TypeError(f"{fn}: argument 'padding' must be an int or a tuple of ints, got {padding!r}")
         if padding == "valid":
             padding_t = (0,) * nd
         elif padding == "same":
             if any(s != 1 for s in stride_t):
-                raise ValueError(f"{fn}: padding='same' is not supported for strided convolutions")
+                raise RuntimeError(f"{fn}: padding='same' is not supported for strided convolutions")
             total = [dilation_t[i] * (kernel[i] - 1) for i in range(nd)]
             left = [t // 2 for t in total]
             right = [t - t // 2 for t in total]
@@ -703,7 +707,7 @@ def options(nd, transposed, stride, padding, dilation, output_padding, padding_m
                     pad[2 * (nd - 1 - i) + 1] = right[i] - left[i]
                 pad = tuple(pad)
         else:
-            raise ValueError(
+            raise RuntimeError(
                 f"{fn}: Invalid padding string {padding!r}, argument 'padding' must be 'same' or 'valid'"
             )
     else:
@@ -798,9 +802,10 @@ _CORE_CFGS: dict = {}
 def core_cfg(core, nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode, weight, fn):
     """The core's ``conv_Cfg`` for these options, normalised as ``conv_nd`` normalises them (an explicit pad for
     a padding mode or an asymmetric ``padding='same'``), or None where ``conv_nd`` would raise (it then does)."""
-    if (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1
+    if (isinstance(groups, bool) or not hasattr(groups, "__index__") or groups.__index__() < 1
             or padding_mode not in _PADDING_MODES or (transposed and padding_mode != "zeros")):
         return None
+    groups = groups.__index__()
     stride_t = _tuple(stride, nd, "stride", fn)
     dilation_t = _tuple(dilation, nd, "dilation", fn)
     output_padding_t = _tuple(output_padding, nd, "output_padding", fn) if transposed else (0,) * nd
@@ -837,7 +842,7 @@ def _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, group
     """``conv_nd``'s core route: the cached ``conv_Cfg`` where the core serves this call, else None (the Python
     path then runs, and raises where the arguments are wrong)."""
     if (type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN) or x.dim() != nd + 2
-            or weight.dim() != nd + 2
+            or weight.dim() != nd + 2 or isinstance(groups, bool)
             or (torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(x.device.type))):
         return None
     try:
@@ -848,10 +853,11 @@ def _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, group
         key, cfg = None, None
     if cfg is None:
         cfg = core_cfg(core, nd, transposed, stride, padding, dilation, groups, output_padding, padding_mode, weight,
-                       fn) or False
-        if key is not None and len(_CORE_CFGS) < 4096:
+                       fn)
+        # (a refusal is not remembered: groups=True is refused, and 1 == True would have found the refusal)
+        if cfg is not None and key is not None and len(_CORE_CFGS) < 4096:
             _CORE_CFGS[key] = cfg
-    return cfg or None
+    return cfg
 
 
 def core_conv(core, x, weight, bias, cfg, nd, transposed, stride, padding, output_padding, groups, dilation):

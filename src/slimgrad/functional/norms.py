@@ -656,7 +656,8 @@ def _check_rms(fn, input, weight, eps, ndim=1):
     if weight is not None:
         _common.check_tensor(weight, "weight", fn=fn)
     if not input.is_floating_point():
-        raise TypeError(f"{fn}: argument 'input' must be a floating-point tensor, got {input.dtype}")
+        # (NotImplementedError, a RuntimeError, as stock's kernel raises for an integer input)
+        raise NotImplementedError(f"{fn}: argument 'input' must be a floating-point tensor, got {input.dtype}")
     if input.dim() < ndim:
         raise ValueError(f"{fn}: argument 'input' must have at least {ndim} dim(s), got shape {tuple(input.shape)}")
     if eps is not None and (not isinstance(eps, (int, float)) or eps < 0):

@@ -75,22 +75,13 @@ _AVG_BACKWARD = {2: aten.avg_pool2d_backward, 3: aten.avg_pool3d_backward}
 _ADAPTIVE_BACKWARD = {2: aten._adaptive_avg_pool2d_backward, 3: aten._adaptive_avg_pool3d_backward}
 
 
-def _tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
-    """Spread an int or a 1-/nd-long sequence to nd ints, as aten does for pooling arguments."""
-    if isinstance(value, int):
-        return (value,) * nd
-    value = tuple(value)
-    if len(value) == 1:
-        return value * nd
-    if len(value) != nd:
-        raise ValueError(f"{fn}: '{name}' must be an int or a tuple of 1 or {nd} ints, got {value!r}")
-    return tuple(int(v) for v in value)
+_tuple = _common.int_tuple
 
 
 
 def _is_default(stride) -> bool:
     """stride=None or [] means 'same as kernel_size' in F and aten."""
-    return stride is None or (not isinstance(stride, int) and len(stride) == 0)
+    return stride is None or (isinstance(stride, (tuple, list, torch.Size)) and len(stride) == 0)
 
 
 def _wants_grad(x: torch.Tensor) -> bool:
@@ -301,6 +292,8 @@ def core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_i
     """The compiled core's options object for these pooling arguments, or None where the core cannot take them
     (then the Python Function runs, and raises stock's error where they are invalid). Checked once per distinct
     (hashable) arguments."""
+    if type(ceil_mode) is not bool:
+        return None  # not cached: 1 == True would find the refusal (the Python path raises stock's TypeError)
     key = (nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     try:
         cached = _CORE_OPTIONS.get(key)
@@ -349,6 +342,8 @@ def _max_pool(nd, input, kernel_size, stride, padding, dilation, ceil_mode, retu
         if (out := core_max_pool(nd, input, options)) is not None:
             return out
     check_tensor(input, "input", fn=f"max_pool{nd}d")
+    if type(ceil_mode) is not bool:
+        _common.check_flag(ceil_mode, "ceil_mode", fn=f"max_pool{nd}d")
     if not _wants_grad(input):
         return stock(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                      return_indices=return_indices)
@@ -552,6 +547,8 @@ def core_avg_options(nd, adaptive, args):
     """The compiled core's options object for average pooling arguments ``args`` (``(kernel_size, stride,
     padding, ceil_mode, count_include_pad, divisor_override)``, or ``(output_size,)`` when adaptive), or None
     where the core cannot take them. Checked once per distinct (hashable) arguments."""
+    if not adaptive and (type(args[3]) is not bool or type(args[4]) is not bool):
+        return None  # not cached: 1 == True would find the refusal (the Python path raises stock's TypeError)
     key = (nd, adaptive, args)
     try:
         cached = _CORE_AVG_OPTIONS.get(key)
@@ -633,6 +630,10 @@ def _avg3d_autocast_dtype(x: torch.Tensor, adaptive: bool) -> torch.dtype | None
 
 
 def _apply_avg(nd, input, adaptive, options):
+    if not adaptive:
+        for name, flag in (("ceil_mode", options[3]), ("count_include_pad", options[4])):
+            if type(flag) is not bool:
+                _common.check_flag(flag, name, fn=f"avg_pool{nd}d")
     if nd == 3 and (dtype := _avg3d_autocast_dtype(input, adaptive)) is not None:
         # cast like autocast does, outside our Function, so the cast's own backward (like stock's) turns the
         # gradient back into x's dtype
