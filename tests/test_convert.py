@@ -455,3 +455,14 @@ def test_an_optimizer_built_before_a_copying_convert_warns_at_its_empty_step():
         warnings.simplefilter("always")
         stock_opt.step()
     assert not _slimgrad_warnings(record)
+
+
+def test_options_that_select_nothing_or_change_nothing_are_refused():
+    """include=[] converted every module (the 'no filter' of None), and optimizer / loss_fn / hold_output without a
+    budget were ignored while example without one raised (the errors sweep)."""
+    model = small_cnn()
+    with pytest.raises(ValueError, match="'include' is empty"):
+        slimgrad.convert(model, include=[])
+    for kwargs in ({"optimizer": "adamw"}, {"loss_fn": lambda out: out.sum()}, {"hold_output": True}):
+        with pytest.raises(ValueError, match=f"'{next(iter(kwargs))}' is used with 'budget'"):
+            slimgrad.convert(model, **kwargs)

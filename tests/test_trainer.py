@@ -182,6 +182,14 @@ def test_callback_unwraps_and_refuses_fixed_options():
         SlimgradCallback(chunkedloss=True)
     with pytest.raises(ValueError, match="no 'model'"):
         SlimgradCallback().on_train_begin(None, None, None)
+    # options convert would refuse at train begin (after the trainer and data are set up) are refused when built
+    for kwargs, error, word in (({"chunked_loss": "yes"}, TypeError, "chunked_loss"),
+                                ({"dropout": "bad"}, ValueError, "dropout"), ({"strict": 1}, TypeError, "strict"),
+                                ({"include": 3}, TypeError, "include"), ({"hold_output": True}, ValueError, "budget"),
+                                ({"budget": "1GiB", "optimizer": "adam_w"}, ValueError, "optimizer"),
+                                ({"budget": "1GiB", "example": "abc"}, TypeError, "example")):
+        with pytest.raises(error, match=word):
+            SlimgradCallback(**kwargs)
 
 
 def test_callback_warns_when_nothing_converts(caplog):

@@ -97,8 +97,9 @@ def default_loss(output) -> torch.Tensor:
         return loss.float().sum()
     tensors = [t for t in _tensors_in(output) if t.is_floating_point() and t.requires_grad]
     if not tensors:
-        raise ValueError(f"audit: no floating-point tensor in the model's output ({type(output).__name__}) "
-                         f"requires grad: nothing trains in this case and no input needs a gradient")
+        kind = "a tensor" if isinstance(output, torch.Tensor) else type(output).__name__  # (not FakeTensor)
+        raise ValueError(f"slimgrad: no floating-point tensor in the model's output ({kind}) requires grad: "
+                         f"nothing trains in this case and no input needs a gradient")
     total = tensors[0].float().sum()
     for t in tensors[1:]:
         total = total + t.float().sum()
@@ -554,6 +555,9 @@ def audit(model: nn.Module, *args, loss_fn: Callable | None = None, case: str | 
         raise ValueError("audit: give the model's inputs: audit(model, x) or audit(model, input_ids=ids)")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"audit: 'loss_fn' must be a callable output -> scalar, got {type(loss_fn).__name__}")
+    from .estimate import misspelt_option
+
+    misspelt_option(model, forward_kwargs, ("loss_fn", "case", "measure_peak"), "audit")
     stock, slim, input_grad = prepare(model, case)
     if input_grad and not any(t.is_floating_point() for t in _pytree.tree_leaves((args, forward_kwargs))
                               if isinstance(t, torch.Tensor)):

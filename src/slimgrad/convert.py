@@ -166,6 +166,10 @@ class _Selector:
                 raise TypeError(f"convert: '{argument}' entries must be path patterns (str) or nn.Module "
                                 f"types, got {item!r}")
         self.types = tuple(types)
+        if argument == "include" and not self.patterns and not self.types:
+            # (an include list that selected nothing converted every module: the "no filter" of None)
+            raise ValueError("convert: 'include' is empty, which selects no module; pass include=None (the default) "
+                             "to convert every module")
         for pattern in self.patterns:
             if not any(self._matches(pattern, p) for p in paths):
                 sample = ", ".join(repr(p) for p in paths if p)[:200]
@@ -397,6 +401,12 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
     """
     if budget is None and example is not None:
         raise ValueError("convert: 'example' is used with 'budget' (a memory budget to plan for); give both")
+    if budget is None:
+        for name, given in (("optimizer", optimizer is not None), ("loss_fn", loss_fn is not None),
+                            ("hold_output", hold_output is not False)):
+            if given:  # (they change only the plan: without a budget they were ignored, silently)
+                raise ValueError(f"convert: '{name}' is used with 'budget' and 'example' (the step to plan for); "
+                                 f"without a budget there is no plan for it to change")
     if budget is not None and example is None:
         raise ValueError("convert: 'budget' needs 'example', one batch of the training step to plan for (a dict "
                          "of keyword inputs, a tensor, or a tuple of positional inputs)")

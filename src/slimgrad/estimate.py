@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import math
 import numbers
 import os
@@ -119,6 +120,48 @@ def _is_block(m: nn.Module) -> bool:
     """A module worth a plan's decision: it holds parameters and has modules of its own (a layer, a stage),
     not a single conv, activation or dropout."""
     return any(True for _ in m.children()) and any(True for _ in m.parameters())
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch's fake tensors log a failed meta kernel (the user's wrong shape) with its whole traceback at ERROR
+    before raising; the estimate raises that error itself, named: the log is left out."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def misspelt_option(model: nn.Module, kwargs: dict, options: tuple[str, ...], fn: str) -> None:
+    """Refuse a keyword that is not a parameter of ``model.forward`` but reads like one of ``fn``'s ``options``
+    (``optimiser="adamw"``): a forward taking ``**kwargs`` (every Hugging Face model) ignores it, and the figure
+    came out without the option, silently (41 % low without the optimizer's state)."""
+    import difflib
+    import inspect
+
+    try:
+        named = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return
+    for key in kwargs:
+        if key in named:
+            continue
+        close = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
+        if close:
+            raise TypeError(f"{fn}: got {key!r}, which {type(model).__name__}.forward does not name (it would ignore "
+                            f"it): did you mean {fn}'s option {close[0]!r}?")
+
+
+def block_list(blocks, fn: str) -> list[str]:
+    """``blocks`` as a list of module paths (one path alone is one block, not its letters)."""
+    if isinstance(blocks, str):
+        return [blocks]
+    if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, str) for b in blocks):
+        raise TypeError(f"{fn}: 'blocks' must be a list of module paths (str), got {blocks!r}")
+    return list(blocks)
 
 
 def blocks_of(model: nn.Module) -> list[str]:
@@ -263,6 +306,19 @@ def _mixed_dtypes(args) -> bool:
 
 
 _REDUCTIONS = frozenset({"sum", "nansum", "prod", "mean", "cumsum", "cumprod"})
+
+#: ops whose real kernels refuse operands of different dtypes, where the meta kernels fake tensors run do not check
+#: (an fp64, bf16 or int64 batch into fp32 Linear layers was estimated, where the real step raises)
+_ONE_DTYPE_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "convolution"))
+
+
+def _check_one_dtype(func, args) -> None:
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    if len(set(dtypes)) > 1:
+        raise RuntimeError(f"{func.__name__.split('.')[0]}: expected its operands to have one dtype, got "
+                           f"{', '.join(str(d).replace('torch.', '') for d in dtypes)} (the real step raises here: "
+                           f"does the example's dtype match the model's?)")
 
 
 def _casts_to_reduce(func, args, out) -> bool:
@@ -576,6 +632,8 @@ class _Allocations(TorchDispatchMode):
         if self.fake_mode is not None and _has_packed_param(args, kwargs):
             args, kwargs = _as_fake_params(self.fake_mode, args, kwargs)
         try:
+            if func in _ONE_DTYPE_OPS:
+                _check_one_dtype(func, args)
             out = _grouped_mm_on_fakes(func, args, kwargs) if func in _GROUPED_MM else func(*args, **kwargs)
         except Exception:
             # where the step stopped, before the modules' frames unwind (the caller's error names it)
@@ -808,6 +866,21 @@ def _packed_restored(model: nn.Module):
                     p.quant_state = qs
 
 
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "sgd-momentum", "momentum")
+
+
+def check_optimizer_spec(spec, fn: str = "estimate") -> None:
+    """Refuse an ``optimizer`` argument that is neither one of :data:`OPTIMIZER_NAMES` nor an optimizer."""
+    if spec is None or isinstance(spec, torch.optim.Optimizer):
+        return
+    if not isinstance(spec, str):
+        raise TypeError(f"{fn}: 'optimizer' must be 'adamw', 'adam', 'sgd', 'sgd-momentum' or a "
+                        f"torch.optim.Optimizer, got {type(spec).__name__}")
+    if spec.lower() not in OPTIMIZER_NAMES:
+        raise ValueError(f"{fn}: 'optimizer' must be 'adamw', 'adam', 'sgd', 'sgd-momentum' or a "
+                         f"torch.optim.Optimizer, got {spec!r}")
+
+
 def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Tensor]):
     """The optimizer the step simulates: a new one of the named kind, or one of ``spec``'s class with its
     parameter groups' options over the fake parameters (``fake_of``: id of a real parameter -> its fake)."""
@@ -835,7 +908,13 @@ def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Te
             if fakes:
                 groups.append({**{k: v for k, v in g.items() if k != "params" and k in accepted}, "params": fakes})
         if not groups:
-            return None
+            if not any(id(p) in fake_of for g in spec.param_groups for p in g["params"]):
+                raise ValueError(
+                    f"estimate: 'optimizer' ({type(spec).__name__}) holds none of the model's parameters, so its "
+                    f"state cannot be estimated for this model (an optimizer built before slimgrad.convert, which "
+                    f"returns a copy unless inplace=True?): pass one built on this model's parameters, or its kind "
+                    f"('adamw', 'sgd', ...)")
+            return None  # it steps only parameters that train nothing here: no state
         try:
             return type(spec)(groups)
         except (TypeError, ValueError) as e:
@@ -1145,8 +1224,12 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         raise ValueError("estimate: give the step's inputs: estimate(model, x) or estimate(model, input_ids=ids)")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"estimate: 'loss_fn' must be a callable output -> scalar, got {type(loss_fn).__name__}")
+    if not isinstance(hold_output, bool):
+        raise TypeError(f"estimate: 'hold_output' must be True or False, got {hold_output!r}")
+    misspelt_option(model, kwargs, ("optimizer", "loss_fn", "blocks", "device", "hold_output"), "estimate")
+    check_optimizer_spec(optimizer)
     loss_of = loss_fn or default_loss
-    block_paths = list(blocks) if blocks is not None else blocks_of(model)
+    block_paths = block_list(blocks, "estimate") if blocks is not None else blocks_of(model)
     modules = dict(model.named_modules())
     for b in block_paths:
         if b not in modules:
@@ -1226,7 +1309,7 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     from torch.nn.utils.stateless import _reparametrize_module
 
     block_inputs = {b: 0 for b in block_paths}
-    with fake_mode, sim:
+    with fake_mode, sim, _quiet_fake_tensor_log():
         for t in {id(v): v for v in [*params.values(), *buffers.values(), *sum(packed.values(), [])]}.values():
             sim.add(t, "weights")
         for t in _pytree.tree_leaves((f_args, f_kwargs)):
@@ -1404,12 +1487,24 @@ class MemoryScaling:
 def scaling(model: nn.Module, make_example: Callable[[int], Any], sizes=(1, 2, 4), **estimate_options) -> MemoryScaling:
     """Fit :class:`MemoryScaling` from :func:`estimate` at three ``sizes``; ``make_example(n)`` builds the batch
     for size ``n`` (a dict of keyword inputs, a tensor, or a tuple of positional inputs)."""
-    sizes = tuple(int(n) for n in sizes)
+    if not callable(make_example):
+        raise TypeError(f"scaling: 'make_example' must be a function n -> batch (the batch for size n), got a "
+                        f"{type(make_example).__name__}; e.g. lambda n: {{'input_ids': ids[:, :n]}}")
+    if (not isinstance(sizes, (list, tuple)) or
+            not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)):
+        raise TypeError(f"scaling: 'sizes' must be three different ints >= 1, got {sizes!r}")
+    sizes = tuple(sizes)
     if len(sizes) != 3 or len(set(sizes)) != 3 or min(sizes) < 1:
         raise ValueError(f"scaling: 'sizes' must be three different sizes >= 1, got {sizes!r}")
     peaks = []
+    shapes_at: dict = {}
     for n in sizes:
         a, kw = split_example(make_example(n))
+        shapes = tuple(tuple(t.shape) for t in _pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor))
+        if shapes_at.setdefault(shapes, n) != n:  # (a flat fit from one batch shape, said nothing)
+            raise ValueError(f"scaling: make_example({shapes_at[shapes]}) and make_example({n}) built batches of the "
+                             f"same shapes {list(shapes)}: the batch must grow with n (a slice ids[:, :n] stops at "
+                             f"ids' length)")
         peaks.append(estimate(model, *a, **kw, **estimate_options).peak_bytes)
     (x0, x1, x2), (y0, y1, y2) = sizes, peaks
     # the parabola through three points (Newton's divided differences)

@@ -41,7 +41,17 @@ import torch
 from torch import nn
 
 from ._registry import changes_what_is_kept
-from .estimate import MemoryEstimate, _gib, _is_block, blocks_of, estimate, parse_bytes, split_example, unwrap
+from .estimate import (
+    MemoryEstimate,
+    _gib,
+    _is_block,
+    block_list,
+    blocks_of,
+    estimate,
+    parse_bytes,
+    split_example,
+    unwrap,
+)
 
 __all__ = ["BlockChoice", "MemoryPlan", "apply_plan", "parts_of", "plan", "remove_plan"]
 
@@ -573,15 +583,19 @@ def plan(model: nn.Module, budget, example, *, optimizer=None, loss_fn: Callable
     instead of the whole block. The model is not changed: :func:`apply_plan` (or ``slimgrad.convert(model,
     budget=..., example=...)``) installs the result.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan: 'model' must be a torch.nn.Module, got {type(model).__name__}")
     model = unwrap(model)  # DDP / compile: the inner module is planned (the paths are its own)
     budget_bytes = parse_bytes(budget)
     if isinstance(actions, str):  # actions="checkpoint": one action, not its letters
         actions = (actions,)
+    if not isinstance(actions, (list, tuple, set, frozenset)):
+        raise TypeError(f"plan: 'actions' must be a list of 'checkpoint' and 'offload', got {actions!r}")
     for a in actions:
         if a not in ("checkpoint", "offload"):
             raise ValueError(f"plan: 'actions' may hold 'checkpoint' and 'offload', got {a!r}")
     args, kwargs = split_example(example)
-    block_paths = list(blocks) if blocks is not None else blocks_of(model)
+    block_paths = block_list(blocks, "plan") if blocks is not None else blocks_of(model)
     part_paths = parts_of(model, block_paths) if parts else []
     previous = planned_actions(model)
     notes: list[str] = []

@@ -80,6 +80,27 @@ def _distillation_computes_its_own_loss(args) -> bool:
     return kind.__name__ == "DistillationConfig" and kind.__module__.startswith("trl")
 
 
+def _check_convert_options(options: dict) -> None:
+    """convert's checks of its options that need no model, run when the callback is built."""
+    for name in ("strict", "hold_output"):
+        if name in options and not isinstance(options[name], bool):
+            raise TypeError(f"SlimgradCallback: '{name}' must be True or False, got {options[name]!r}")
+    if options.get("chunked_loss") is not None and not isinstance(options["chunked_loss"], bool):
+        raise TypeError(f"SlimgradCallback: 'chunked_loss' must be True, False or None, got "
+                        f"{options['chunked_loss']!r}")
+    if options.get("dropout") is not None:
+        from slimgrad.functional.dropout import check_policy
+
+        check_policy(options["dropout"], source="SlimgradCallback's argument 'dropout'")
+    for name in ("include", "exclude"):
+        spec = options.get(name)
+        items = [spec] if isinstance(spec, (str, type)) else spec
+        if spec is not None and (not isinstance(items, (list, tuple, set, frozenset))
+                                 or not all(isinstance(i, (str, type)) for i in items)):
+            raise TypeError(f"SlimgradCallback: '{name}' must be a module path pattern, a module type or a list of "
+                            f"them, got {spec!r}")
+
+
 class SlimgradCallback(TrainerCallback):
     """Converts the trainer's model in place with :func:`slimgrad.convert` when training begins.
 
@@ -127,14 +148,22 @@ class SlimgradCallback(TrainerCallback):
             raise TypeError(f"SlimgradCallback: unknown option {unknown[0]!r}; slimgrad.convert takes "
                             f"{', '.join(sorted(known))}")
         if budget is None:
-            for name, value in (("example", example), ("optimizer", optimizer), ("loss_fn", loss_fn)):
+            for name, value in (("example", example), ("optimizer", optimizer), ("loss_fn", loss_fn),
+                                ("hold_output", convert_options.get("hold_output") or None)):
                 if value is not None:
                     raise ValueError(f"SlimgradCallback: '{name}' is used with 'budget' (a memory budget to plan "
                                      f"for); give a budget too")
         else:
-            from slimgrad.estimate import parse_bytes
+            from slimgrad.estimate import check_optimizer_spec, parse_bytes, split_example
 
             parse_bytes(budget, "SlimgradCallback: 'budget'")  # a bad budget fails here, not at train begin
+            if example is not None:
+                try:
+                    split_example(example)
+                except TypeError as e:
+                    raise TypeError(f"SlimgradCallback: {e}") from None
+            check_optimizer_spec(optimizer, "SlimgradCallback")
+        _check_convert_options(convert_options)  # bad options fail here, not at train begin (data already loaded)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"SlimgradCallback: 'loss_fn' must be a callable output -> scalar, got "
                             f"{type(loss_fn).__name__}")
