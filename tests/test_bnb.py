@@ -658,3 +658,32 @@ def test_dora_over_a_quantized_base_is_reported_as_left_to_peft():
     for (name, p), (_, q) in zip(stock.named_parameters(), slim.named_parameters()):
         if p.requires_grad:
             assert torch.equal(q.grad, p.grad), name
+
+
+@pytest.mark.parametrize("kind", ["4bit", "8bit"])
+def test_peft_lora_over_a_quantized_linear_under_cpu_autocast_runs_peft_forward(kind):
+    """Under CPU bf16 autocast, slimgrad asked CUDA's autocast (torch.is_autocast_enabled() with no device), ran its
+    LoRA branch where peft skips its casts, and backward raised "expected m1 and m2 to have the same dtype" where
+    stock runs (QLoRA under Trainer(bf16=True) on CPU; review sweep). peft's own forward runs there: stock's bits."""
+    peft = pytest.importorskip("peft")
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    if kind == "4bit":
+        base = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    else:
+        base = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+    holder = nn.Sequential(base).to("cpu")
+    holder.is_loaded_in_4bit, holder.is_loaded_in_8bit = kind == "4bit", kind == "8bit"
+    layer = peft.get_peft_model(holder, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"])).base_model.model[0]
+    nn.init.normal_(layer.lora_B["default"].weight)
+    x = torch.randn(2, 8, 64)
+    results = []
+    for mod in (copy.deepcopy(layer), slimgrad.convert(copy.deepcopy(layer))):
+        xx = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mod(xx)
+        y.float().square().sum().backward()
+        results.append((y.detach(), xx.grad, mod.lora_A["default"].weight.grad))
+    for got, expected in zip(results[1], results[0]):
+        assert torch.equal(got, expected)

@@ -38,6 +38,7 @@ import math
 import numbers
 import os
 import re
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,7 +78,11 @@ def parse_bytes(value, what: str = "budget") -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.3f} GiB"
+    if abs(n) >= 2**20 // 10:  # (below 0.1 MiB, "0.0 MiB" read as nothing: a small model's budget and peak)
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def split_example(example) -> tuple[tuple, dict]:
@@ -142,6 +147,8 @@ def misspelt_option(model: nn.Module, kwargs: dict, options: tuple[str, ...], fn
     import difflib
     import inspect
 
+    if not isinstance(model, nn.Module):
+        return  # (the caller's own check names it)
     try:
         named = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
@@ -453,6 +460,26 @@ def released_by_the_core(grad: torch.Tensor) -> None:
             mode.release(grad)
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _called_by_the_engine() -> bool:
+    """Whether the op being dispatched comes from autograd's engine itself (its C++ nodes and input buffers), not
+    from a Python backward: above the dispatch mode's frames, torch's own frames lead to ``_engine_run_backward``
+    before any frame of other code (a custom Function's backward). A device thread of the engine has none."""
+    frame = sys._getframe(3)  # (this <- _note_sum <- __torch_dispatch__ <- ...)
+    for _ in range(12):
+        if frame is None:
+            return True
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward":
+            return True
+        if not code.co_filename.startswith(_TORCH_DIR):
+            return False
+        frame = frame.f_back
+    return False
+
+
 class _Allocations(TorchDispatchMode):
     """Every storage an op brings into being, alive until nothing refers to it; one event per op."""
 
@@ -568,11 +595,17 @@ class _Allocations(TorchDispatchMode):
         storages = [_storage(t) for t in (first, out)]
         if any(st is None for st in storages) or storages[0].nbytes() != storages[1].nbytes():
             return
+        if not _called_by_the_engine():
+            return  # a Python backward's own add (a custom Function's `grad_output + t`): it allocates
         key = StorageWeakRef(storages[0]).cdata
         made = self.made_by.get(key)
         entry = self.live.get(key)
-        if made is None or made == id(torch._C._current_autograd_node()) or entry is None or entry[1] == 0:
-            return  # not a gradient of an earlier node: a sum inside one node's backward, which allocates
+        current = id(torch._C._current_autograd_node())
+        second_storage = _storage(second)
+        second = StorageWeakRef(second_storage).cdata if second_storage is not None else None
+        if (made is None or made == current or self.made_by.get(second) != current or entry is None
+                or entry[1] == 0):
+            return  # not the engine's sum of an earlier node's gradient and the one this node just made
         self.summed = (key, len(self.events) - 1, entry[1], entry[2])
 
     def _summed_in_place(self, key: int, index: int, n: int, kind: str) -> None:

@@ -196,7 +196,7 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     stock = _stock_type(self).forward
     adapters = None
     if (not args and not kwargs and not self.disable_adapters and not self.merged and isinstance(x, torch.Tensor)
-            and not self.lora_variant and not torch.is_autocast_enabled() and _known_now(self)):
+            and not self.lora_variant and not torch.is_autocast_enabled(x.device.type) and _known_now(self)):
         adapters = _adapters(self, x)
     if adapters is None:
         return stock(self, x, *args, **kwargs)
@@ -217,8 +217,10 @@ def _fast_lora_forward(self, x: torch.Tensor):
     from slimgrad.integrations.peft_lora import _active_plain_adapters
 
     d = self.__dict__
-    if (d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or torch.is_autocast_enabled()
-            or not _known_now(self)):
+    # (the device's autocast: torch.is_autocast_enabled() alone asks CUDA's, and under CPU autocast the LoRA branch
+    # ran where peft skips its casts: backward raised "expected m1 and m2 to have the same dtype"; review sweep)
+    if (d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant")
+            or torch.is_autocast_enabled(x.device.type) or not _known_now(self)):
         return None
     found = _active_plain_adapters(d, nn.Linear)
     if found is None or (autocast_enabled(x.device.type) and any(p > 0 for *_, p in found)):

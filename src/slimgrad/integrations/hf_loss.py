@@ -50,6 +50,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -464,11 +465,20 @@ def _key(module, stock):
     return stock, text, where, structure
 
 
+def _from_trl(forward) -> bool:
+    """Whether an instance forward is TRL's (``add_fused_lm_head``): it computes the loss itself, in tiles, and calls
+    the class's forward only with its fused head off, so reaching that forward (:func:`reaches`) does not make it a
+    plain wrapper such as accelerate's mixed-precision one."""
+    func = getattr(forward, "__func__", forward)
+    code = getattr(func, "__code__", None)  # (functools.wraps copies the model's __module__ onto it)
+    return code is not None and f"{os.sep}trl{os.sep}" in code.co_filename
+
+
 def check(module) -> _Verified | str:
     """The check's result for ``module`` (run on first use, then cached per class, config and dtype): a
     :class:`_Verified`, or the reason the chunked path is not used for it."""
     own = module.__dict__.get("forward")
-    if own is not None and not reaches(own, type(module).forward):
+    if own is not None and (_from_trl(own) or not reaches(own, type(module).forward)):
         return _PATCHED  # per module, never cached: the class may be fine elsewhere
     result = _recalled(module)
     if result is None:
