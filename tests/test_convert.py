@@ -466,3 +466,44 @@ def test_options_that_select_nothing_or_change_nothing_are_refused():
     for kwargs in ({"optimizer": "adamw"}, {"loss_fn": lambda out: out.sum()}, {"hold_output": True}):
         with pytest.raises(ValueError, match=f"'{next(iter(kwargs))}' is used with 'budget'"):
             slimgrad.convert(model, **kwargs)
+
+
+def test_the_optimizer_warning_waits_for_a_closure_and_sees_zeroed_gradients():
+    """LBFGS computes its gradients inside step(closure): it was warned of though its parameters move; an optimizer
+    whose gradients zero_grad(set_to_none=False) left at zero before a copying convert trained nothing, unsaid
+    (review sweep)."""
+    import warnings
+
+    from slimgrad import _notices
+
+    _notices.reset_warned()
+    torch.manual_seed(0)
+    baseline = small_cnn()
+    lbfgs = torch.optim.LBFGS(baseline.parameters(), max_iter=2)
+    slimgrad.convert(copy.deepcopy(baseline))  # (a converted copy beside a stock baseline)
+    slimgrad.convert(baseline)
+    x = torch.randn(2, 3, 8, 8)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = baseline(x).square().mean()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        lbfgs.step(closure)
+    assert not _slimgrad_warnings(record)
+
+    _notices.reset_warned()
+    model = small_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    slim = slimgrad.convert(model)
+    slim(x).sum().backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("before slimgrad.convert" in m for m in _slimgrad_warnings(record))

@@ -23,7 +23,8 @@ __all__ = ["note_copy"]
 #: parameters of models convert copied (while those models live) -> the path of one module holding them
 _COPIED_AWAY = WeakTensorKeyDictionary()
 _HOOK = None
-_WARNED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+_CHECKED = weakref.WeakKeyDictionary()  # optimizer -> the copy count its gradients were last looked at under
+_COPIES = [0]  # copies convert made so far: an optimizer is looked at once after each
 
 
 def _compiled_paths(model: nn.Module) -> list[str]:
@@ -40,6 +41,7 @@ def note_copy(model: nn.Module) -> None:
                f"Module.compile(): {', '.join(compiled[:3])}{' ...' if len(compiled) > 3 else ''} was compiled, its "
                f"copy runs eagerly. Call .compile() on the model convert returns (with the same arguments), or "
                f"convert with inplace=True, which keeps the compiled call", stacklevel=4)
+    _COPIES[0] += 1
     for path, module in model.named_modules():
         for param in module.parameters(recurse=False):
             if param.requires_grad:
@@ -49,19 +51,23 @@ def note_copy(model: nn.Module) -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Warn once per optimizer that steps only parameters convert copied away, none of which has a gradient."""
-    if not len(_COPIED_AWAY) or optimizer in _WARNED_OPTIMIZERS:
+    """At an optimizer's first step after each copying convert (once: its cost is one look at its parameters), warn
+    where it steps only parameters convert copied away and none of them has a non-zero gradient. A step given a
+    closure (LBFGS) computes its gradients inside the step: it is looked at the next time, if ever."""
+    if not len(_COPIED_AWAY) or _CHECKED.get(optimizer) == _COPIES[0]:
         return
-    copied = None
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                return  # something is trained: whatever else it holds is the user's business
-            if copied is None and param in _COPIED_AWAY:
-                copied = _COPIED_AWAY[param]
+    if any(callable(a) for a in args if a is not optimizer) or callable(kwargs.get("closure")):  # (args hold self)
+        return
+    _CHECKED[optimizer] = _COPIES[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    copied = next((_COPIED_AWAY[p] for p in params if p in _COPIED_AWAY), None)
     if copied is None:
         return
-    _WARNED_OPTIMIZERS.add(optimizer)
+    for param in params:
+        grad = param.grad
+        # (a gradient zeroed by zero_grad(set_to_none=False) before convert trains nothing either)
+        if grad is not None and (param not in _COPIED_AWAY or bool(grad.any())):
+            return  # something is trained: whatever else it holds is the user's business
     notify(f"slimgrad: this {type(optimizer).__name__} steps parameters of the model as it was before "
            f"slimgrad.convert (e.g. in '{copied or '(the model itself)'}'), and none of them has a gradient: convert "
            f"returned a copy (inplace=False) with parameters of its own, which is what trains, so this step changes "
