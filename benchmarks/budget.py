@@ -18,13 +18,13 @@ of it. For each budget and each alternative:
   the alternative's measured peak at the reference batch is over the budget.
 
 The alternatives: stock + full checkpointing (transformers' ``activation_checkpointing_enable`` with
-``use_reentrant=False`` on the Llamas; ``slimgrad.plan.apply_plan`` with every block "checkpoint" on the stock
-ResNet), stock + transformers' offloaded checkpointing (``offload=True``, and the same construct on the ResNet's
-stages; on CPU there is no device memory to offload from: reported n/a), ``torch.compile`` with
-``torch._functorch.config.activation_memory_budget`` = the budget's fraction (``dynamic=True``, one compile per
-budget, compile time reported), slimgrad alone (``slimgrad.convert(model)``), slimgrad + every block
-checkpointed, and slimgrad's plan (``slimgrad.convert(model, budget=..., example=batch)``, re-planned for every
-candidate batch with that batch; on CUDA it may offload blocks too).
+``use_reentrant=False`` on the Llamas; ``apply_plan`` (``from slimgrad.plan import apply_plan``) with every block
+"checkpoint" on the stock ResNet), stock + transformers' offloaded checkpointing (``offload=True``, and the same
+construct on the ResNet's stages; on CPU there is no device memory to offload from: reported n/a), ``torch.compile``
+with ``torch._functorch.config.activation_memory_budget`` = the budget's fraction (``dynamic=True``, one compile per
+budget, compile time reported), slimgrad alone (``slimgrad.convert(model)``), slimgrad + every block checkpointed,
+and slimgrad's plan (``slimgrad.convert(model, budget=..., example=batch)``, re-planned for every candidate batch
+with that batch; on CUDA it may offload blocks too).
 
 ``slimgrad.convert(budget=)`` budgets the whole step (weights, buffers and inputs included, what a device
 holds); the benchmark's budgets are step peaks, so the plan is given the step budget plus the bytes of the
@@ -712,7 +712,8 @@ def main(argv=None) -> str:
              "",
              "Full checkpointing: transformers' `activation_checkpointing_enable(activation_checkpointing_kwargs="
              "{\"use_reentrant\": False})` (what `gradient_checkpointing_enable` calls) on the Llamas; "
-             "`slimgrad.plan.apply_plan` with every block \"checkpoint\" (non-reentrant) on the stock ResNet, "
+             "`apply_plan` (`from slimgrad.plan import apply_plan`) with every block \"checkpoint\" (non-reentrant) "
+             "on the stock ResNet, "
              "which has no checkpointing switch of its own. Offloaded checkpointing: transformers' "
              "`offload=True` (`save_on_cpu(pin_memory=True)` around each layer's checkpoint: the layers' inputs go "
              "to host memory) on the Llamas, the same construct around each stage of the ResNet"
