@@ -359,8 +359,15 @@ def test_flags_of_the_wrong_kind_raise_as_stock_and_0d_tensor_numbers_run():
         F.dropout(x, 0.5, training="no")
     with slimgrad.enabled(), pytest.raises(TypeError, match="'training' must be bool"):
         F.dropout(x, 0.5, training="no")
+    # a float size after the equal int's call found that call's cached options and ran (review sweep)
+    torch.nn.functional.max_pool2d(x, 2, stride=2)
+    with slimgrad.enabled():
+        F.max_pool2d(x, 2, stride=2)
+        with pytest.raises(TypeError):
+            F.max_pool2d(x, 2, stride=2.0)
+        F.dropout(x, 0.5, training=True, inplace=0)  # stock tests inplace's truth only
     for call in (lambda t: F.leaky_relu(t, torch.tensor(0.2)), lambda t: F.hardtanh(t, min_val=torch.tensor(-0.5)),
-                 lambda t: F.threshold(t, torch.tensor(0.1), 0.0)):
+                 lambda t: F.threshold(t, torch.tensor(0.1), 0.0), lambda t: F.leaky_relu(t, True)):
         x1 = torch.randn(2, 8, requires_grad=True)
         x2 = x1.detach().clone().requires_grad_()
         expected = call(x1)

@@ -190,6 +190,12 @@ def test_callback_unwraps_and_refuses_fixed_options():
                                 ({"budget": "1GiB", "example": "abc"}, TypeError, "example")):
         with pytest.raises(error, match=word):
             SlimgradCallback(**kwargs)
+    import collections
+
+    for spec in (collections.deque(["*lm_head"]), {"*lm_head": 1}.keys(), (p for p in ["*lm_head"])):
+        callback = SlimgradCallback(exclude=spec)  # any iterable convert takes (review sweep), a generator kept
+        callback.on_train_begin(None, None, None, model=peft.get_peft_model(tiny_llama(), lora_config()))
+        assert callback.report.converted and not any("lm_head" in p for p, _ in callback.report.converted)
 
 
 def test_callback_warns_when_nothing_converts(caplog):

@@ -388,10 +388,25 @@ def int_tuple(value, nd: int, name: str, fn: str) -> tuple[int, ...]:
 
 
 def check_flag(value, name: str, *, fn: str) -> bool:
-    """A bool argument as stock's parser takes it (a TypeError for anything else: "no" was read as True)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}: argument '{name}' must be bool, not {type(value).__name__}")
-    return value
+    """A bool argument as stock's parser takes it, numpy's bool too (a TypeError for anything else: "no" was read as
+    True)."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{fn}: argument '{name}' must be bool, not {type(value).__name__}")
+
+
+def plain_sizes(*values) -> bool:
+    """Whether pooling's size arguments are ints or sequences of ints (not bools, not floats): the core's option
+    caches key on the values, where 2.0 == 2 and True == 1 would find another call's options."""
+    for v in values:
+        if v is None or type(v) is int:
+            continue
+        if type(v) in (tuple, list) and all(type(e) is int for e in v):
+            continue
+        return False
+    return True
 
 
 # The producer/consumer rule. An activation (a ReLU module, say) can keep either a small mask or its

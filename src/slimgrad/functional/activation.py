@@ -354,7 +354,7 @@ def _core_for(input):
 def _check_slope(negative_slope) -> float:
     if isinstance(negative_slope, torch.Tensor) and negative_slope.dim() == 0 and not negative_slope.is_complex():
         return float(negative_slope.item())  # a 0-d tensor, which stock takes as a number
-    if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real):
+    if not isinstance(negative_slope, numbers.Real):  # (a bool is a number to stock: True is 1.0)
         raise TypeError(f"leaky_relu: argument 'negative_slope' must be a real number, got "
                         f"{type(negative_slope).__name__}")
     return float(negative_slope)

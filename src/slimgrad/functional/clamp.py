@@ -329,7 +329,7 @@ def _stock_grad_strides(kind: str, grad: torch.Tensor, x_strides) -> tuple[int, 
 def _real(v, name: str, fn: str) -> float:
     if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex():
         return float(v.item())  # a 0-d tensor, which stock takes as a number
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    if not isinstance(v, numbers.Real):  # (a bool is a number to stock: True is 1.0)
         raise TypeError(f"{fn}: argument '{name}' must be a real number, got {type(v).__name__}")
     return float(v)
 

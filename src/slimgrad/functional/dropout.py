@@ -464,9 +464,8 @@ def dropout(
     """``F.dropout`` keeping 1 bit per element (policy "bits", bitwise stock's mask on CPU) or an 8-byte
     seed ("seed") for backward instead of an input-sized float mask; ``policy=None``: the process-wide
     one (default "auto": bits on CPU and meta, seed elsewhere)."""
-    if type(training) is not bool or type(inplace) is not bool:  # ("no" was read as True)
-        for name, flag in (("training", training), ("inplace", inplace)):
-            _common.check_flag(flag, name, fn="dropout")
+    if type(training) is not bool:  # ("no" was read as True; stock's F.dropout only tests inplace's truth)
+        training = _common.check_flag(training, "training", fn="dropout")
     if training and (core := _core(input, p, policy)) is not None:
         return core.dropout_apply(input, p, inplace)
     _check(input, p, "dropout")

@@ -263,8 +263,8 @@ def _geometry(nd, kernel_size, stride, padding, dilation, cache=True):
     tiny input, what the split form's separate setup_context call costs). ``cache=False`` while traced: dynamo
     would guard on the dictionary's contents and recompile as it grows."""
     key = (nd, kernel_size, stride, padding, dilation)
-    if not cache:
-        return _make_geometry(*key)
+    if not cache or not _common.plain_sizes(kernel_size, stride, padding, dilation):
+        return _make_geometry(*key)  # (2.0 == 2: a float kernel would find an int one's geometry and run)
     try:
         cached = _GEOMETRY.get(key)
     except TypeError:  # lists
@@ -292,8 +292,8 @@ def core_options(nd, kernel_size, stride, padding, dilation, ceil_mode, return_i
     """The compiled core's options object for these pooling arguments, or None where the core cannot take them
     (then the Python Function runs, and raises stock's error where they are invalid). Checked once per distinct
     (hashable) arguments."""
-    if type(ceil_mode) is not bool:
-        return None  # not cached: 1 == True would find the refusal (the Python path raises stock's TypeError)
+    if type(ceil_mode) is not bool or not _common.plain_sizes(kernel_size, stride, padding, dilation):
+        return None  # not cached: 1 == True, 2.0 == 2 would find another call's (the Python path decides)
     key = (nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     try:
         cached = _CORE_OPTIONS.get(key)
@@ -547,8 +547,9 @@ def core_avg_options(nd, adaptive, args):
     """The compiled core's options object for average pooling arguments ``args`` (``(kernel_size, stride,
     padding, ceil_mode, count_include_pad, divisor_override)``, or ``(output_size,)`` when adaptive), or None
     where the core cannot take them. Checked once per distinct (hashable) arguments."""
-    if not adaptive and (type(args[3]) is not bool or type(args[4]) is not bool):
-        return None  # not cached: 1 == True would find the refusal (the Python path raises stock's TypeError)
+    if not adaptive and (type(args[3]) is not bool or type(args[4]) is not bool
+                         or not _common.plain_sizes(*args[:3])):
+        return None  # not cached: 1 == True, 2.0 == 2 would find another call's (the Python path decides)
     key = (nd, adaptive, args)
     try:
         cached = _CORE_AVG_OPTIONS.get(key)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+from collections.abc import Collection, Iterable, Iterator
 
 from torch import nn
 from transformers import TrainerCallback
@@ -94,11 +95,16 @@ def _check_convert_options(options: dict) -> None:
         check_policy(options["dropout"], source="SlimgradCallback's argument 'dropout'")
     for name in ("include", "exclude"):
         spec = options.get(name)
-        items = [spec] if isinstance(spec, (str, type)) else spec
-        if spec is not None and (not isinstance(items, (list, tuple, set, frozenset))
-                                 or not all(isinstance(i, (str, type)) for i in items)):
+        if spec is None or isinstance(spec, (str, type)):
+            continue
+        if not isinstance(spec, Iterable):
             raise TypeError(f"SlimgradCallback: '{name}' must be a module path pattern, a module type or a list of "
                             f"them, got {spec!r}")
+        if isinstance(spec, Iterator):  # (a generator: read once here, kept as a list for train begin)
+            options[name] = spec = list(spec)
+        if isinstance(spec, Collection) and not all(isinstance(i, (str, type)) for i in spec):
+            raise TypeError(f"SlimgradCallback: '{name}' entries must be path patterns (str) or nn.Module types, got "
+                            f"{spec!r}")
 
 
 class SlimgradCallback(TrainerCallback):
