@@ -694,3 +694,34 @@ def test_an_fp32_soft_cap_under_autocast_is_applied_in_the_dtype_stock_applies_i
             if p.grad is not None:
                 scale = p.grad.float().abs().max().item()
                 assert (q.grad.float() - p.grad.float()).abs().max().item() <= 4e-3 * scale, family
+
+
+@pytest.mark.parametrize("tokens,chunked", [(64, False), (1024, True)])
+def test_a_trained_head_with_few_tokens_keeps_stocks_logits(tokens, chunked, monkeypatch):
+    """Where the output embedding trains, the chunked backward holds an fp32 vocab x hidden gradient buffer beside
+    each chunk's logits: with few tokens per call it cost more than stock's logits (a bf16 Llama at 1x64 tokens
+    peaked 1.45x stock's; the mixed-precision sweep). Such calls run stock's forward; longer ones stay chunked."""
+    from slimgrad.measure import peak_bytes
+
+    monkeypatch.setattr(hf_loss, "CHOOSE_BY_SIZE", True)  # (conftest turns it off for this module's other tests)
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=8192)
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+
+    stock, slim = build(), _converted(build())
+    ids = torch.randint(0, 8192, (1, tokens), generator=torch.Generator().manual_seed(1))
+    peaks, outputs = [], []
+    for model in (stock, slim):
+        def step(model=model):
+            out = model(input_ids=ids, labels=ids)
+            outputs.append(out.logits is None)
+            out.loss.backward()
+        step()
+        for p in model.parameters():
+            p.grad = None
+        peaks.append(peak_bytes(step))
+    assert outputs[-1] is chunked
+    assert peaks[1] <= peaks[0], peaks
