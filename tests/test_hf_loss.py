@@ -725,3 +725,23 @@ def test_a_trained_head_with_few_tokens_keeps_stocks_logits(tokens, chunked, mon
         peaks.append(peak_bytes(step))
     assert outputs[-1] is chunked
     assert peaks[1] <= peaks[0], peaks
+
+
+def test_a_moe_configured_for_router_logits_engages_on_calls_that_turn_them_off():
+    """Configured with output_router_logits=True before convert, the check ran with the aux loss and refused the head
+    with a reason naming something else ("post-processes its logits ..."), and calls passing
+    output_router_logits=False lost the saving (review sweep)."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(**LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=True)
+    stock = transformers.MixtralForCausalLM(cfg)
+    slim = _converted(copy.deepcopy(stock))
+    ids, labels = _batch()
+    expected = stock(input_ids=ids, labels=labels)
+    with pytest.warns(SlimgradWarning, match="output_router_logits"):
+        actual = slim(input_ids=ids, labels=labels)
+    _close(actual.loss, expected.loss, "loss with aux loss", rtol=0, atol=0)
+    expected = stock(input_ids=ids, labels=labels, output_router_logits=False)
+    actual = slim(input_ids=ids, labels=labels, output_router_logits=False)
+    assert actual.logits is None
+    _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
