@@ -519,16 +519,20 @@ def _chunked_gap(model) -> str:
     return gaps[0]
 
 
-def test_a_head_whose_stock_loss_is_bf16_is_left_to_stock():
-    """BART's decoder head (and Marian's, Pegasus', XLNet's, ...) takes cross-entropy on bf16 logits, a bf16 loss; the
-    chunked loss sums in fp32: 0.3 % off stock's loss and every gradient with it, in bf16 only (found by this stop's
-    sweep over every causal-LM architecture). The check now refuses it there, naming both dtypes."""
+def _tiny_bart():
     torch.manual_seed(0)
     config = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                                      decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
                                      activation_dropout=0.0)
-    bart = transformers.BartForCausalLM(config)
+    return transformers.BartForCausalLM(config)
+
+
+def test_a_head_whose_stock_loss_is_bf16_is_left_to_stock():
+    """BART's decoder head (and Marian's, Pegasus', XLNet's, ...) takes cross-entropy on bf16 logits, a bf16 loss; the
+    chunked loss sums in fp32: 0.3 % off stock's loss and every gradient with it, in bf16 only (found by this stop's
+    sweep over every causal-LM architecture). The check now refuses it there, naming both dtypes."""
+    bart = _tiny_bart()
     assert "stock loss is computed in torch.bfloat16" in _chunked_gap(bart.to(torch.bfloat16))
     _assert_chunked_like_stock(_converted(bart.float()), bart)  # fp32: engaged, as before
 
@@ -537,12 +541,7 @@ def test_a_cast_after_convert_is_checked_again():
     """Converted in fp32 then cast with .to(bfloat16): the fp32 check's verdict was kept, and BART returned an fp32
     chunked loss where stock's is bf16 (3.952882 against 3.953125, gradients 1.14x their largest value off; the
     hfloss sweep). The head's dtype is part of what the verdict depends on."""
-    torch.manual_seed(0)
-    config = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
-                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                     decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-                                     activation_dropout=0.0)
-    stock = transformers.BartForCausalLM(config)
+    stock = _tiny_bart()
     slim = _converted(copy.deepcopy(stock))
     stock.to(torch.bfloat16)
     slim.to(torch.bfloat16)
