@@ -21,6 +21,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests import _budget_models as bm
 from torch import nn
 
@@ -951,6 +952,29 @@ def test_a_python_backwards_own_sum_is_not_taken_for_the_engines():
 
     torch.manual_seed(0)
     model, example = M(), torch.randn(512, 64)
+    measured = bm.measured_step_peak(model, example)
+    estimated = _estimate(model, example).step_peak_bytes
+    assert abs(bm.relative_error(estimated, measured)) <= 0.001, (estimated, measured)
+
+
+class _UpsampleHead(nn.Module):
+    """A segmentation-like head: conv, x8 bilinear upsampling, a loss over a channels-last map's log-softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, target):
+        up = F.interpolate(self.conv(x), scale_factor=8, mode="bilinear", align_corners=False)
+        return F.cross_entropy(up.contiguous(memory_format=torch.channels_last), target)
+
+
+def test_scratch_of_upsampling_and_channels_last_log_softmax_is_estimated():
+    """CPU upsampling's forward holds about one more output inside the call, and log-softmax copies a channels-last
+    input: the estimate read 50 % low on a conv + x8 upsample, 1.4-1.7 % on SegFormer (the vision sweep)."""
+    torch.manual_seed(0)
+    model = _UpsampleHead()
+    example = {"x": torch.randn(2, 3, 8, 8), "target": torch.randint(0, 8, (2, 64, 64))}
     measured = bm.measured_step_peak(model, example)
     estimated = _estimate(model, example).step_peak_bytes
     assert abs(bm.relative_error(estimated, measured)) <= 0.001, (estimated, measured)

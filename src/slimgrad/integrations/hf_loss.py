@@ -805,6 +805,9 @@ def _forward(self, *args, **kwargs):
 #: whether a call whose trained head costs more chunked than stock's logits runs stock (:func:`_logits_cost_less`);
 #: the chunked path's own tests turn it off to run that path on tiny models
 CHOOSE_BY_SIZE = True
+#: how many bytes of stock's logits past the first chunk must stand against each byte of the gradient buffer (2.0
+#: let fp32 at 1x171 tokens peak 1.17x stock's: the full fine-tuning sweep)
+SWITCH_FACTOR = 1.0
 
 
 def _logits_cost_less(plan: _Call) -> bool:
@@ -824,11 +827,10 @@ def _logits_cost_less(plan: _Call) -> bool:
     tokens = plan.labels.numel()
     hidden = weight.shape[-1]
     # one chunk covering every token holds stock's logits and the buffer; past it, the logits of the rows beyond the
-    # first chunk are what the buffer buys back (measured on a Llama of hidden 256, vocab 8192, full fine-tuning: the
-    # factor 2 keeps every step of a grid of 64-1024 tokens, bf16, fp32 and fp32 under autocast, at or under stock's
-    # peak; 0.62-0.99x past the switch)
+    # first chunk are what the buffer buys back (measured grid and points: docs/chunked_loss.md, "Per call")
     rows = default_chunk_size(tokens, hidden, weight.shape[0])
-    return tokens <= rows or 2 * (tokens - rows) * (logit_bytes + 8) <= hidden * (4 + cast_bytes)
+    stock_bytes = logit_bytes + 4 + (4 if logit_bytes < 4 else 0)  # logits, their fp32 copy (unless fp32), log-softmax
+    return tokens <= rows or SWITCH_FACTOR * (tokens - rows) * stock_bytes <= hidden * (4 + cast_bytes)
 
 
 def _unsupported_reason(module) -> str | None:
