@@ -921,6 +921,7 @@ def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Te
     parameter groups' options over the fake parameters (``fake_of``: id of a real parameter -> its fake)."""
     if spec is None:
         return None
+    check_optimizer_spec(spec)  # (one message for a bad name or kind, also where estimate's caller checked first)
     if isinstance(spec, str):
         name = spec.lower()
         if name == "adamw":
@@ -929,10 +930,7 @@ def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Te
             return torch.optim.Adam(params, lr=1e-3)
         if name == "sgd":
             return torch.optim.SGD(params, lr=1e-3)
-        if name in ("sgd-momentum", "momentum"):
-            return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-        raise ValueError(f"estimate: 'optimizer' must be 'adamw', 'adam', 'sgd', 'sgd-momentum' or a "
-                         f"torch.optim.Optimizer, got {spec!r}")
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)  # "sgd-momentum", "momentum"
     if isinstance(spec, torch.optim.Optimizer):
         import inspect
 
@@ -955,8 +953,6 @@ def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Te
         except (TypeError, ValueError) as e:
             raise ValueError(f"estimate: cannot rebuild the optimizer {type(spec).__name__} on the simulated "
                              f"parameters ({e}); pass its name ('adamw', 'sgd') instead") from None
-    raise TypeError(f"estimate: 'optimizer' must be a name ('adamw', 'sgd') or a torch.optim.Optimizer, got "
-                    f"{type(spec).__name__}")
 
 
 def _nodes_from(outputs, seen: set, owner: str, owners: dict) -> None:
