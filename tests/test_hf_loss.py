@@ -731,6 +731,43 @@ def test_a_trained_head_keeps_no_more_than_stock_at_any_length(dtype, tokens, mo
     assert peaks[1] <= peaks[0], peaks
 
 
+@pytest.mark.parametrize("tokens", [12, 128])
+def test_a_frozen_head_under_gradient_checkpointing_peaks_no_higher_than_stock(tokens):
+    """The chunked backward made its input gradient (tokens x hidden) before its first chunk's softmax backward, so
+    with one chunk it sat beside the three vocab-wide temporaries at the step's peak, where stock's comes after them:
+    one fp32 hidden-states tensor above stock (+133 KB at 2x128 tokens, hidden 128; gradient checkpointing and a
+    norm-only Llama, the mixed-precision sweep). What remains is the labels, which one Function keeps through its
+    backward where stock's nll node frees them first: 8 bytes a token and the 4-byte normaliser."""
+    from slimgrad.measure import peak_bytes
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+        model = transformers.LlamaForCausalLM(cfg).train()
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" in name)
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        return model
+
+    stock, slim = build(), slimgrad.convert(build(), chunked_loss=True)  # the norms too, as users convert
+    ids = torch.randint(0, 4096, (2, tokens), generator=torch.Generator().manual_seed(1))
+    peaks, losses = [], []
+    for model in (stock, slim):
+        def step(model=model):
+            loss = model(input_ids=ids, labels=ids).loss  # stock's logits freed before backward, as the Trainer does
+            losses.append(loss.detach())
+            loss.backward()
+        step()
+        for p in model.parameters():
+            p.grad = None
+        peaks.append(peak_bytes(step))
+    assert torch.equal(losses[0], losses[2])
+    labels_kept = 2 * tokens * 8 + 4
+    assert peaks[1] <= peaks[0] + labels_kept, (peaks, peaks[1] - peaks[0])
+
+
 def test_a_moe_configured_for_router_logits_engages_on_calls_that_turn_them_off():
     """Configured with output_router_logits=True before convert, the check ran with the aux loss and refused the head
     with a reason naming something else ("post-processes its logits ..."), and calls passing

@@ -136,7 +136,10 @@ class FusedLinearCrossEntropyFunction(_common.Function):
             grad_smooth = -grad_smooth
             valid = target != ignore_index
 
-        dh = torch.empty_like(hidden) if need_h else None
+        # dh is made after the first chunk's softmax temporaries are gone: with one chunk (short inputs) it would
+        # otherwise sit beside them at the step's peak, one hidden-states tensor above stock's, whose input
+        # gradient comes only after its softmax backward (found with gradient checkpointing and a frozen head).
+        dh = None
         acc_dtype = torch.float32
         dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
@@ -163,6 +166,8 @@ class FusedLinearCrossEntropyFunction(_common.Function):
                 if low_precision and softcap[1]:  # capped in fp32: the upcast's backward comes after the cap's
                     g = g.to(weight.dtype)
             if need_h:
+                if dh is None:
+                    dh = torch.empty_like(hidden)
                 torch.mm(g, weight, out=dh[start:stop])
             if need_w or need_b:
                 g32 = g.float() if low_precision else g
@@ -172,6 +177,8 @@ class FusedLinearCrossEntropyFunction(_common.Function):
                     db += g32.sum(0)
                 del g32
             del g
+        if need_h and dh is None:  # no rows
+            dh = torch.empty_like(hidden)
         if dw is not None and low_precision:
             dw = dw.to(weight.dtype)
         if db is not None and db.dtype != bias.dtype:
