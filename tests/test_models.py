@@ -83,3 +83,32 @@ def test_other_models_match_stock_and_keep_less(name):
     yb.sum().backward()
     assert torch.equal(a.grad, b.grad)
     assert _kept(copy.deepcopy(slim), x, True) < _kept(copy.deepcopy(stock), x, True)
+
+
+@pytest.mark.parametrize("case", ["input", "norm", "all"])
+def test_convnext_converts_its_own_channels_first_norm(case):
+    """The in-repo ConvNeXt's LayerNorm2d (the stem's and the downsampling norms) overrode forward as
+    ``super().forward`` of the permuted map, so convert left it stock and said so; written as transformers'
+    LayerNorm2d is, it is converted, bitwise stock, keeping no more."""
+    from slimgrad.models.cnn import LayerNorm2d, convnext
+
+    torch.manual_seed(0)
+    stock = convnext(num_classes=5, base_width=8)
+    input_grad = apply_case(stock, case)
+    slim, report = slimgrad.convert(stock, report=True)
+    norms = [m for m in slim.modules() if isinstance(m, LayerNorm2d)]
+    assert norms and all(type(m) is not LayerNorm2d for m in norms), report
+    assert not [g for g in report.gaps if "LayerNorm2d" in g.message()]
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    xa, xb = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    ya, yb = stock(xa), slim(xb)
+    assert torch.equal(ya, yb)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    if input_grad:
+        assert torch.equal(xa.grad, xb.grad)
+    for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    assert _kept(slim, x, input_grad) <= _kept(stock, x, input_grad)

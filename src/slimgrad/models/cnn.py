@@ -8,6 +8,7 @@ that converting them exercises the same data flow a user's model has.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -153,10 +154,16 @@ def build_model(name: str, *, width_scale: float | None = None, **kwargs) -> nn.
 
 
 class LayerNorm2d(nn.LayerNorm):
-    """LayerNorm over channels of an NCHW tensor (ConvNeXt's downsampling norm), via a permute."""
+    """LayerNorm over channels of an NCHW tensor (ConvNeXt's downsampling norm), via a permute.
+
+    Its forward is written as transformers' ``LayerNorm2d`` is, so that convert replaces it as it replaces theirs
+    (registered below; written as ``super().forward`` of the permuted map, convert left it stock and said so)."""
 
     def forward(self, x):
-        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        x = x.permute(0, 3, 1, 2)
+        return x
 
 
 class ConvNeXtBlock(nn.Module):
@@ -226,3 +233,12 @@ def vit(base_width: int = 192, **kw) -> ViTEncoder:
 #: name -> factory; every factory takes ``num_classes`` and a width argument (``base_width`` or, for VGG,
 #: ``width_scale``)
 MODELS = {"resnet18": resnet18, "resnet50": resnet50, "vgg11": vgg11, "convnext": convnext, "vit": vit}
+
+
+def _register_own_norms() -> None:
+    from slimgrad.integrations.hf_layer_norm_2d import register_class
+
+    register_class(LayerNorm2d)
+
+
+_register_own_norms()
