@@ -786,3 +786,60 @@ def test_a_moe_configured_for_router_logits_engages_on_calls_that_turn_them_off(
     actual = slim(input_ids=ids, labels=labels, output_router_logits=False)
     assert actual.logits is None
     _close(actual.loss, expected.loss, "loss", **TOL[torch.float32])
+
+
+def _resized_or_cast(change, eps):
+    cfg = transformers.LlamaConfig(**{**LLAMA_LIKE, "vocab_size": 128, "rms_norm_eps": eps})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model = slimgrad.convert(model, chunked_loss=True) if change else model
+    if change in ("resize", None):
+        torch.manual_seed(5)
+        model.resize_token_embeddings(136)  # the config's vocabulary changes: the head is checked again
+    else:
+        model.to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" in name)
+    return model.train()
+
+
+@pytest.mark.parametrize("change", ["resize", "bf16"])
+def test_an_estimate_before_the_recheck_leaves_the_chunked_loss_on(change):
+    """A head whose config or dtype changed after convert checks itself again on its next call; slimgrad.estimate's
+    simulated step made that call on fake tensors, where the check raised (DataDependentOutputException), and the
+    failure was cached on the real model: every later step ran stock's logits, warning of an exception the user never
+    caused (the model-loading sweep). The estimate now checks on the real tensors first, and counts the chunked head
+    its step will run."""
+    model = _resized_or_cast(change, eps=1e-6 + (3e-9 if change == "resize" else 4e-9))  # (a config of its own)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlimgradWarning)
+        estimated = slimgrad.estimate(model, input_ids=ids, labels=ids).step_peak_bytes
+
+        def step():
+            out = model(input_ids=ids, labels=ids)
+            assert out.logits is None  # the chunked path
+            out.loss.backward()
+
+        step()
+        for p in model.parameters():
+            p.grad = None
+        assert estimated == slimgrad.peak_bytes(step)
+
+
+def test_the_recheck_inside_a_step_is_not_counted_as_the_steps_saved_bytes():
+    """The check of a head whose vocabulary grew after convert runs inside the next forward; its tiny graphs went
+    through the caller's saved-tensor hooks, so SavedTensors read that step at 2.36x stock's bytes (0.79x on later
+    steps; the model-loading sweep). With the check's hooks, a saved output held its own node and kept the check's
+    graph alive: the parameters' stale gradient accumulators then failed the next step after the resize."""
+    stock, slim = _resized_or_cast(None, 1e-6 + 5e-9), _resized_or_cast("resize", 1e-6 + 5e-9)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    kept, losses = [], []
+    for model in (stock, slim):
+        with SavedTensors(exclude=[model]) as counter:
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        kept.append(counter.bytes)
+        losses.append(out.loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    assert kept[1] < kept[0], kept

@@ -1359,6 +1359,10 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     else:
         target = torch.device("cuda" if "cuda" in devices else next(iter(devices - {"meta"}), "cpu"))
     device = target.type
+    # a chunked head checks itself on its first real call; the simulated step's tensors are fake, so check it now
+    from .integrations import hf_loss
+
+    hf_loss.check_heads(model)
     sim = _Allocations(device)
     paths = {id(m): p for p, m in model.named_modules()}
     # bitsandbytes' packed weights stay real (see _packed_tensors); fake mode (or sim, _as_fake_params) converts

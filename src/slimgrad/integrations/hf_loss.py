@@ -46,9 +46,11 @@ docs/chunked_loss.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
+import itertools
 import json
 import os
 
@@ -482,11 +484,14 @@ def check(module) -> _Verified | str:
         return _PATCHED  # per module, never cached: the class may be fine elsewhere
     result = _recalled(module)
     if result is None:
+        if _simulated(module):
+            return _FAKE  # never cached: the real model is checked on its next real call
         stock = ORIGINALS.get(type(module), type(module))
         key = _key(module, stock)
         result = _CHECKS.get(key)
         if result is None:
-            result = _CHECKS[key] = _run_check(module, stock)
+            with _apart_from_the_callers_step():
+                result = _CHECKS[key] = _run_check(module, stock)
             if isinstance(result, str):
                 _notices.record_class_gap(stock, library="transformers", family=FAMILY, reason=result)
             else:
@@ -496,9 +501,65 @@ def check(module) -> _Verified | str:
     return result
 
 
+def _recalled_if_current(module):
+    """The module's recalled verdict, or None where there is none or the config or head changed since it."""
+    verified = _recalled(module)
+    if isinstance(verified, _Verified) and verified.modifiers != _modifiers(module):
+        verified = None  # the config changed since the check: check again (compiled: run stock)
+        _forget(module)
+    return verified
+
+
+def check_heads(model: nn.Module) -> None:
+    """Check every chunked head in ``model`` now, on its real tensors, as its next call would (slimgrad.estimate calls
+    it before simulating a step on fake tensors, where the check cannot run)."""
+    for m in model.modules():
+        if type(m).__module__ == __name__ and type(m) in ORIGINALS and _recalled_if_current(m) is None:
+            check(m)
+
+
+def _simulated(module) -> bool:
+    """Whether the module's tensors are fake (slimgrad.estimate's simulated step, a fake-tensor trace): the check
+    compares real numbers. Run there, it failed (DataDependentOutputException) and the failure was cached on the real
+    model: every later real step ran stock's head, warning of an exception the user never caused (the model-loading
+    sweep: a head re-checked after resize_token_embeddings or .to(bfloat16), then estimated)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+@contextlib.contextmanager
+def _apart_from_the_callers_step():
+    """The check runs inside the caller's forward on its first call: its tiny graphs are kept from the caller's
+    saved-tensor hooks (``SavedTensors`` counted them: 2.36x stock's bytes on that step, the model-loading sweep) and
+    its ops from the caller's dispatch modes (a FLOP counter, a debug mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_disable_current_modes())
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_detached, _same))
+        except RuntimeError:  # saved-tensor hooks disabled here (torch.func): none of the caller's to hide from
+            pass
+        yield
+
+
+def _detached(t):
+    # (not ``t`` itself: a saved output would then hold its own node, a cycle that kept the check's graphs, and with
+    # them a parameter's stale gradient accumulator, alive after resize_token_embeddings: "EmbeddingBackward0
+    # returned an invalid gradient ... [136, 32] but expected ... [128, 32]" on the next step)
+    return t.detach()
+
+
+def _same(t):
+    return t
+
+
 # -- the behavioural check -------------------------------------------------------------------------------------
 
 _META = "its parameters are on the meta device"
+_FAKE = ("its tensors are fake here (slimgrad.estimate's simulated step, a fake-tensor trace), where the check cannot "
+         "run; it runs on the next real call")
 _PATCHED = ("its forward is replaced on the instance (TRL's add_fused_lm_head under its SFT, DPO, KTO, GRPO or RLOO "
             "trainer, or another patch), so "
             "the class forward slimgrad would replace is not the one called; TRL's fused head already computes the "
@@ -778,10 +839,7 @@ def _forward(self, *args, **kwargs):
     if isinstance(plan, str):
         _decline(stock, plan)
     elif plan is not None:
-        verified = _recalled(self)
-        if isinstance(verified, _Verified) and verified.modifiers != _modifiers(self):
-            verified = None  # the config changed since the check: check again (compiled: run stock)
-            _forget(self)
+        verified = _recalled_if_current(self)
         if verified is None and not torch.compiler.is_compiling():
             verified = check(self)
         if not isinstance(verified, _Verified):
