@@ -1328,6 +1328,15 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     if not isinstance(hold_output, bool):
         raise TypeError(f"estimate: 'hold_output' must be True or False, got {hold_output!r}")
     misspelt_option(model, kwargs, ("optimizer", "loss_fn", "blocks", "device", "hold_output"), "estimate")
+    from .measure import offloaded_by_accelerate
+
+    if offloaded_by_accelerate(model):
+        # (simulated, accelerate's hook rebuilt each offloaded weight as FakeTensor(...) and failed inside
+        # FakeTensor.__new__: the model-loading sweep)
+        raise ValueError("estimate: accelerate offloads some of the model's weights (cpu_offload, disk_offload, or a "
+                         "device_map with 'cpu' or 'disk' entries): its hooks load each module's weights for its "
+                         "forward, which the estimate does not simulate; estimate the model before dispatching it, "
+                         "on the device it will train on")
     check_optimizer_spec(optimizer)
     loss_of = loss_fn or default_loss
     block_paths = block_list(blocks, "estimate") if blocks is not None else blocks_of(model)

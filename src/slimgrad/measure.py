@@ -271,10 +271,24 @@ def _is_meta(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.is_meta
     if isinstance(value, nn.Module):
+        if offloaded_by_accelerate(value):
+            return False  # on meta between calls only: accelerate's hooks bring each weight in for its forward
         first = next(value.parameters(), None)
         if first is None:
             first = next(value.buffers(), None)
         return first is not None and first.is_meta
+    return False
+
+
+def offloaded_by_accelerate(model: nn.Module) -> bool:
+    """Whether accelerate offloads some of the model's weights (``cpu_offload``, ``disk_offload``, a ``device_map``
+    with "cpu" or "disk" entries under ``dispatch_model``): they sit on the meta device between calls, and a hook
+    loads each module's weights for its forward and puts them back after it."""
+    for m in model.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in [hook, *getattr(hook, "hooks", ())]:
+            if getattr(h, "offload", False) is True:
+                return True
     return False
 
 

@@ -481,6 +481,10 @@ def check(module) -> _Verified | str:
     :class:`_Verified`, or the reason the chunked path is not used for it."""
     own = module.__dict__.get("forward")
     if own is not None and (_from_trl(own) or not reaches(own, type(module).forward)):
+        from slimgrad.measure import offloaded_by_accelerate
+
+        if getattr(module, "_hf_hook", None) is not None and offloaded_by_accelerate(module):
+            return _OFFLOADED  # (the TRL reason was given before: the model-loading sweep)
         return _PATCHED  # per module, never cached: the class may be fine elsewhere
     result = _recalled(module)
     if result is None:
@@ -558,6 +562,9 @@ def _same(t):
 # -- the behavioural check -------------------------------------------------------------------------------------
 
 _META = "its parameters are on the meta device"
+_OFFLOADED = ("accelerate offloads its weights (cpu_offload, disk_offload, or a device_map with 'cpu' or 'disk' "
+              "entries): its hooks load each module's weights for that module's forward, and the chunked loss reads "
+              "the output embedding's weight outside it")
 _FAKE = ("its tensors are fake here (slimgrad.estimate's simulated step, a fake-tensor trace), where the check cannot "
          "run; it runs on the next real call")
 _PATCHED = ("its forward is replaced on the instance (TRL's add_fused_lm_head under its SFT, DPO, KTO, GRPO or RLOO "
