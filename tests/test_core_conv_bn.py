@@ -582,3 +582,24 @@ def test_conv_bn_checkpoint_through_the_core():
             out.backward(torch.ones_like(out))
             grads.append(xi.grad)
         assert_same(grads[1], grads[0])
+
+
+def test_padding_same_follows_a_replaced_weight_of_another_kernel_size():
+    """The core's cached conv options held the 'same' padding worked out from the first weight's kernel; a weight of
+    another size (surgery, load_state_dict(assign=True)) convolved with the old padding: 8x8 -> 6x6 (the state-change
+    sweep). Frozen weight: the core's route."""
+    torch.manual_seed(0)
+    stock = nn.Conv2d(4, 4, 3, padding="same")
+    slim = slimgrad.convert(stock)
+    x = torch.randn(2, 4, 8, 8)
+    for k in (3, 5, 4):
+        w = torch.randn(4, 4, k, k)
+        for m in (stock, slim):
+            m.weight = nn.Parameter(w.clone(), requires_grad=False)
+            m.kernel_size = (k, k)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a, b = stock(xa), slim(xb)
+        assert a.shape == b.shape == x.shape and torch.equal(a, b), k
+        a.square().sum().backward()
+        b.square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad), k

@@ -510,3 +510,24 @@ def test_revert_removes_the_cached_options():
     assert all("_slimgrad_core_pool" in m.__dict__ for m in model)
     slimgrad.revert(model)
     assert not any("_slimgrad_core_pool" in m.__dict__ for m in model)
+
+
+@pytest.mark.parametrize("kind", ["max", "avg", "adaptive"])
+def test_a_list_option_changed_in_place_is_seen(kind):
+    """The core's option cache kept the module's own list (``MaxPool2d([2, 2])``) as its key, equal to itself after
+    any in-place change: the old size kept being used (4x4 where stock gives 3x4; the state-change sweep)."""
+    make = {"max": lambda: nn.MaxPool2d([2, 2]), "avg": lambda: nn.AvgPool2d([2, 2]),
+            "adaptive": lambda: nn.AdaptiveAvgPool2d([2, 2])}[kind]
+    stock = make()
+    slim = slimgrad.convert(stock)
+    x = torch.randn(2, 3, 8, 8)
+    for size in ([2, 2], [3, 2]):
+        for m in (stock, slim):
+            option = m.output_size if kind == "adaptive" else m.kernel_size
+            option[:] = size
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a, b = stock(xa), slim(xb)
+        assert a.shape == b.shape and torch.equal(a, b), size
+        a.square().sum().backward()
+        b.square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad), size

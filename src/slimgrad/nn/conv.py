@@ -73,14 +73,19 @@ def _core_cfg(self, core, weight, nd: int, transposed: bool):
         k = c.key
         if (k[0] is self.stride and k[1] is self.padding and k[2] is self.dilation and k[3] is self.groups
                 and k[4] is self.padding_mode and k[5] is self.output_padding and k[6] is core
-                and k[7] is self._reversed_padding_repeated_twice):
+                and k[7] is self._reversed_padding_repeated_twice
+                and (k[8] is None or k[8] == weight.shape[2:])):
             return c.cfg
     # As stock's forward: with a padding mode, F.pad with the module's reversed padding, then padding 0.
     padding = self.padding if self.padding_mode == "zeros" else self._reversed_padding_repeated_twice
     cfg = core_cfg(core, nd, transposed, self.stride, padding, self.dilation, self.groups, self.output_padding,
                    self.padding_mode, weight, type(self).__name__)
+    # padding='same' is worked out from the kernel's size: a weight of another size (surgery, load_state_dict with
+    # assign=True) must remake it (the old padding ran: 8x8 -> 6x6; the state-change sweep)
+    kernel = tuple(weight.shape[2:]) if isinstance(self.padding, str) else None
     d["_slimgrad_conv_core"] = _CoreCache((self.stride, self.padding, self.dilation, self.groups, self.padding_mode,
-                                           self.output_padding, core, self._reversed_padding_repeated_twice), cfg)
+                                           self.output_padding, core, self._reversed_padding_repeated_twice, kernel),
+                                          cfg)
     return cfg
 
 

@@ -54,7 +54,7 @@ def _max_forward(fn, nd):
                 options = P.core_options(nd, *key)
                 if options is None:  # the core is off or cannot take these options: nothing cached
                     return fn(input, *key[:4], ceil_mode=key[4], return_indices=key[5])
-                cached = state["_slimgrad_core_pool"] = _CoreOptions(key, options)
+                cached = state["_slimgrad_core_pool"] = _CoreOptions(_unshared(key), options)
             if (out := P.core_max_pool(nd, input, cached.options)) is not None:
                 return out
         return fn(input, self.kernel_size, self.stride, self.padding, self.dilation,
@@ -87,8 +87,15 @@ def _core_avg(module, input, nd, adaptive, key):
         options = P.core_avg_options(nd, adaptive, key)
         if options is None:
             return None
-        cached = state["_slimgrad_core_pool"] = _CoreOptions(key, options)
+        cached = state["_slimgrad_core_pool"] = _CoreOptions(_unshared(key), options)
     return P.core_avg_pool(nd, input, cached.options)
+
+
+def _unshared(key: tuple) -> tuple:
+    """The options as the cache keeps them: a list option (``MaxPool2d([2, 2])``) copied, so that changing the
+    module's list in place changes the key (the cache held the module's own list, equal to itself after any change:
+    the old size kept being used; the state-change sweep)."""
+    return tuple(list(v) if isinstance(v, list) else v for v in key)
 
 
 def _eager_grad(input) -> bool:
