@@ -372,6 +372,39 @@ def init_only_stock(kind: type) -> type | None:
     return None if defined_beyond_init(kind, stock) else stock
 
 
+def delegating_stock(kind: type) -> type | None:
+    """The stock type ``kind`` subclasses directly with a ``forward`` of its own (and set-up), where slimgrad replaces
+    that stock type with one of the torch families; else None.
+
+    Such a forward may pad, chunk or concatenate around the computation, but whatever it hands ``super().forward``
+    is computed by the base's forward, which a twin placed between ``kind`` and the stock type makes slimgrad's (the
+    video VAEs' causal Conv3d: Wan, QwenImage, Cosmos, EasyAnimate; CogVideoX's chunking Conv3d; streaming audio
+    encoders' causal Conv1d). Anything else the forward calls (``self._conv_forward``, ``F.conv3d``) stays stock's:
+    numbers and bytes as stock's there. A class between ``kind`` and the stock type would be a forward slimgrad has
+    not seen: only direct subclasses qualify."""
+    if type(kind) is not type or len(kind.__bases__) != 1:
+        return None
+    stock = kind.__bases__[0]
+    replacement = REPLACEMENTS.get(stock)
+    if replacement is None or not replacement.__module__.startswith("slimgrad.nn.") or stock in OPTIONS:
+        return None
+    if defined_beyond_init(kind, stock) != ["forward"]:
+        return None
+    names = _names_read(getattr(kind.forward, "__code__", None))
+    return stock if "super" in names and "forward" in names else None  # (it reaches the base's forward at all)
+
+
+def _names_read(code) -> set[str]:
+    """The global and attribute names a code object and the functions nested in it read."""
+    if code is None:
+        return set()
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_read(const)
+    return names
+
+
 def _twin_name(kind: type) -> str:
     """A name pickle can find the twin by (in this module, see ``__getattr__``): the subclass's module and
     qualified name, with ``_`` written ``_U`` and ``.`` written ``_D``, joined by ``_S``."""
@@ -387,14 +420,21 @@ def subclass_twin(kind: type) -> type | None:
     twin = REPLACEMENTS.get(kind)
     if twin is not None:
         return twin
-    stock = init_only_stock(kind)
-    if stock is None:
-        return None
     name = _twin_name(kind)
-    twin = type(kind.__name__, (REPLACEMENTS[stock], kind), {
-        "__module__": __name__, "__qualname__": name,
-        "__doc__": f"slimgrad's drop-in for {kind.__module__}.{kind.__qualname__}, which adds only set-up to "
-                   f"{stock.__module__}.{stock.__name__}: {REPLACEMENTS[stock].__name__}'s forward."})
+    stock = init_only_stock(kind)
+    if stock is not None:
+        twin = type(kind.__name__, (REPLACEMENTS[stock], kind), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"slimgrad's drop-in for {kind.__module__}.{kind.__qualname__}, which adds only set-up to "
+                       f"{stock.__module__}.{stock.__name__}: {REPLACEMENTS[stock].__name__}'s forward."})
+    elif (stock := delegating_stock(kind)) is not None:
+        # kind's forward first; its super().forward reaches slimgrad's replacement, then the stock class
+        twin = type(kind.__name__, (kind, REPLACEMENTS[stock]), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"slimgrad's drop-in for {kind.__module__}.{kind.__qualname__}: its own forward, whose "
+                       f"super().forward is {REPLACEMENTS[stock].__name__}'s."})
+    else:
+        return None
     register(kind)(twin)
     globals()[name] = twin
     return twin

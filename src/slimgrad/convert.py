@@ -31,6 +31,7 @@ from ._registry import (
     ORIGINALS,
     REPLACEMENTS,
     defined_beyond_init,
+    delegating_stock,
     init_only_stock,
     rebased,
     replacement_base,
@@ -188,7 +189,8 @@ class _Selector:
     def selects(self, path: str, module: nn.Module) -> bool:
         kind = type(module)
         # a type also selects its subclasses that add only set-up (converted as it is: _registry.subclass_twin)
-        return (kind in self.types or (bool(self.types) and init_only_stock(kind) in self.types)
+        return (kind in self.types
+                or (bool(self.types) and (init_only_stock(kind) or delegating_stock(kind)) in self.types)
                 or any(self._matches(p, path) for p in self.patterns))
 
 
@@ -210,8 +212,9 @@ def _why_not_exact(module: nn.Module) -> str | None:
     if not own:
         return (f"subclass of {stock.__module__}.{stock.__name__}; for this family only exact types are converted")
     return (f"subclass of {stock.__module__}.{stock.__name__} that defines {', '.join(own[:4])}"
-            f"{' ...' if len(own) > 4 else ''} (it may compute something else); converted are exact types and "
-            f"subclasses that add only __init__, reset_parameters or extra_repr")
+            f"{' ...' if len(own) > 4 else ''} (it may compute something else); converted are exact types, "
+            f"subclasses that add only __init__, reset_parameters or extra_repr, and direct subclasses whose forward "
+            f"calls super().forward")
 
 
 def _deepcopy(model: nn.Module) -> nn.Module:
