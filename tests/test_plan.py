@@ -975,3 +975,47 @@ def test_timings_are_cached_per_model_and_go_with_it():
     assert alive() is None  # the cache does not keep the model
     other, y = _mlp()
     assert other not in _MODEL_TIMES
+
+
+def test_plan_steps_aside_while_hf_checkpointing_is_turned_on_after_it():
+    """convert(budget=...) then gradient_checkpointing_enable() (Trainer/TRL with gradient_checkpointing=True):
+    HF's recomputation of a layer ran the plan's checkpoint again, whose recomputation ran the part a third time
+    (131 matmuls a step against 110, silently; the checkpointing sweep). The plan steps aside while HF's is on,
+    says so once, and acts again once it is off."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from slimgrad.plan import _STEPPED_ASIDE
+
+    class CountMM(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def matmuls(model, batch):
+        with CountMM() as counter:
+            loss = model(**batch).loss
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return counter.n, loss.detach()
+
+    model, batch = _llama(layers=2, dropout=0.0)
+    plain = slimgrad.convert(copy.deepcopy(model))
+    planned = apply_plan(slimgrad.convert(copy.deepcopy(model)),
+                         {"base_model.model.model.layers.0.mlp": "checkpoint",
+                          "base_model.model.model.layers.1": "checkpoint"})
+    alone, loss_alone = matmuls(planned, batch)
+    plain_alone = matmuls(plain, batch)[0]
+    assert alone > plain_alone  # the plan recomputes
+    for m in (plain, planned):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _STEPPED_ASIDE.clear()
+    with pytest.warns(slimgrad.SlimgradWarning, match="step aside"):
+        both, loss_both = matmuls(planned, batch)
+    hf_only, loss_hf = matmuls(plain, batch)
+    assert both == hf_only and torch.equal(loss_both, loss_hf) and torch.equal(loss_both, loss_alone)
+    for m in (plain, planned):
+        m.gradient_checkpointing_disable()  # (peft's input embeddings keep requiring grad: more matmuls in both)
+    assert matmuls(planned, batch)[0] - matmuls(plain, batch)[0] == alone - plain_alone  # the plan acts again

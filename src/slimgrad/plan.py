@@ -34,12 +34,14 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ._notices import SlimgradWarning
 from ._registry import changes_what_is_kept
 from .estimate import (
     MemoryEstimate,
@@ -151,10 +153,12 @@ class _PlannedForward:
     """A block's forward under its plan. An object, not a closure: ``copy.deepcopy`` of the model maps
     ``module`` to the copy, so a copied model checkpoints its own blocks."""
 
-    def __init__(self, module: nn.Module, action: str, previous):
+    def __init__(self, module: nn.Module, action: str, previous, checkpointers=()):
         self.module = module
         self.action = action
         self.previous = previous  # an instance-level forward that was there before (None: the class's)
+        # the block and the modules holding it that Hugging Face's gradient checkpointing can turn on for
+        self.checkpointers = tuple(checkpointers)
 
     def _contexts(self):
         # (the copies of the CPU generator's state torch's checkpoint takes, 5 KiB each, are counted by
@@ -169,6 +173,9 @@ class _PlannedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self._inner(*args, **kwargs)
+        if any(m.training and getattr(m, "gradient_checkpointing", False) is True for m in self.checkpointers):
+            _step_aside_for_hf_checkpointing()
+            return self._inner(*args, **kwargs)
         if self.action == "checkpoint":
             from torch.utils.checkpoint import checkpoint
 
@@ -179,6 +186,22 @@ class _PlannedForward:
             return checkpoint(self._inner, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):
             return self._inner(*args, **kwargs)
+
+
+_STEPPED_ASIDE = []
+
+
+def _step_aside_for_hf_checkpointing() -> None:
+    """Hugging Face's gradient checkpointing turned on after the plan (``gradient_checkpointing_enable()``, or a
+    Trainer/TRL config with ``gradient_checkpointing=True``, TRL's default): its recomputation of each layer ran the
+    plan's checkpoint again, whose own recomputation ran the part a third time (131 matmuls a step against 110,
+    silently; the checkpointing sweep). The plan's actions step aside while it is on; said once a process."""
+    if not _STEPPED_ASIDE:
+        _STEPPED_ASIDE.append(True)
+        warnings.warn("slimgrad: Hugging Face gradient checkpointing is on over blocks slimgrad's plan checkpoints or "
+                      "offloads: the plan's actions step aside while it is on (each layer is recomputed once, by "
+                      "Hugging Face); turn it off to use the plan (SlimgradCallback does), or plan with it on",
+                      SlimgradWarning, stacklevel=4)
 
 
 def _to_host(t: torch.Tensor):
@@ -252,7 +275,10 @@ def apply_plan(model: nn.Module, actions: dict[str, str]) -> nn.Module:
         if action == "keep":
             continue
         module = modules[path]
-        planned = _PlannedForward(module, action, module.__dict__.get("forward"))
+        parts = path.split(".") if path else []
+        holders = [modules[".".join(parts[:i])] for i in range(len(parts) + 1)]
+        planned = _PlannedForward(module, action, module.__dict__.get("forward"),
+                                  [m for m in holders if hasattr(m, "gradient_checkpointing")])
         module.__dict__[_PLANNED] = planned
         module.forward = planned
     if "checkpoint" in actions.values():
