@@ -18,6 +18,15 @@ def _pair(case, **kw):
     return stock, slimgrad.convert(stock), input_grad
 
 
+def _assert_same_grads(stock, slim, xa, xb, input_grad):
+    if input_grad:
+        assert torch.equal(xa.grad, xb.grad)
+    for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_resnet_trains_three_sgd_steps_like_stock(case):
     stock, slim, input_grad = _pair(case)
@@ -35,12 +44,7 @@ def test_resnet_trains_three_sgd_steps_like_stock(case):
         opt_b.zero_grad()
         la.backward()
         lb.backward()
-        if input_grad:
-            assert torch.equal(xa.grad, xb.grad)
-        for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                assert torch.equal(p.grad, q.grad), name
+        _assert_same_grads(stock, slim, xa, xb, input_grad)
         opt_a.step()
         opt_b.step()
     for a, b in zip(stock.state_dict().values(), slim.state_dict().values()):
@@ -105,10 +109,5 @@ def test_convnext_converts_its_own_channels_first_norm(case):
     assert torch.equal(ya, yb)
     ya.square().sum().backward()
     yb.square().sum().backward()
-    if input_grad:
-        assert torch.equal(xa.grad, xb.grad)
-    for (name, p), q in zip(stock.named_parameters(), slim.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            assert torch.equal(p.grad, q.grad), name
+    _assert_same_grads(stock, slim, xa, xb, input_grad)
     assert _kept(slim, x, input_grad) <= _kept(stock, x, input_grad)
