@@ -281,6 +281,12 @@ def fused_linear_cross_entropy(
     t1 = target.reshape(-1)
     if chunk_size is None:
         chunk_size = default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0])
+        if chunk_size >= h2.shape[0] > 1 and not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+            # One chunk over every row holds stock's three vocab-wide temporaries in backward, and the kept hidden
+            # states besides: one hidden-states tensor above stock's peak with a frozen head (the mixed-precision
+            # sweep; measured on transformers 4.57's reentrant checkpointing). Two chunks halve the temporaries. (A
+            # trained head's single chunk runs stock's forward: hf_loss._logits_cost_less.)
+            chunk_size = -(-h2.shape[0] // 2)
     with _common.autocast_off(hidden.device.type):
         loss = FusedLinearCrossEntropyFunction.apply(
             h2, weight, t1, bias, ignore_index, float(label_smoothing), reduction, chunk_size,

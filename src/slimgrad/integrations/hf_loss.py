@@ -488,8 +488,8 @@ def check(module) -> _Verified | str:
         return _PATCHED  # per module, never cached: the class may be fine elsewhere
     result = _recalled(module)
     if result is None:
-        if _simulated(module):
-            return _FAKE  # never cached: the real model is checked on its next real call
+        if _cannot_check_here(module):
+            return _FAKE  # never cached: the real model is checked on its next plain call
         stock = ORIGINALS.get(type(module), type(module))
         key = _key(module, stock)
         result = _CHECKS.get(key)
@@ -522,13 +522,17 @@ def check_heads(model: nn.Module) -> None:
             check(m)
 
 
-def _simulated(module) -> bool:
-    """Whether the module's tensors are fake (slimgrad.estimate's simulated step, a fake-tensor trace): the check
-    compares real numbers. Run there, it failed (DataDependentOutputException) and the failure was cached on the real
-    model: every later real step ran stock's head, warning of an exception the user never caused (the model-loading
-    sweep: a head re-checked after resize_token_embeddings or .to(bfloat16), then estimated)."""
+def _cannot_check_here(module) -> bool:
+    """Whether the check cannot run in this call's context, which a failure would then be cached for: the module's
+    tensors are fake (slimgrad.estimate's simulated step, a fake-tensor trace: the check compares real numbers; it
+    failed there with DataDependentOutputException, and every later real step ran stock's head, warning of an
+    exception the user never caused: the model-loading sweep), a torch.func transform is active (its buffers'
+    restoring copy_ raised out of the user's step), or inference mode is on (an estimate called inside it; the
+    review sweep)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if torch.is_inference_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
     return any(isinstance(t, FakeTensor) for t in itertools.chain(module.parameters(), module.buffers()))
 
 
@@ -565,8 +569,8 @@ _META = "its parameters are on the meta device"
 _OFFLOADED = ("accelerate offloads its weights (cpu_offload, disk_offload, or a device_map with 'cpu' or 'disk' "
               "entries): its hooks load each module's weights for that module's forward, and the chunked loss reads "
               "the output embedding's weight outside it")
-_FAKE = ("its tensors are fake here (slimgrad.estimate's simulated step, a fake-tensor trace), where the check cannot "
-         "run; it runs on the next real call")
+_FAKE = ("the check cannot run in this call (fake tensors: slimgrad.estimate's simulated step or a fake-tensor "
+         "trace; a torch.func transform; inference mode); it runs on the next plain training call")
 _PATCHED = ("its forward is replaced on the instance (TRL's add_fused_lm_head under its SFT, DPO, KTO, GRPO or RLOO "
             "trainer, or another patch), so "
             "the class forward slimgrad would replace is not the one called; TRL's fused head already computes the "
