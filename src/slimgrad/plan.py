@@ -173,7 +173,8 @@ class _PlannedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self._inner(*args, **kwargs)
-        if any(m.training and getattr(m, "gradient_checkpointing", False) is True for m in self.checkpointers):
+        if any(m.training and getattr(m, "gradient_checkpointing", False) is True
+               for m in getattr(self, "checkpointers", ())):  # (a plan pickled before it had them)
             _step_aside_for_hf_checkpointing()
             return self._inner(*args, **kwargs)
         if self.action == "checkpoint":
