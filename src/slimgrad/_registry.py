@@ -386,7 +386,8 @@ def delegating_stock(kind: type) -> type | None:
         return None
     stock = kind.__bases__[0]
     replacement = REPLACEMENTS.get(stock)
-    if replacement is None or not replacement.__module__.startswith("slimgrad.nn.") or stock in OPTIONS:
+    if (replacement is None or not replacement.__module__.startswith("slimgrad.nn.") or stock in OPTIONS
+            or reports_only(replacement)):  # (nn.Linear's keeps stock's bytes: nothing to gain, and not reported)
         return None
     if defined_beyond_init(kind, stock) != ["forward"]:
         return None
