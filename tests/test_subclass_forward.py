@@ -138,3 +138,54 @@ def test_video_vaes_causal_convs_are_converted():
     yb.square().sum().backward()
     assert torch.equal(xa.grad, xb.grad)
     assert b.bytes < 0.5 * a.bytes, (a.bytes, b.bytes)  # 0.96 of stock's before (its convs left stock)
+
+
+def _library_norms():
+    """transformers' and diffusers' LayerNorm subclasses reaching ``super().forward`` that the channels-first
+    fingerprints do not register: converted through the twin."""
+    made = []
+    try:
+        from transformers.models.esmc.modeling_esmc import EsmcLayerNorm
+        from transformers.models.lw_detr.modeling_lw_detr import LwDetrLayerNorm
+
+        made += [("esmc", lambda: EsmcLayerNorm(8), (2, 5, 8)),
+                 ("lwdetr-cf", lambda: LwDetrLayerNorm(8, data_format="channels_first"), (2, 8, 5, 5)),
+                 ("lwdetr-cl", lambda: LwDetrLayerNorm(8), (2, 5, 5, 8))]
+    except ImportError:
+        pass
+    try:
+        from diffusers.models.unets.unet_stable_cascade import SDCascadeLayerNorm
+
+        made.append(("sdcascade", lambda: SDCascadeLayerNorm(8, elementwise_affine=True), (2, 8, 5, 5)))
+    except ImportError:
+        pass
+    return made
+
+
+@pytest.mark.parametrize("name,make,shape", _library_norms(), ids=[m[0] for m in _library_norms()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_grad,input_grad", [(True, False), (False, True), (True, True)])
+def test_library_layer_norm_subclasses_convert_bitwise(name, make, shape, dtype, weight_grad, input_grad):
+    from slimgrad.measure import SavedTensors
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(make()).to(dtype)
+    with torch.no_grad():
+        stock[0].weight.normal_()
+        stock[0].bias.normal_()
+    stock.requires_grad_(weight_grad)
+    slim = slimgrad.convert(stock)
+    assert ORIGINALS.get(type(slim[0])) is type(stock[0])
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    xa, xb = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    with SavedTensors(exclude=[stock]) as kept_a:
+        ya = stock(xa)
+    with SavedTensors(exclude=[slim]) as kept_b:
+        yb = slim(xb)
+    assert torch.equal(ya, yb) and kept_b.bytes <= kept_a.bytes
+    ya.float().square().sum().backward()
+    yb.float().square().sum().backward()
+    if input_grad:
+        assert torch.equal(xa.grad, xb.grad)
+    for pa, pb in zip(stock.parameters(), slim.parameters()):
+        assert (pa.grad is None) == (pb.grad is None) and (pa.grad is None or torch.equal(pa.grad, pb.grad))
