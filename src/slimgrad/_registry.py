@@ -360,13 +360,17 @@ def defined_beyond_init(kind: type, stock: type) -> list[str]:
     return sorted({name for c in own for name in c.__dict__ if name not in _INIT_ONLY})
 
 
+def _torch_family(stock: type) -> bool:
+    """Whether slimgrad replaces ``stock`` with one of the torch.nn families (slimgrad/nn/)."""
+    return stock in REPLACEMENTS and REPLACEMENTS[stock].__module__.startswith("slimgrad.nn.")
+
+
 def init_only_stock(kind: type) -> type | None:
     """The stock type ``kind`` subclasses adding only set-up, where slimgrad's replacement of it is one of the
     torch families (whose forwards read the module's attributes only, never its exact type); else None."""
     if type(kind) is not type:  # a metaclass can change how attributes resolve
         return None
-    stock = next((b for b in kind.__mro__[1:]
-                  if b in REPLACEMENTS and REPLACEMENTS[b].__module__.startswith("slimgrad.nn.")), None)
+    stock = next((b for b in kind.__mro__[1:] if _torch_family(b)), None)
     if stock is None or stock in OPTIONS:
         return None
     return None if defined_beyond_init(kind, stock) else stock
@@ -385,10 +389,8 @@ def delegating_stock(kind: type) -> type | None:
     if type(kind) is not type or len(kind.__bases__) != 1:
         return None
     stock = kind.__bases__[0]
-    replacement = REPLACEMENTS.get(stock)
-    if (replacement is None or not replacement.__module__.startswith("slimgrad.nn.") or stock in OPTIONS
-            or reports_only(replacement)):  # (nn.Linear's keeps stock's bytes: nothing to gain, and not reported)
-        return None
+    if not _torch_family(stock) or stock in OPTIONS or reports_only(REPLACEMENTS[stock]):
+        return None  # (nn.Linear's replacement keeps stock's bytes: nothing to gain, and not reported)
     if defined_beyond_init(kind, stock) != ["forward"]:
         return None
     names = _names_read(getattr(kind.forward, "__code__", None))

@@ -349,6 +349,17 @@ def _spec_of(x):
     raise TypeError  # not replayable
 
 
+def _signature(func, args, kwargs) -> tuple | None:
+    """The op and its arguments' specs, hashable, to run it again on real stand-ins; None where an argument is not
+    replayable."""
+    try:
+        sig = (func, _spec_of(tuple(args)), tuple(sorted((k, _spec_of(v)) for k, v in kwargs.items())))
+        hash(sig)
+    except TypeError:
+        return None
+    return sig
+
+
 def _real_of(x):
     if isinstance(x, _TensorSpec):
         return x.real()
@@ -697,16 +708,12 @@ class _Allocations(TorchDispatchMode):
             transient -= saved  # the saved number is that wrapped tensor, counted as the op's new storage
         sig = None
         if _SCRATCH_OPS.search(func.__name__.split(".")[0]) or _mixed_dtypes(args) or _casts_to_reduce(func, args, out):
-            try:
-                sig = (func, _spec_of(tuple(args)), tuple(sorted((k, _spec_of(v)) for k, v in kwargs.items())))
-                hash(sig)
+            sig = _signature(func, args, kwargs)
+            if sig is not None:
                 self.signatures.setdefault(sig, None)
-            except TypeError:
-                sig = None
         self.events.append((self.current, new, sig, self.phase, owner, node, dict(self.totals), transient))
         self._note_sum(func, args, kwargs, out)
         return out
-
 
     def _as_real_kernel_lays_out(self, func, args, kwargs, out):
         """The op's outputs with the strides the real CPU kernel gives them. Where an input is both contiguous and
@@ -715,10 +722,8 @@ class _Allocations(TorchDispatchMode):
         upsampled map, its cat and the 3x3 conv's backward scratch were simulated channels-last, the estimate 3.8-7.8 %
         below the measured peak of UperNet/PSPNet steps (the vision sweep). Such inputs are small: the op runs once
         per signature on real stand-ins, and fresh outputs whose strides differ are made again with the real ones."""
-        try:
-            sig = (func, _spec_of(tuple(args)), tuple(sorted((k, _spec_of(v)) for k, v in kwargs.items())))
-            hash(sig)
-        except TypeError:
+        sig = _signature(func, args, kwargs)
+        if sig is None:
             return out
         if sig not in self.real_strides:
             self.real_strides[sig] = _real_strides(func, sig)
