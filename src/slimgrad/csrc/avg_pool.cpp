@@ -101,6 +101,7 @@ struct AvgPoolFunction : public torch::autograd::Function<AvgPoolFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     const auto v = ctx->saved_data["a"].toIntVector();
     const int64_t nd = v[0], rank = v[7];
     const bool adaptive = v[1], cl = v[2], ceil = v[3], cip = v[4];

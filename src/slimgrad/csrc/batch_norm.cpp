@@ -125,6 +125,7 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     auto it = ctx->saved_data.find("s");
     if (it == ctx->saved_data.end()) return variable_list(11);  // no gradient was requested of x, w or b
     auto st = c10::static_intrusive_pointer_cast<BatchNormState>(it->second.toCapsule());

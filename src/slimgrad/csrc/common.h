@@ -5,12 +5,15 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -94,6 +97,48 @@ torch::autograd::variable_list present_backward(torch::autograd::AutogradContext
     if (present[i]) grads.push_back(full[i]);
   auto out = once_differentiable(std::move(grads), grads_in, key);
   out.resize(out.size() + extra);
+  return out;
+}
+
+// Autograd's batched backward (torch.autograd.grad(..., is_grads_batched=True), hence jacobian(vectorize=True))
+// hands a Function legacy-vmap BatchedTensors, whose data the kernels cannot read. Called first in a backward with
+// that backward itself: where a gradient is batched, it runs `backward` once per entry of the innermost level's
+// batch on plain tensors (gradients batched at outer levels too are unbatched by the nested calls) and batches
+// the results again, as legacy vmap's fallback does for an op without a batching rule, and the Python Functions'
+// wrapper (_common.serves_batched_grads) does; elsewhere it returns nothing and costs one check per gradient.
+template <class Backward>
+std::optional<torch::autograd::variable_list> per_batch_entry(torch::autograd::AutogradContext* ctx,
+                                                              const torch::autograd::variable_list& grads,
+                                                              Backward&& backward) {
+  int64_t level = -1;
+  for (const auto& g : grads)
+    if (g.defined())
+      if (auto* impl = at::maybeGetBatchedImpl(g))
+        for (const auto& bd : impl->bdims()) level = std::max(level, bd.level());
+  if (level < 0) return std::nullopt;
+  std::vector<at::Tensor> physical(grads.size());
+  int64_t size = 1;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    auto* impl = grads[i].defined() ? at::maybeGetBatchedImpl(grads[i]) : nullptr;
+    if (impl == nullptr) continue;
+    const auto bdims = impl->bdims();
+    if (std::none_of(bdims.begin(), bdims.end(), [&](const auto& bd) { return bd.level() == level; })) continue;
+    physical[i] = at::_remove_batch_dim(grads[i], level, 1, 0);
+    size = physical[i].size(0);
+  }
+  std::vector<torch::autograd::variable_list> entries;
+  for (int64_t b = 0; b < size; ++b) {
+    torch::autograd::variable_list entry(grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) entry[i] = physical[i].defined() ? physical[i][b].clone() : grads[i];
+    entries.push_back(backward(ctx, entry));
+  }
+  torch::autograd::variable_list out(entries[0].size());
+  for (size_t k = 0; k < out.size(); ++k) {
+    if (!entries[0][k].defined()) continue;
+    std::vector<at::Tensor> column;
+    for (auto& e : entries) column.push_back(e[k]);
+    out[k] = at::_add_batch_dim(at::stack(column), 0, level);
+  }
   return out;
 }
 

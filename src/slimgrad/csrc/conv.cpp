@@ -374,6 +374,7 @@ class ConvFunction : public torch::autograd::Function<ConvFunction> {
     return conv_fwd(ctx, x, weight, bias, cfg, grad_mode);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     auto g = conv_bwd(ctx, grads[0]);
     return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
   }
@@ -386,6 +387,7 @@ class ConvNoBiasFunction : public torch::autograd::Function<ConvNoBiasFunction> 
     return conv_fwd(ctx, x, weight, at::Tensor(), cfg, grad_mode);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     auto g = conv_bwd(ctx, grads[0]);
     return {g[0], g[1], at::Tensor(), at::Tensor()};
   }

@@ -327,6 +327,7 @@ struct DropoutFunction : public torch::autograd::Function<DropoutFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     const at::Tensor& grad = grads[0];
     if (ctx->saved_data["zero"].toBool()) return {grad * zero_like_scalar(grad), at::Tensor(), at::Tensor()};
     const at::Tensor packed = ctx->get_saved_variables()[0];

@@ -160,6 +160,7 @@ struct GatedFn : public torch::autograd::Function<GatedFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     bool need_gate = ctx->saved_data["need_gate"].toBool(), need_up = ctx->saved_data["need_up"].toBool();
     variable_list result(7);
     {

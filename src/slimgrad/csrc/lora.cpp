@@ -145,6 +145,7 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
 
   // (grads_in by reference: present_backward says why)
   static variable_list backward(AutogradContext* ctx, variable_list& grads_in) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads_in, backward)) return *batched;
     // 5 non-tensor arguments: present, fan_in_fan_out, cast, scalings, ps
     return present_backward(ctx, grads_in, "LoraLinearFunction", 5,
                             [&](const std::vector<bool>& need, at::Tensor* dy) {

@@ -206,6 +206,7 @@ struct LoraConvFunction : public torch::autograd::Function<LoraConvFunction> {
 
   // (grads_in by reference: present_backward says why)
   static variable_list backward(AutogradContext* ctx, variable_list& grads_in) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads_in, backward)) return *batched;
     // 5 non-tensor arguments: present, cast, scalings, ps, opts
     return present_backward(ctx, grads_in, "LoraConvFunction", 5, [&](const std::vector<bool>& need, at::Tensor* dy) {
       return compute(ctx, grads_in[0], need, dy);

@@ -791,6 +791,7 @@ struct MaxPoolFunction : public torch::autograd::Function<MaxPoolFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     const at::Tensor pos = ctx->get_saved_variables()[0];
     Geometry g;
     PoolOptions o;

@@ -574,6 +574,7 @@ struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     bool need_x = ctx->saved_data["need_x"].toBool(), need_w = ctx->saved_data["need_w"].toBool();
     variable_list result(8);
     if (!(need_x || need_w)) return result;
@@ -635,6 +636,7 @@ struct FusedAddRMSNormFn : public torch::autograd::Function<FusedAddRMSNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     const bool need_x = ctx->needs_input_grad(0), need_r = ctx->needs_input_grad(1), need_w = ctx->needs_input_grad(2);
     variable_list result(5);
     if (!(need_x || need_r || need_w)) return result;
@@ -688,6 +690,7 @@ struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     auto mask = ctx->saved_data["mask"].toBoolList();
     bool need_x = mask[0], need_w = mask[1], need_b = mask[2];
     variable_list result(8);
@@ -745,6 +748,7 @@ struct GroupNormFn : public torch::autograd::Function<GroupNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     auto mask = ctx->saved_data["mask"].toBoolList();
     bool need_x = mask[0], need_w = mask[1], need_b = mask[2];
     variable_list result(8);

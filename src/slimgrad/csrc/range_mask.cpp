@@ -420,6 +420,7 @@ struct RangeMaskFunction : public torch::autograd::Function<RangeMaskFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     at::Tensor grad = grads[0];
     const int64_t kind = ctx->saved_data["kind"].toInt();
     const double lo = ctx->saved_data["lo"].toDouble(), hi = ctx->saved_data["hi"].toDouble();

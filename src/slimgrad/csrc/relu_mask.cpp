@@ -641,6 +641,7 @@ struct ReluMaskFunction : public torch::autograd::Function<ReluMaskFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (auto batched = slimgrad::per_batch_entry(ctx, grads, backward)) return *batched;
     const at::Tensor& grad = grads[0];
     const int64_t flags = ctx->saved_data["flags"].toInt();
     const bool relu = flags & 1, inplace = flags & 2, output_mode = flags & 4;

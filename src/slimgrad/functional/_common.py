@@ -105,6 +105,51 @@ def once_differentiable(fn, cls=None):
     return wrapper
 
 
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def serves_batched_grads(backward):
+    """``backward`` that also takes autograd's batched gradients (``torch.autograd.grad(...,
+    is_grads_batched=True)``, hence ``torch.autograd.functional.jacobian(vectorize=True)`` and ``hessian``):
+    legacy-vmap BatchedTensors, on which the families' kernels cannot run (bit views of the gradient, the core's
+    kernels reading its data, out= and in-place forms). It runs ``backward`` once per batch entry on plain
+    tensors and batches the results again, which is what legacy vmap's own fallback does for an op without a
+    batching rule. The check is one C call per gradient."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        for g in grads:
+            if g is not None and _is_legacy_batched(g):
+                return _per_batch_entry(backward, ctx, grads)
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
+def _per_batch_entry(backward, ctx, grads):
+    """``backward`` over the entries of the current legacy-vmap level's batch (see serves_batched_grads). The
+    nesting is stepped down around the calls, so that gradients batched at outer levels too (nested batched
+    backward) are unbatched level by level by the same wrapper."""
+    level = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    # Removing the level from a gradient batched there gives its entries along dim 0 (batch_size is read only
+    # for one that is not, which it expands).
+    physical = [None if g is None or not _is_legacy_batched(g) else torch._remove_batch_dim(g, level, 1, 0)
+                for g in grads]
+    size = max(p.shape[0] for p in physical if p is not None)
+    physical = [p if p is None or p.shape[0] == size else p.expand(size, *p.shape[1:]) for p in physical]
+    torch._C._vmapmode_decrement_nesting()
+    try:
+        entries = [backward(ctx, *[g if p is None else p[b].clone() for g, p in zip(grads, physical)])
+                   for b in range(size)]
+    finally:
+        torch._C._vmapmode_increment_nesting()
+    single = not isinstance(entries[0], tuple)
+    columns = zip(*([e] if single else e for e in entries))
+    out = tuple(None if c[0] is None else torch._add_batch_dim(torch.stack(c), 0, level) for c in columns)
+    return out[0] if single else out
+
+
 def _is_torch_once_differentiable(backward) -> bool:
     code = getattr(backward, "__code__", None)
     return (
@@ -142,7 +187,9 @@ class Function(torch.autograd.Function):
         backward = cls.__dict__.get("backward")
         fn = backward.__func__ if isinstance(backward, staticmethod) else backward
         if fn is not None and _is_torch_once_differentiable(fn):
-            cls.backward = staticmethod(once_differentiable(fn.__wrapped__, cls))
+            fn = once_differentiable(fn.__wrapped__, cls)
+        if fn is not None:
+            cls.backward = staticmethod(serves_batched_grads(fn))
 
     @classmethod
     def under_transform(cls, *args, **kwargs):
