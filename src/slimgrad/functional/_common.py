@@ -114,13 +114,14 @@ def serves_batched_grads(backward):
     legacy-vmap BatchedTensors, on which the families' kernels cannot run (bit views of the gradient, the core's
     kernels reading its data, out= and in-place forms). It runs ``backward`` once per batch entry on plain
     tensors and batches the results again, which is what legacy vmap's own fallback does for an op without a
-    batching rule. The check is one C call per gradient."""
+    batching rule. The check is one C call per gradient, in eager only."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        for g in grads:
-            if g is not None and _is_legacy_batched(g):
-                return _per_batch_entry(backward, ctx, grads)
+        if not torch.compiler.is_compiling():  # (traced backwards never see a BatchedTensor; dynamo cannot call it)
+            for g in grads:
+                if g is not None and _is_legacy_batched(g):
+                    return _per_batch_entry(backward, ctx, grads)
         return backward(ctx, *grads)
 
     return wrapper

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad import csrc
 from slimgrad.functional import _common
@@ -557,6 +558,56 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return result
     return _apply(x, weight, bias, [t for a in adapters for t in (a.A, a.B, a.bias)], fan_in_fan_out, cast_input,
                   scalings, ps, dropout_policy)
+
+
+class _Read:
+    """One LoRA layer's call reading x (see :func:`read_alone_last_time`)."""
+
+    __slots__ = ("owner", "version", "shared")
+
+    def __init__(self, owner: int, version: int):
+        self.owner, self.version, self.shared = owner, version, False
+
+
+# x -> the first LoRA call that read it (this forward's q of q/k/v, which all read one normed x)
+_READERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: a LoRA layer's ``__dict__`` key: its last call's _Read, which later readers of the same x mark shared
+READ_KEY = "_slimgrad_lora_read"
+
+
+def read_alone_last_time(state: dict, x: torch.Tensor) -> bool:
+    """Whether, in this layer's previous call, no other LoRA layer read the same x (unchanged) in that forward; True
+    at a first call. Registers this call, whose answer the layers after it give (they mark it shared).
+
+    Why: with x frozen, the base frozen and one dropping adapter, peft's graph keeps only the dropped x (its dropout
+    of a tensor needing no gradient keeps no mask), where the Function keeps x and a 1-bit mask, rebuilding the
+    dropped x in backward: 1 bit an element more, which only pays where other LoRA layers read the same x with their
+    own dropout (q, k, v: peft keeps three dropped copies, the Function x once and three masks). A layer that read
+    x alone runs peft's own forward (:func:`peft_graph_keeps_as_little`); the first call does too, so that no step
+    keeps more than stock. (A read by the same layer again, the same input tensor fed each step, is not sharing.)"""
+    read = _Read(id(state), x._version)
+    previous = state.get(READ_KEY)
+    state[READ_KEY] = read
+    first = _READERS.get(x)
+    if first is not None and first.owner != read.owner and first.version == read.version:
+        first.shared = read.shared = True
+    else:
+        _READERS[x] = read
+    return previous is None or not previous.shared
+
+
+def peft_graph_keeps_as_little(state: dict, x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, p: float,
+                               cast_input: bool) -> bool:
+    """Whether peft's own forward of a one-adapter LoRA layer keeps no more than the Function would for this call:
+    eager, x needing no gradient, the base weight frozen, A trained, the adapter dropping, no cast of x, and x read
+    by this layer alone last time (:func:`read_alone_last_time`, which this call registers with)."""
+    if (not 0 < p < 1 or x.requires_grad or weight.requires_grad or not A.requires_grad
+            or not torch.is_grad_enabled() or (cast_input and x.dtype != A.dtype)):
+        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return read_alone_last_time(state, x)
 
 
 def adapters_apart(x: torch.Tensor, n: int, ps, cast_input: bool, a_dtype: torch.dtype, policy) -> bool:

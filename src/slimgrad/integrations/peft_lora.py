@@ -29,7 +29,14 @@ from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_enabled, note_input_kept
 from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy, resolve_policy
-from slimgrad.functional.lora import LoraAdapter, LoraLinearFunction, _base_forward, adapters_apart, lora_linear
+from slimgrad.functional.lora import (
+    LoraAdapter,
+    LoraLinearFunction,
+    _base_forward,
+    adapters_apart,
+    lora_linear,
+    peft_graph_keeps_as_little,
+)
 from slimgrad.integrations._fingerprint import Verified, unknown_reason
 
 __all__ = ["KNOWN", "SlimLinear"]
@@ -279,10 +286,28 @@ _C_APPLY = _common._C_APPLY
 _unwrap_if_dead = _common.unwrap_if_dead
 
 
+def _peft_keeps_as_little(self: LoraLinear, x: torch.Tensor) -> bool:
+    """Whether peft's own forward keeps no more than one Function would (functional.lora's
+    peft_graph_keeps_as_little): x frozen and read by this layer alone, one plain dropping adapter, base frozen."""
+    d = self.__dict__
+    if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or not _CHECK.still_known():
+        return False
+    found = _active_plain_adapters(d, nn.Linear)
+    if not found or len(found) != 1:
+        return False
+    weight = d["_modules"]["base_layer"]._parameters.get("weight")
+    _, _, A, _, _, _, p = found[0]
+    return weight is not None and peft_graph_keeps_as_little(d, x, weight, A, p,
+                                                             d.get("cast_input_dtype_enabled", True))
+
+
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere."""
-    if not args and not kwargs and type(x) is torch.Tensor and (out := _fast_forward(self, x)) is not None:
-        return out
+    if not args and not kwargs and type(x) is torch.Tensor:
+        if not x.requires_grad and _peft_keeps_as_little(self, x):
+            return LoraLinear.forward(self, x)
+        if (out := _fast_forward(self, x)) is not None:
+            return out
     base = self.base_layer
     adapters = None
     if (not args and not kwargs and not self.disable_adapters and not self.merged and isinstance(x, torch.Tensor)
