@@ -900,3 +900,52 @@ def test_dropout_on_a_frozen_input_read_by_two_layers_keeps_x_once_from_the_seco
     for stock_bytes, slim_bytes in kept[1:]:
         # the dropped copies (x's size each) against x once and two masks
         assert slim_bytes == stock_bytes - x.numel() * x.element_size() + 2 * ((x.numel() + 7) // 8)
+
+
+# ------------------------------------------------- hooks the fused forward would skip: backward and global hooks
+
+def _hook_step(model, kind, conv):
+    """One step with a hook registered as ``kind``; returns (calls, x.grad, parameter gradients)."""
+    from torch.nn.modules import module as nn_module
+
+    calls = []
+    layer = next(m for m in model.modules() if hasattr(m, "lora_B"))
+    sub = layer.base_layer if kind == "base" else layer.lora_B["default"]
+    handles = []
+    if kind == "pre":
+        handles.append(sub.register_full_backward_pre_hook(lambda m, go: (calls.append(m), (go[0] * 3,))[1]))
+    elif kind in ("full", "base"):
+        handles.append(sub.register_full_backward_hook(lambda m, gi, go: (calls.append(m), (gi[0] * 3,))[1]))
+    elif kind == "global_forward":
+        handles.append(nn_module.register_module_forward_hook(lambda m, i, o: calls.append(m)))
+    else:
+        handles.append(nn_module.register_module_full_backward_hook(lambda m, gi, go: calls.append(m)))
+    try:
+        shape = (2, 3, 6, 6) if conv else (3, IN)
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.manual_seed(3)
+        model(x).square().sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return [type(m).__name__ for m in calls], x.grad, {n: p.grad for n, p in model.named_parameters()
+                                                       if p.grad is not None}
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+@pytest.mark.parametrize("kind", ["full", "pre", "base", "global_forward", "global_backward"])
+def test_backward_and_global_hooks_on_the_submodules_fire_as_in_peft(kind, conv):
+    """The converted layer reads lora_A / lora_B / base_layer's parameters instead of calling them: a full backward
+    hook (or pre-hook) there, or a global module hook (FlopCounterMode's, module_tracker's), never fired and a hook
+    that edits the gradient was silently ignored (the autograd sweep of 2026-11-28). Where one is registered peft's
+    forward runs: the same calls, in order, and the same gradients."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 4, 3) if conv else nn.Linear(IN, OUT))
+    stock = get_peft_model(base, LoraConfig(r=2, target_modules=["0"], lora_dropout=0.1, init_lora_weights=False))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    expected, got = _hook_step(stock, kind, conv), _hook_step(slim, kind, conv)
+    assert got[0] == expected[0] and expected[0]
+    assert torch.equal(got[1], expected[1])
+    assert got[2].keys() == expected[2].keys()
+    for name in expected[2]:
+        assert torch.equal(got[2][name], expected[2][name]), name

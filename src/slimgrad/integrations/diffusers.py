@@ -31,6 +31,7 @@ from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import quick_gelu
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
+from slimgrad.integrations._hooks import global_module_hooks, module_hooks
 
 __all__ = ["REFERENCE_SOURCES", "register_known"]
 
@@ -99,14 +100,8 @@ def _matches(cls: type, name: str) -> bool:
     return _mismatch(cls, name) is None
 
 
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-
-
-def _global_hooks() -> bool:
-    mod = nn.modules.module
-    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
-                or mod._global_backward_pre_hooks)
+_has_hooks = module_hooks
+_global_hooks = global_module_hooks
 
 
 def _changed(module: nn.Module) -> str | None:

@@ -63,6 +63,7 @@ from slimgrad._forward_chain import reaches
 from slimgrad._registry import ORIGINALS, REPLACEMENTS, register_forward
 from slimgrad.functional.cross_entropy import default_chunk_size, fused_linear_cross_entropy
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
+from slimgrad.integrations._hooks import global_module_hooks, module_hooks
 
 __all__ = ["check", "register_loaded"]
 
@@ -176,11 +177,9 @@ def _plan(self, stock, args, kwargs) -> _Call | str | None:
     if ORIGINALS.get(type(head), type(head)) is not nn.Linear:
         return (f"its output embedding is {type(head).__module__}.{type(head).__qualname__}, not torch.nn.Linear "
                 f"(a LoRA or quantized head?); the chunked loss reads its weight directly")
-    if (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks
-            or hasattr(head, "_hf_hook")
-            or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
-        return "its output embedding has forward hooks (accelerate offload, a user hook), which the chunked path " \
-               "would skip"
+    if module_hooks(head) or hasattr(head, "_hf_hook") or global_module_hooks():
+        return "its output embedding has hooks (accelerate offload, a user hook, a global module hook), which the " \
+               "chunked path would skip"
     vocab = _config_value(self.config, "vocab_size")
     if head.out_features != vocab:
         return f"its output embedding has {head.out_features} outputs but the config's vocab_size is {vocab}"

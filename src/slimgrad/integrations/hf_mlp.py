@@ -31,6 +31,7 @@ from slimgrad.functional.gated import gated_activation
 from slimgrad.functional.hf_activations import fused_activation, gelu_new, gelu_python, quick_gelu
 from slimgrad.integrations._fingerprint import fingerprint, names_read, source_fingerprint
 from slimgrad.integrations._hf_classes import import_modeling, loaded_transformers_classes
+from slimgrad.integrations._hooks import global_module_hooks, module_hooks
 
 __all__ = ["activation_kind", "register_loaded"]
 
@@ -90,14 +91,8 @@ _ACT_CLASSES: dict[str, type] = {}
 _MLP_LAYOUT: dict[type, tuple[str, str, tuple[str, ...]]] = {}
 
 
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-
-
-def _global_hooks() -> bool:
-    mod = nn.modules.module
-    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
-                or mod._global_backward_pre_hooks)
+_has_hooks = module_hooks
+_global_hooks = global_module_hooks
 
 
 def _act_class(act: nn.Module, name: str) -> bool:

@@ -38,6 +38,7 @@ from slimgrad.functional.lora import (
     peft_graph_keeps_as_little,
 )
 from slimgrad.integrations._fingerprint import Verified, unknown_reason
+from slimgrad.integrations._hooks import global_module_hooks, module_hooks
 
 __all__ = ["KNOWN", "SlimLinear"]
 
@@ -100,7 +101,9 @@ def _falcon_reason(base: nn.Module) -> str | None:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None)
+    """Hooks the fused forward would skip on ``module`` (its forward and backward hooks, accelerate's ``_hf_hook``),
+    or global module hooks (integrations/_hooks.py)."""
+    return module_hooks(module) or getattr(module, "_hf_hook", None) is not None or global_module_hooks()
 
 
 def _unsupported(module: LoraLinear) -> str | None:
@@ -167,7 +170,7 @@ def _adapters(self: LoraLinear, x: torch.Tensor):
 
 def _hooked(module: nn.Module) -> bool:
     """_has_hooks without nn.Module.__getattr__'s miss for ``_hf_hook`` (accelerate sets it as a plain attribute)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
+    return module_hooks(module) or "_hf_hook" in module.__dict__ or global_module_hooks()
 
 
 def _active_plain_adapters(d: dict, layer_type: type):
