@@ -1054,3 +1054,44 @@ def test_a_frozen_strided_stem_conv_is_estimated_with_the_input_as_its_carrier(s
     model = slimgrad.convert(nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False)).requires_grad_(False))
     x = torch.randn(2, 3, size, size, requires_grad=True)
     _assert_estimated_to_the_byte(model, x, warm=1)
+
+
+class _UnusedHead(nn.Module):
+    """A second output the loss never reads (BERT's pooler output under a loss on the hidden states), whose tanh
+    keeps a large output for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.aux = nn.Linear(256, 1024)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, torch.tanh(self.aux(h))
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["stock", "converted"])
+def test_an_output_the_loss_never_reads_is_freed_with_it(converted):
+    """The real step frees an unused output's branch, and what it saved, with the output before backward; the
+    simulation held every autograd node it labelled with its module, so that branch lived through the simulated
+    backward (+11 % here, +0.55 % on MiniLM's pooler)."""
+    torch.manual_seed(0)
+    model = _UnusedHead()
+    if converted:
+        model = slimgrad.convert(model)
+    x = torch.randn(64, 256)
+
+    def loss_fn(out):
+        return out[0].pow(2).mean()
+
+    def step():
+        loss_fn(model(x)).backward()
+
+    step()
+    for p in model.parameters():
+        p.grad = None
+    measured = slimgrad.peak_bytes(step)
+    for p in model.parameters():
+        p.grad = None
+    estimated = slimgrad.estimate(model, x, loss_fn=loss_fn).step_peak_bytes
+    assert estimated == measured

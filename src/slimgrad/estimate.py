@@ -507,7 +507,7 @@ class _Allocations(TorchDispatchMode):
         self.current = 0
         self.phase = "forward"
         self.module_stack: list[str] = []
-        self.node_owner: dict[Any, str] = {}
+        self.node_token = object()  # this step's label on its autograd nodes (_nodes_from)
         # (bytes alive after the op, bytes its outputs added, signature or None, phase, owner, node name,
         #  bytes per kind alive after the op, bytes alive only inside the op besides its scratch: _wrapped_numbers)
         self.events: list[tuple] = []
@@ -636,7 +636,8 @@ class _Allocations(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             if node is None:
                 return "", ""
-            return self.node_owner.get(node, ""), node.name()
+            label = node.metadata.get(_OWNER)
+            return (label[1] if label is not None and label[0] is self.node_token else ""), node.name()
         return (self.module_stack[-1] if self.module_stack else ""), ""
 
     def _count_saved_number(self, func, args, out, kind: str, owner: str) -> int:
@@ -1018,14 +1019,26 @@ def _optimizer_for(spec, params: list[torch.Tensor], fake_of: dict[int, torch.Te
                              f"parameters ({e}); pass its name ('adamw', 'sgd') instead") from None
 
 
-def _nodes_from(outputs, seen: set, owner: str, owners: dict) -> None:
+#: the key under which a simulated step's autograd nodes carry (the step's token, their module's path)
+_OWNER = "slimgrad_estimate_owner"
+
+
+def _nodes_from(outputs, token: object, owner: str) -> None:
+    """Label the autograd nodes made under ``outputs`` (not yet labelled in this step) as ``owner``'s. The label is
+    written into each node's ``metadata`` dict, which the node itself keeps: a dict of the nodes would hold every
+    node alive, so that an output the loss never reads (BERT's pooler output under a loss on its hidden states)
+    kept its branch and what it saved through the simulated backward, where the real step frees them with the
+    output (+0.55 % on MiniLM, +11 % on a model with an unused second head; the real-weights sweep)."""
     todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while todo:
         node = todo.pop()
-        if node is None or node in seen:
+        if node is None:
             continue
-        seen.add(node)
-        owners[node] = owner
+        meta = node.metadata
+        label = meta.get(_OWNER)
+        if label is not None and label[0] is token:
+            continue
+        meta[_OWNER] = (token, owner)
         todo.extend(f for f, _ in node.next_functions)
 
 
@@ -1036,7 +1049,6 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
     to know which module runs each op and which autograd nodes each module created. ``input_bytes``: {path: 0}
     of the modules whose tensor inputs' bytes (unique storages, first call) to record: what a checkpoint of the
     module keeps instead of its activations."""
-    seen: set = set()
 
     def wrap(module):
         inner = module.forward
@@ -1057,7 +1069,7 @@ def _tracked_forwards(model: nn.Module, sim: _Allocations, paths: dict[int, str]
                 out = inner(*args, **kwargs)
             finally:
                 sim.module_stack.pop()
-            _nodes_from(_pytree.tree_leaves(out), seen, path, sim.node_owner)
+            _nodes_from(_pytree.tree_leaves(out), sim.node_token, path)
             return out
 
         return forward
