@@ -291,25 +291,29 @@ _unwrap_if_dead = _common.unwrap_if_dead
 
 def _peft_keeps_as_little(self: LoraLinear, x: torch.Tensor) -> bool:
     """Whether peft's own forward keeps no more than one Function would (functional.lora's
-    peft_graph_keeps_as_little): x frozen and read by this layer alone, one plain dropping adapter, base frozen."""
+    peft_graph_keeps_as_little): x frozen and read by this layer alone, one dropping adapter, the base frozen. Read
+    from the module's dicts, parameters of any tensor type: the estimate's fake ones take the real step's route."""
     d = self.__dict__
-    if d.get("_disable_adapters") or d.get("merged_adapters") or d.get("lora_variant") or not _CHECK.still_known():
+    active = d.get("_active_adapter")
+    modules = d["_modules"]
+    lora_a = modules["lora_A"]._modules
+    names = [n for n in ((active,) if isinstance(active, str) else active or ()) if n in lora_a]
+    if len(names) != 1:
         return False
-    found = _active_plain_adapters(d, nn.Linear)
-    if not found or len(found) != 1:
-        return False
-    weight = d["_modules"]["base_layer"]._parameters.get("weight")
-    _, _, A, _, _, _, p = found[0]
-    return weight is not None and peft_graph_keeps_as_little(d, x, weight, A, p,
-                                                             d.get("cast_input_dtype_enabled", True))
+    a, drop = lora_a[names[0]], modules["lora_dropout"]._modules[names[0]]
+    p = _dropout_p(drop)
+    A, weight = a._parameters.get("weight"), modules["base_layer"]._parameters.get("weight")
+    return (p is not None and A is not None and weight is not None
+            and peft_graph_keeps_as_little(d, x, weight, A, p, d.get("cast_input_dtype_enabled", True)))
 
 
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere."""
-    if not args and not kwargs and type(x) is torch.Tensor:
+    if not args and not kwargs and isinstance(x, torch.Tensor):
+        # (any tensor type: the estimate's fake tensors must take the route the real step takes)
         if not x.requires_grad and _peft_keeps_as_little(self, x):
             return LoraLinear.forward(self, x)
-        if (out := _fast_forward(self, x)) is not None:
+        if type(x) is torch.Tensor and (out := _fast_forward(self, x)) is not None:
             return out
     base = self.base_layer
     adapters = None
