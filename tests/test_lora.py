@@ -949,3 +949,25 @@ def test_backward_and_global_hooks_on_the_submodules_fire_as_in_peft(kind, conv)
     assert got[2].keys() == expected[2].keys()
     for name in expected[2]:
         assert torch.equal(got[2][name], expected[2][name]), name
+
+
+def test_dropout_on_a_frozen_input_under_checkpointing_matches_peft():
+    """The read-alone route (peft's forward or the Function) is the same in a non-reentrant checkpoint's forward and
+    its recomputation, which must save what the forward saved, although the q/k reads in between taught the layers
+    that they share x: three steps, every gradient peft's. (A reentrant checkpoint of a frozen x gives no gradient,
+    in stock too.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = TwoReaders(lambda: nn.Linear(IN, OUT))
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    stock = get_peft_model(Checkpointed(), LoraConfig(r=R, target_modules=["q", "k"], lora_dropout=0.1,
+                                                      init_lora_weights=False))
+    slim = slim_of(stock)
+    _steps_against_peft(stock, slim)

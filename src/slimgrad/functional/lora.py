@@ -601,12 +601,17 @@ def peft_graph_keeps_as_little(state: dict, x: torch.Tensor, weight: torch.Tenso
                                cast_input: bool) -> bool:
     """Whether peft's own forward of a one-adapter LoRA layer keeps no more than the Function would for this call:
     eager, x needing no gradient, the base weight frozen, A trained, the adapter dropping, no cast of x, and x read
-    by this layer alone last time (:func:`read_alone_last_time`, which this call registers with)."""
+    by this layer alone last time (:func:`read_alone_last_time`, which this call registers with); always inside a
+    non-reentrant checkpoint's region."""
     if (not 0 < p < 1 or x.requires_grad or weight.requires_grad or not A.requires_grad
             or not torch.is_grad_enabled() or (cast_input and x.dtype != A.dtype)):
         return False
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
+    if _common.in_checkpointed_forward():
+        # peft's forward, the same in a non-reentrant checkpoint's forward and in its recomputation (which must
+        # save what the forward saved), whatever the reads in between taught
+        return True
     return read_alone_last_time(state, x)
 
 
