@@ -842,16 +842,16 @@ class _FrozenTrunkHead(nn.Module):
     """A frozen trunk and one LoRA head reading its output (a classifier fine-tuned with LoRA): nothing else keeps
     the head's input."""
 
-    def __init__(self):
+    def __init__(self, conv=False):
         super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(IN, IN), nn.Tanh())
-        self.head = nn.Linear(IN, OUT)
+        self.trunk = nn.Sequential(nn.Conv2d(3, 8, 3) if conv else nn.Linear(IN, IN), nn.Tanh())
+        self.head = nn.Conv2d(8, 4, 3) if conv else nn.Linear(IN, OUT)
 
     def forward(self, x):
         return self.head(self.trunk(x))
 
 
-def _steps_against_peft(stock, slim, steps=3):
+def _steps_against_peft(stock, slim, steps=3, conv=False):
     """Per step: (stock's saved bytes, slimgrad's), gradients and outputs compared bitwise on every step."""
     kept = []
     for i in range(steps):
@@ -859,7 +859,8 @@ def _steps_against_peft(stock, slim, steps=3):
         for m in (stock, slim):
             for q in m.parameters():
                 q.grad = None
-            x = x_for(torch.float32, requires_grad=False, seed=10 + i)
+            x = (torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(10 + i)) if conv
+                 else x_for(torch.float32, requires_grad=False, seed=10 + i))
             torch.manual_seed(i)
             with SavedTensors(exclude=[m]) as k:
                 out = m(x)
@@ -871,16 +872,17 @@ def _steps_against_peft(stock, slim, steps=3):
     return kept
 
 
-def test_dropout_on_a_frozen_input_read_alone_keeps_what_peft_keeps():
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_dropout_on_a_frozen_input_read_alone_keeps_what_peft_keeps(conv):
     """x frozen, the base frozen, one dropping adapter, and no other LoRA layer reading x: peft keeps the dropped x
     only (its dropout of a tensor needing no gradient keeps no mask), the Function would keep x and a 1-bit mask,
-    one bit an element more (MobileNetV2's, RegNet's LoRA classifiers: +320 B and +16 B a step on the model sweep).
-    peft's own forward runs there, on every step."""
+    one bit an element more (MobileNetV2's, RegNet's LoRA classifiers: +320 B and +16 B a step on the model sweep; a
+    LoRA conv head +200 B here). peft's own forward runs there, on every step."""
     torch.manual_seed(0)
-    stock = get_peft_model(_FrozenTrunkHead(), LoraConfig(r=R, target_modules=["head"], lora_dropout=0.1,
-                                                          init_lora_weights=False))
-    slim = slim_of(stock)
-    for stock_bytes, slim_bytes in _steps_against_peft(stock, slim):
+    stock = get_peft_model(_FrozenTrunkHead(conv), LoraConfig(r=R, target_modules=["head"], lora_dropout=0.1,
+                                                              init_lora_weights=False))
+    slim = slimgrad.convert(stock)
+    for stock_bytes, slim_bytes in _steps_against_peft(stock, slim, conv=conv):
         assert slim_bytes == stock_bytes
 
 

@@ -41,6 +41,7 @@ from slimgrad.integrations.peft_lora import (
     _dropout_p,
     _has_hooks,
     _hooked,
+    _peft_keeps_as_little,
     _stock_type,
 )
 
@@ -176,6 +177,9 @@ def _fast_forward(self, x: torch.Tensor):
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less."""
+    if (not args and not kwargs and isinstance(x, torch.Tensor) and not x.requires_grad
+            and _peft_keeps_as_little(self, x)):
+        return _lora_class(self).forward(self, x)  # x frozen and read alone: peft keeps no more (peft_lora.py)
     if not args and not kwargs and type(x) is torch.Tensor and x.dim() >= 3 and (out := _fast_forward(self, x)) \
             is not None:
         return out
