@@ -189,11 +189,14 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's bnb LoRA forward: the base layer as a module, then each adapter through slimgrad's LoRA
     Function without a base term, added in peft's order; peft's own forward wherever that is not plain
     LoRA (see :mod:`slimgrad.integrations.peft_lora`) or under autocast (peft then skips its casts)."""
-    from slimgrad.integrations.peft_lora import _adapters, _stock_type
+    from slimgrad.integrations.peft_lora import _adapters, _peft_keeps_as_little, _stock_type
 
+    stock = _stock_type(self).forward
+    if (not args and not kwargs and isinstance(x, torch.Tensor) and not x.requires_grad
+            and _peft_keeps_as_little(self, x)):
+        return stock(self, x)  # x frozen and read alone: peft keeps no more (peft_lora.py)
     if not args and not kwargs and type(x) is torch.Tensor and (out := _fast_lora_forward(self, x)) is not None:
         return out
-    stock = _stock_type(self).forward
     adapters = None
     if (not args and not kwargs and not self.disable_adapters and not self.merged and isinstance(x, torch.Tensor)
             and not self.lora_variant and not torch.is_autocast_enabled(x.device.type) and _known_now(self)):
