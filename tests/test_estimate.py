@@ -1095,3 +1095,26 @@ def test_an_output_the_loss_never_reads_is_freed_with_it(converted):
         p.grad = None
     estimated = slimgrad.estimate(model, x, loss_fn=loss_fn).step_peak_bytes
     assert estimated == measured
+
+
+def test_estimate_under_anomaly_mode_is_the_measured_peak():
+    """Anomaly mode's NaN check reads every backward output's values, which the simulation's fake tensors have not:
+    estimate raised "the step reads a tensor's values", blaming the model, where the real step ran. It allocates
+    nothing the step keeps: the simulation runs without it, to the byte of the step measured under anomaly mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+
+    def step():
+        model(x).sum().backward()
+
+    with torch.autograd.set_detect_anomaly(True):
+        step()
+        for p in model.parameters():
+            p.grad = None
+        measured = slimgrad.peak_bytes(step)
+        for p in model.parameters():
+            p.grad = None
+        estimated = slimgrad.estimate(model, x).step_peak_bytes
+        assert torch.is_anomaly_check_nan_enabled()  # the user's setting is back
+    assert estimated == measured

@@ -1340,6 +1340,13 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
 
     from .audit import default_loss
 
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        # anomaly mode's NaN check reads every backward output's values, which fake tensors have not (it raised
+        # "the step reads a tensor's values", blaming the model); it allocates nothing the step keeps, so the
+        # simulation runs without it (anomaly mode's tracebacks stay on)
+        with torch.autograd.set_detect_anomaly(True, check_nan=False):
+            return estimate(model, *args, optimizer=optimizer, loss_fn=loss_fn, blocks=blocks, device=device,
+                            hold_output=hold_output, **kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"estimate: 'model' must be a torch.nn.Module, got {type(model).__name__}")
     model = unwrap(model)
