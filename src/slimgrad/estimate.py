@@ -1287,12 +1287,13 @@ _RELEARNED: contextvars.ContextVar[bool] = contextvars.ContextVar("slimgrad_esti
 def _learned(model: nn.Module) -> dict:
     """What the model's converted layers learned from earlier steps (which producer outputs a consumer keeps), by
     module."""
-    from .functional.lora import READ_KEY
+    from .functional.lora import READ_KEY, SEVERAL_KEY
 
     learned = {id(m): m.__dict__["_slimgrad_output_kept"] for m in model.modules()
                if "_slimgrad_output_kept" in m.__dict__}
     # and which LoRA layers read their frozen x with others (functional.lora.read_alone_last_time)
     learned.update({(id(m), READ_KEY): m.__dict__[READ_KEY].shared for m in model.modules() if READ_KEY in m.__dict__})
+    learned.update({(id(m), SEVERAL_KEY): True for m in model.modules() if SEVERAL_KEY in m.__dict__})
     return learned
 
 

@@ -31,6 +31,7 @@ x one Function per adapter: ``adapters_apart``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -563,17 +564,19 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 class _Read:
     """One LoRA layer's call reading x (see :func:`read_alone_last_time`)."""
 
-    __slots__ = ("owner", "version", "shared")
+    __slots__ = ("owner", "version", "shared", "x")
 
-    def __init__(self, owner: int, version: int):
-        self.owner, self.version, self.shared = owner, version, False
+    def __init__(self, owner: int, x: torch.Tensor):
+        self.owner, self.version, self.shared, self.x = owner, x._version, False, weakref.ref(x)
 
 
 # x -> the first LoRA call that read it (this forward's q of q/k/v, which all read one normed x)
 _READERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-#: a LoRA layer's ``__dict__`` key: its last call's _Read, which later readers of the same x mark shared
+#: a LoRA layer's ``__dict__`` keys: its last call's _Read, which later readers of the same x mark shared; and
+#: whether it was seen called again while its last input lived (several calls a forward)
 READ_KEY = "_slimgrad_lora_read"
+SEVERAL_KEY = "_slimgrad_lora_several_calls"
 
 
 def read_alone_last_time(state: dict, x: torch.Tensor) -> bool:
@@ -585,10 +588,16 @@ def read_alone_last_time(state: dict, x: torch.Tensor) -> bool:
     dropped x in backward: 1 bit an element more, which only pays where other LoRA layers read the same x with their
     own dropout (q, k, v: peft keeps three dropped copies, the Function x once and three masks). A layer that read
     x alone runs peft's own forward (:func:`peft_graph_keeps_as_little`); the first call does too, so that no step
-    keeps more than stock. (A read by the same layer again, the same input tensor fed each step, is not sharing.)"""
-    read = _Read(id(state), x._version)
+    keeps more than stock. (A read by the same layer again, the same input tensor fed each step, is not sharing.)
+    A layer called again while its previous input still lives (twice a forward, its calls reading shared and
+    unshared inputs in turn) cannot learn one call from the one before: it runs peft's forward from then on."""
+    read = _Read(id(state), x)
     previous = state.get(READ_KEY)
     state[READ_KEY] = read
+    if previous is not None and previous.x() is not None and previous.x() is not x:
+        state[SEVERAL_KEY] = True
+    if state.get(SEVERAL_KEY):
+        return True  # (unregistered: it keeps no x that others could share)
     first = _READERS.get(x)
     if first is not None and first.owner != read.owner and first.version == read.version:
         first.shared = read.shared = True
