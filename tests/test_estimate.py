@@ -74,6 +74,17 @@ def _check(e: MemoryEstimate, measured: int, what: str) -> None:
                                    f"({err:+.2%}), peak at {e.peak_where}\n{e}")
 
 
+def _measured_and_estimated(model, step, estimate_step):
+    """A warm step's measured peak, then ``estimate_step()``'s estimate, gradients set to None before each."""
+    step()
+    for p in model.parameters():
+        p.grad = None
+    measured = slimgrad.peak_bytes(step)
+    for p in model.parameters():
+        p.grad = None
+    return measured, estimate_step()
+
+
 # --- accuracy on every family of issue 23, stock and converted --------------------------------------------
 
 # a second or more per estimate on one core (many layer signatures); vgg11 and convnext are in-repo CNNs like
@@ -879,14 +890,11 @@ def test_estimate_inside_autocast_with_batch_norm():
             loss = model(x).float().sum()
         loss.backward()
 
-    step()
-    for p in model.parameters():
-        p.grad = None
-    measured = slimgrad.peak_bytes(step)
-    for p in model.parameters():
-        p.grad = None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        e = estimate(model, x, loss_fn=lambda out: out.float().sum())
+    def estimated():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return estimate(model, x, loss_fn=lambda out: out.float().sum())
+
+    measured, e = _measured_and_estimated(model, step, estimated)
     assert abs(bm.relative_error(e.step_peak_bytes, measured)) <= 0.01, (e.step_peak_bytes, measured)
     assert any("native_batch_norm_backward" in n for n in e.notes)
 
@@ -1087,14 +1095,8 @@ def test_an_output_the_loss_never_reads_is_freed_with_it(converted):
     def step():
         loss_fn(model(x)).backward()
 
-    step()
-    for p in model.parameters():
-        p.grad = None
-    measured = slimgrad.peak_bytes(step)
-    for p in model.parameters():
-        p.grad = None
-    estimated = slimgrad.estimate(model, x, loss_fn=loss_fn).step_peak_bytes
-    assert estimated == measured
+    measured, e = _measured_and_estimated(model, step, lambda: slimgrad.estimate(model, x, loss_fn=loss_fn))
+    assert e.step_peak_bytes == measured
 
 
 def test_estimate_under_anomaly_mode_is_the_measured_peak():
@@ -1109,12 +1111,6 @@ def test_estimate_under_anomaly_mode_is_the_measured_peak():
         model(x).sum().backward()
 
     with torch.autograd.set_detect_anomaly(True):
-        step()
-        for p in model.parameters():
-            p.grad = None
-        measured = slimgrad.peak_bytes(step)
-        for p in model.parameters():
-            p.grad = None
-        estimated = slimgrad.estimate(model, x).step_peak_bytes
+        measured, e = _measured_and_estimated(model, step, lambda: slimgrad.estimate(model, x))
         assert torch.is_anomaly_check_nan_enabled()  # the user's setting is back
-    assert estimated == measured
+    assert e.step_peak_bytes == measured
