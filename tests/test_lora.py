@@ -999,3 +999,24 @@ def test_dropout_on_a_frozen_input_layer_called_twice_a_forward():
     assert kept[0][1] == kept[0][0]
     for stock_bytes, slim_bytes in kept[2:]:
         assert slim_bytes == stock_bytes
+
+
+def test_a_model_that_learned_its_readers_pickles():
+    """What a layer learned about its readers lives in its __dict__ (and held a weak reference to the input it read):
+    torch.save(model) after a step raised "cannot pickle 'weakref.ReferenceType' object". Pickled, it keeps what it
+    learned, not the input, and the loaded model's steps are peft's, sharing x from its first step."""
+    import io
+
+    torch.manual_seed(0)
+    stock = get_peft_model(TwoReaders(lambda: nn.Linear(IN, OUT)),
+                           LoraConfig(r=R, target_modules=["q", "k"], lora_dropout=0.1, init_lora_weights=False))
+    slim = slim_of(stock)
+    _steps_against_peft(stock, slim, steps=1)
+    loaded = []
+    for m in (stock, slim):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        loaded.append(torch.load(buf, weights_only=False))
+    for stock_bytes, slim_bytes in _steps_against_peft(*loaded, steps=2):
+        assert slim_bytes < stock_bytes

@@ -566,8 +566,23 @@ class _Read:
 
     __slots__ = ("owner", "version", "shared", "x")
 
-    def __init__(self, owner: int, x: torch.Tensor):
-        self.owner, self.version, self.shared, self.x = owner, x._version, False, weakref.ref(x)
+    def __init__(self, owner: int, x: torch.Tensor | None):
+        self.owner, self.shared = owner, False
+        self.version, self.x = (-1, _no_input) if x is None else (x._version, weakref.ref(x))
+
+    def __reduce__(self):
+        # pickled with its layer (torch.save(model), a spawned process): what it learned, not the input it read
+        return _unpickled_read, (self.shared,)
+
+
+def _no_input():
+    return None
+
+
+def _unpickled_read(shared: bool) -> _Read:
+    read = _Read(0, None)
+    read.shared = shared
+    return read
 
 
 # x -> the first LoRA call that read it (this forward's q of q/k/v, which all read one normed x)
