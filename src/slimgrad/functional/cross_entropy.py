@@ -32,14 +32,19 @@ _aten = torch.ops.aten
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 # Chunks hold at least this many logits: much smaller matmuls cost more in per-call overhead than they save.
 _MIN_CHUNK_ELEMENTS = 1 << 20
+# and at least this many rows: each chunk reads the whole head weight (vocab x hidden) in forward and twice in
+# backward, so a chunk of few rows is a matrix product bound by reading the weight: GPT-2's head (vocab 50257,
+# hidden 256) over 508 tokens ran 1.76x stock's time in chunks of 21 rows (the elements floor alone), 1.13x in
+# chunks of 128 (benchmarks/chunked_loss_time.py; docs/chunked_loss.md, Time).
+_MIN_CHUNK_ROWS = 128
 
 
 def default_chunk_size(rows: int, hidden_size: int, vocab_size: int) -> int:
     """Rows per chunk such that one chunk's logits are about as large as all the hidden states (the size
-    backward keeps anyway), but never under ~1M logits, so that the peak stays near twice the hidden
+    backward keeps anyway), but never under ~1M logits or 128 rows, so that the peak stays near twice the hidden
     states while the matmuls stay large."""
     by_hidden = math.ceil(rows * hidden_size / max(vocab_size, 1))
-    by_floor = math.ceil(_MIN_CHUNK_ELEMENTS / max(vocab_size, 1))
+    by_floor = max(math.ceil(_MIN_CHUNK_ELEMENTS / max(vocab_size, 1)), _MIN_CHUNK_ROWS)
     return max(1, min(rows, max(by_hidden, by_floor)))
 
 
