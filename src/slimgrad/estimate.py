@@ -1289,11 +1289,16 @@ def _learned(model: nn.Module) -> dict:
     module."""
     from .functional.lora import READ_KEY, SEVERAL_KEY
 
-    learned = {id(m): m.__dict__["_slimgrad_output_kept"] for m in model.modules()
-               if "_slimgrad_output_kept" in m.__dict__}
-    # and which LoRA layers read their frozen x with others (functional.lora.read_alone_last_time)
-    learned.update({(id(m), READ_KEY): m.__dict__[READ_KEY].shared for m in model.modules() if READ_KEY in m.__dict__})
-    learned.update({(id(m), SEVERAL_KEY): True for m in model.modules() if SEVERAL_KEY in m.__dict__})
+    learned = {}
+    for m in model.modules():
+        state = m.__dict__
+        if "_slimgrad_output_kept" in state:
+            learned[id(m)] = state["_slimgrad_output_kept"]
+        # and which LoRA layers read their frozen x with others (functional.lora.read_alone_last_time)
+        if READ_KEY in state:
+            learned[(id(m), READ_KEY)] = state[READ_KEY].shared
+        if SEVERAL_KEY in state:
+            learned[(id(m), SEVERAL_KEY)] = True
     return learned
 
 

@@ -609,7 +609,7 @@ def read_alone_last_time(state: dict, x: torch.Tensor) -> bool:
     read = _Read(id(state), x)
     previous = state.get(READ_KEY)
     state[READ_KEY] = read
-    if previous is not None and previous.x() is not None and previous.x() is not x:
+    if previous is not None and (last_input := previous.x()) is not None and last_input is not x:
         state[SEVERAL_KEY] = True
     if state.get(SEVERAL_KEY):
         return True  # (unregistered: it keeps no x that others could share)

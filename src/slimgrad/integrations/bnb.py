@@ -36,6 +36,7 @@ from slimgrad.functional.dropout import POLICY_ATTRIBUTE, core_draw_simulated, m
 from slimgrad.functional.lora import LoraLinearFunction, _core, _core_simulated
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
 from slimgrad.integrations._fingerprint import Verified
+from slimgrad.integrations._hooks import global_module_hooks
 
 
 def _module(name: str):
@@ -192,6 +193,8 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     from slimgrad.integrations.peft_lora import _adapters, _peft_keeps_as_little, _stock_type
 
     stock = _stock_type(self).forward
+    if global_module_hooks():  # the submodules the Function does not call would miss it (integrations/_hooks.py)
+        return stock(self, x, *args, **kwargs)
     if (not args and not kwargs and isinstance(x, torch.Tensor) and not x.requires_grad
             and _peft_keeps_as_little(self, x)):
         return stock(self, x)  # x frozen and read alone: peft keeps no more (peft_lora.py)

@@ -100,10 +100,6 @@ def _matches(cls: type, name: str) -> bool:
     return _mismatch(cls, name) is None
 
 
-_has_hooks = module_hooks
-_global_hooks = global_module_hooks
-
-
 def _changed(module: nn.Module) -> str | None:
     stock = ORIGINALS.get(type(module), type(module))
     if _VERIFIED.get(stock) is not stock.forward:
@@ -123,7 +119,7 @@ def _gated(self, hidden, gate, kind):
 
 def _geglu_forward(self, hidden_states, *args, **kwargs):
     if (args or kwargs.get("scale", None) is not None or _acts.is_torch_npu_available()
-            or hidden_states.device.type == "mps" or _global_hooks()):
+            or hidden_states.device.type == "mps" or global_module_hooks()):
         return _stock_forward(self, hidden_states, *args, **kwargs)
     hidden, gate = self.proj(hidden_states).chunk(2, dim=-1)
     return gated_activation(gate, hidden, "gelu")
@@ -131,7 +127,7 @@ def _geglu_forward(self, hidden_states, *args, **kwargs):
 
 def _swiglu_forward(self, hidden_states):
     act = self.activation
-    if ORIGINALS.get(type(act), type(act)) is not nn.SiLU or _has_hooks(act) or _global_hooks():
+    if ORIGINALS.get(type(act), type(act)) is not nn.SiLU or module_hooks(act) or global_module_hooks():
         return _stock_forward(self, hidden_states)
     hidden, gate = self.proj(hidden_states).chunk(2, dim=-1)
     return gated_activation(gate, hidden, "silu")

@@ -91,10 +91,6 @@ _ACT_CLASSES: dict[str, type] = {}
 _MLP_LAYOUT: dict[type, tuple[str, str, tuple[str, ...]]] = {}
 
 
-_has_hooks = module_hooks
-_global_hooks = global_module_hooks
-
-
 def _act_class(act: nn.Module, name: str) -> bool:
     cls = _ACT_CLASSES.get(name)
     return cls is not None and ORIGINALS.get(type(act), type(act)) is cls and _VERIFIED.get(cls) is cls.forward
@@ -138,7 +134,7 @@ def _mlp_reason(module: nn.Module) -> str | None:
         return (f"activation {type(act).__module__}.{type(act).__name__} is not one slimgrad reproduces "
                 f"exactly (nn.SiLU, nn.GELU, SiLUActivation, GELUActivation, GELUTanh, NewGELUActivation, "
                 f"QuickGELUActivation)")
-    if _has_hooks(act):
+    if module_hooks(act):
         return f"activation {type(act).__name__} has hooks, which the fused gated product would skip"
     return None
 
@@ -157,7 +153,7 @@ def _mlp_kept_children(module: nn.Module) -> list[nn.Module]:
 
 def _runtime_kind(self, act_attr: str) -> str | None:
     act = getattr(self, act_attr)
-    if _has_hooks(act) or _global_hooks():
+    if module_hooks(act) or global_module_hooks():
         return None
     return activation_kind(act)
 

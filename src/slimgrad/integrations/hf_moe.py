@@ -33,7 +33,8 @@ from slimgrad._registry import ORIGINALS, REPLACEMENTS, register
 from slimgrad.functional.clamped_swiglu import clamped_swiglu
 from slimgrad.integrations._fingerprint import fingerprint, source_fingerprint
 from slimgrad.integrations._hf_classes import loaded_transformers_classes
-from slimgrad.integrations.hf_mlp import _gated, _has_hooks, _runtime_kind, activation_kind
+from slimgrad.integrations._hooks import module_hooks
+from slimgrad.integrations.hf_mlp import _gated, _runtime_kind, activation_kind
 
 __all__ = ["register_loaded"]
 
@@ -106,7 +107,7 @@ def _unsupported(module: nn.Module) -> str | None:
         act = getattr(module, "act_fn", None)
         return (f"activation {type(act).__module__}.{type(act).__name__} is not one slimgrad reproduces exactly "
                 f"(nn.SiLU, nn.GELU, SiLUActivation, GELUActivation, GELUTanh, NewGELUActivation, QuickGELUActivation)")
-    if _has_hooks(module.act_fn):
+    if module_hooks(module.act_fn):
         return f"activation {type(module.act_fn).__name__} has hooks, which the fused gated product would skip"
     impl = _implementation(module)
     if impl not in GATE_CALLERS:

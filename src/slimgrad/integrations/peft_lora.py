@@ -101,9 +101,9 @@ def _falcon_reason(base: nn.Module) -> str | None:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    """Hooks the fused forward would skip on ``module`` (its forward and backward hooks, accelerate's ``_hf_hook``),
-    or global module hooks (integrations/_hooks.py)."""
-    return module_hooks(module) or getattr(module, "_hf_hook", None) is not None or global_module_hooks()
+    """Hooks the fused forward would skip on ``module``: its forward and backward hooks, accelerate's ``_hf_hook``
+    (global module hooks: checked once a call, in the forwards)."""
+    return module_hooks(module) or getattr(module, "_hf_hook", None) is not None
 
 
 def _unsupported(module: LoraLinear) -> str | None:
@@ -170,7 +170,7 @@ def _adapters(self: LoraLinear, x: torch.Tensor):
 
 def _hooked(module: nn.Module) -> bool:
     """_has_hooks without nn.Module.__getattr__'s miss for ``_hf_hook`` (accelerate sets it as a plain attribute)."""
-    return module_hooks(module) or "_hf_hook" in module.__dict__ or global_module_hooks()
+    return module_hooks(module) or "_hf_hook" in module.__dict__
 
 
 def _active_plain_adapters(d: dict, layer_type: type):
@@ -308,7 +308,10 @@ def _peft_keeps_as_little(self: LoraLinear, x: torch.Tensor) -> bool:
 
 
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere."""
+    """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere (and wherever a
+    global module hook would miss the submodules the Function does not call: integrations/_hooks.py)."""
+    if global_module_hooks():
+        return LoraLinear.forward(self, x, *args, **kwargs)
     if not args and not kwargs and isinstance(x, torch.Tensor):
         # (any tensor type: the estimate's fake tensors must take the route the real step takes)
         if not x.requires_grad and _peft_keeps_as_little(self, x):

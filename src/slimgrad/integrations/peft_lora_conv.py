@@ -34,6 +34,7 @@ from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve
 from slimgrad.functional.lora import adapters_apart
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.integrations._fingerprint import Verified
+from slimgrad.integrations._hooks import global_module_hooks
 from slimgrad.integrations.peft_lora import (
     _FLOATS,
     _PLAIN,
@@ -176,7 +177,10 @@ def _fast_forward(self, x: torch.Tensor):
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less."""
+    """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less (peft's own wherever a
+    global module hook would miss the submodules the Function does not call: integrations/_hooks.py)."""
+    if global_module_hooks():
+        return _lora_class(self).forward(self, x, *args, **kwargs)
     if (not args and not kwargs and isinstance(x, torch.Tensor) and not x.requires_grad
             and _peft_keeps_as_little(self, x)):
         return _lora_class(self).forward(self, x)  # x frozen and read alone: peft keeps no more (peft_lora.py)
