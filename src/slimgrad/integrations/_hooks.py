@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from slimgrad import _notices
+
 __all__ = ["global_module_hooks", "module_hooks"]
 
 _MODULE = nn.modules.module
@@ -22,6 +24,16 @@ def module_hooks(m: nn.Module) -> bool:
 
 
 def global_module_hooks() -> bool:
-    """Any module hook registered for every module (``torch.nn.modules.module.register_module_*_hook``)."""
-    return bool(_MODULE._global_forward_hooks or _MODULE._global_forward_pre_hooks or _MODULE._global_backward_hooks
-                or _MODULE._global_backward_pre_hooks)
+    """Any module hook registered for every module (``torch.nn.modules.module.register_module_*_hook``); the first
+    time one is seen, a warning says that the fused forwards step aside while it is."""
+    if not (_MODULE._global_forward_hooks or _MODULE._global_forward_pre_hooks or _MODULE._global_backward_hooks
+            or _MODULE._global_backward_pre_hooks):
+        return False
+    _notices.notify(_GLOBAL, stacklevel=4)
+    return True
+
+
+_GLOBAL = ("slimgrad: a global module hook is registered (torch.nn.modules.module.register_module_*_hook; "
+           "FlopCounterMode and torch.utils.module_tracker register them): while it is, slimgrad's fused forwards that "
+           "would not call a submodule (peft's LoRA layers, the gated MLPs, the chunked loss) run their stock forward, "
+           "so that it sees every module (stock's memory for those layers)")

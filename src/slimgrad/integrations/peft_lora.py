@@ -102,8 +102,16 @@ def _falcon_reason(base: nn.Module) -> str | None:
 
 def _has_hooks(module: nn.Module) -> bool:
     """Hooks the fused forward would skip on ``module``: its forward and backward hooks, accelerate's ``_hf_hook``
-    (global module hooks: checked once a call, in the forwards)."""
-    return module_hooks(module) or getattr(module, "_hf_hook", None) is not None
+    (global module hooks: checked once a call, in the forwards); said once a process where found (the checked path's
+    check: the fast path's ``_hooked`` hands over to it)."""
+    if not (module_hooks(module) or getattr(module, "_hf_hook", None) is not None):
+        return False
+    _notices.notify(_HOOKED, stacklevel=5)
+    return True
+
+
+_HOOKED = ("slimgrad: a peft LoRA layer's base layer or adapter carries hooks (a forward or backward hook, "
+           "accelerate's offload hook): such a layer runs peft's own forward, so that they fire (peft's memory for it)")
 
 
 def _unsupported(module: LoraLinear) -> str | None:
