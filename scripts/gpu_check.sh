@@ -3,7 +3,9 @@
 # cost the rest. Results (logs and Markdown tables) go to $OUT (default /tmp/gpu-check):
 #   bash scripts/gpu_check.sh [1|2]      (device tool: carry .devwhl, the pinned wheels the GPU image lacks)
 # Phase 1 is correctness (CUDA tests, core off then on) and the speed rows, phase 2 the budget table and the other
-# CUDA checks; no argument runs both. One command may run 10 minutes: run phase 2 as the next call on the
+# CUDA checks; no argument runs both. Phase "core" (one call, after a change to the core's C++ or CUDA sources once
+# phase 1 passed on the same session's earlier code): the core's CUDA tests, the per-call host times of its CUDA
+# families, the speed rows (and the quick budget rows of BUDGET_WORKLOADS). One command may run 10 minutes: run phase 2 as the next call on the
 # still-warm machine (its build is kept).
 # The compiled core is built in the background from the start; the checks that do not need it run with
 # SLIMGRAD_CORE=0 meanwhile (the Python path, what CUDA ran before the core served CUDA tensors), the core's own
@@ -60,7 +62,29 @@ BUILD=$!
 core_ready() {  # (polls: a subshell cannot wait for its parent's child)
   log "waiting for the core's build"; while kill -0 $BUILD 2>/dev/null; do sleep 1; done
   tail -n 3 "$LOGS/core-build.log" | tee -a "$OUT/summary.txt"
+  $PY -m slimgrad kernels 2>&1 | head -n 4 | tee -a "$OUT/summary.txt"  # (whether its own CUDA kernels built)
 }
+
+if [ "$PHASE" = core ]; then
+  core_ready
+  export SLIMGRAD_CORE=1
+  ( step cuda-core 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py \
+      --maxfail=30 ) &
+  CHAIN=$!
+  step cuda-core-on 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_masks.py --maxfail=25 \
+    -k "not slow"
+  step estimate-sim 60 $PY -m pytest -q -p no:cacheprovider tests/test_estimate_cuda_sim.py -k "test_cuda"
+  wait $CHAIN
+  step call-overhead 60 $PY benchmarks/call_overhead.py --device cuda --repeats 100 --rounds 2 \
+    --only "ReLU,Conv2d frozen,BatchNorm2d eval"
+  step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
+  for w in ${BUDGET_WORKLOADS:-}; do  # (none unless named: BUDGET_WORKLOADS="llama qlora cnn")
+    step budget-$w ${BUDGET_LIMIT:-90} $PY benchmarks/budget.py --device cuda --quick --only $w --write \
+      --out "$OUT/budget_gpu_$w.md"
+  done
+  log "done"
+  exit 0
+fi
 
 if [ "$PHASE" != 2 ]; then
   # phase 1: correctness on CUDA, two chains side by side on the one GPU (no timing in either): the Python path's

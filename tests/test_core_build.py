@@ -192,7 +192,7 @@ def test_for_eager_refuses_what_the_core_does_not_serve():
 
 def test_package_ships_the_sources():
     pyproject = (Path(slimgrad.__file__).parents[2] / "pyproject.toml").read_text()
-    assert '"slimgrad.csrc" = ["*.cpp", "*.h"]' in pyproject
+    assert '"slimgrad.csrc" = ["*.cpp", "*.h", "*.cu"]' in pyproject
     assert "common.cpp" in csrc.status()["sources"]
 
 
@@ -221,3 +221,74 @@ def test_a_build_prunes_the_cache_to_the_most_recently_used_entries(tmp_path, _b
     assert fake["abcdef0123456789"].exists() and fake["0123456789abcdef"].exists()  # the two most recently used
     assert not fake["1111111111111111"].exists() and not fake["2222222222222222"].exists()
     assert other.exists()
+
+
+# ------------------------------------------------------------------------------------- the core's own CUDA kernels
+# (built with nvcc for a CUDA torch with a GPU: tests/test_cuda_core.py checks them on one; here the machinery)
+
+
+def test_cuda_kernels_are_not_wanted_on_a_cpu_torch_and_status_says_why():
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch")
+    assert csrc._cuda_wanted() is None
+    status = csrc.status()
+    assert status["cuda_kernels"] is False and status["cuda_kernels_reason"] == "torch is a CPU build"
+    assert not any(s.endswith(".cu") for s in status["sources"])
+
+
+def test_the_cuda_build_passes_nvcc_its_sources_flags_and_architectures(monkeypatch, tmp_path):
+    """With CUDA wanted, the build compiles the *.cu files with the family files, defines SLIMGRAD_CUDA_KERNELS for
+    the C++ side, and sets TORCH_CUDA_ARCH_LIST for the build only; the cache key is another entry."""
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def load(**kwargs):
+        seen.update(kwargs, arch=os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        return "module"
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(csrc, "_cuda_arch_list", lambda: "9.0+PTX")
+    assert csrc._compile(tmp_path, "m", False, "13.0") == "module"
+    assert seen["with_cuda"] is True and seen["arch"] == "9.0+PTX"
+    assert "-DSLIMGRAD_CUDA_KERNELS" in seen["extra_cflags"] and "--fmad=false" in seen["extra_cuda_cflags"]
+    assert any(s.endswith("relu_mask_cuda.cu") for s in seen["sources"])
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ
+    seen.clear()
+    csrc._compile(tmp_path, "m", False, None)
+    assert seen["with_cuda"] is False and not any(s.endswith(".cu") for s in seen["sources"])
+    assert csrc._key("13.0") != csrc._key(None)
+
+
+def test_a_failed_cuda_build_falls_back_once_remembered_until_forced(monkeypatch, tmp_path):
+    """An nvcc that cannot build the kernels (another CUDA version than torch's, an unknown architecture) must not
+    cost the core, nor a failed build in every process: the core is built without them, the failure is written
+    beside the cache entry and said once, later processes skip the attempt, ``force`` retries."""
+    monkeypatch.setenv("SLIMGRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(csrc, "_cuda_wanted", lambda: "13.0")
+    monkeypatch.setattr(csrc, "_why_no_compiler", lambda: None)
+    monkeypatch.setitem(csrc._STATE, "cuda_reason", None)
+    calls = []
+
+    def build_one(cuda, verbose, quiet, force):
+        calls.append(cuda)
+        if cuda is not None:
+            raise RuntimeError("nvcc fatal   : Unsupported gpu architecture 'compute_120'")
+        return "core without its CUDA kernels"
+
+    monkeypatch.setattr(csrc, "_build_one", build_one)
+    with pytest.warns(RuntimeWarning, match="CUDA kernels did not build .*Unsupported gpu architecture"):
+        assert csrc.build() == "core without its CUDA kernels"
+    assert calls == ["13.0", None]
+    marker = csrc._cuda_failure_path(csrc._key("13.0"))
+    assert marker.exists() and "Unsupported gpu" in marker.read_text()
+    calls.clear()
+    assert csrc.build() == "core without its CUDA kernels" and calls == [None]  # not tried again
+    assert "failed before" in csrc._STATE["cuda_reason"] and "--force" in csrc._STATE["cuda_reason"]
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match="CUDA kernels did not build"):
+        csrc.build(force=True)
+    assert calls == ["13.0", None]

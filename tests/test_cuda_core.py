@@ -398,6 +398,71 @@ def test_relu_large_cuda_tensors_run_the_triton_kernel(monkeypatch):
     assert small[2] == large[2]
 
 
+# The core's own CUDA kernels (csrc/relu_mask_cuda.cu, built with nvcc where a CUDA toolkit is found): one launch
+# each way where the aten route launches four forward and two backward.
+
+
+def _has_cuda_kernels() -> bool:
+    return bool(csrc.core().cuda_kernels())
+
+
+def test_core_cuda_kernels_build_where_nvcc_is_found():
+    """Where torch's CUDA, a GPU and nvcc are all here, the core carries its CUDA kernels (else status says why)."""
+    if csrc._cuda_wanted() is None:
+        pytest.skip(f"not built here: {csrc.status()['cuda_kernels_reason']}")
+    assert _has_cuda_kernels(), csrc.status()["cuda_kernels_reason"]
+    assert "relu_mask_cuda.cu" in csrc.status()["sources"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 8, 31, 33, 255, 257, 8191, 21001])
+@pytest.mark.parametrize("rid", ["relu", "leaky", "relu_inplace"])
+def test_relu_core_on_cuda_odd_sizes(rid, numel, dtype):
+    """Sizes around the kernels' byte, warp and block boundaries (the mask's last byte partly filled, several
+    blocks): output, gradient and kept bytes as stock's and the Python path's, bit for bit."""
+    x = _relu_input((numel,), dtype, None) if numel >= 8 else (torch.randn(numel) * 3).to(DEVICE, dtype)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(device=DEVICE, dtype=dtype)
+    stock = RELU[rid]()
+    y_s, dx_s, _, _ = _relu_run(stock, x, g, True)
+    y_c, dx_c, kept_c, node_c = _relu_run(slim_copy(stock), x, g, True)
+    y_p, dx_p, kept_p, _ = _relu_run(slim_copy(stock), x, g, False)
+    assert "CppNode<slimgrad::" in node_c, node_c
+    for (a, b), what in (((y_c, y_s), "output core/stock"), ((dx_c, dx_s), "input grad core/stock"),
+                         ((y_c, y_p), "output core/python"), ((dx_c, dx_p), "input grad core/python")):
+        _same_bits(a, b, what)
+    assert kept_c == kept_p == (numel + 7) // 8
+
+
+def _cuda_kernels_run(fn) -> list[str]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("rid", ["relu", "leaky", "relu_inplace"])
+def test_relu_cuda_kernels_launch_once_each_way(rid):
+    """The point of the kernels: forward and backward are one launch each (the aten route: four and two)."""
+    if not _has_cuda_kernels():
+        pytest.skip(f"the core's CUDA kernels are not built here: {csrc.status()['cuda_kernels_reason']}")
+    x = _relu_input((4, 6, 5, 7), torch.float32, None)
+    module = slim_copy(RELU[rid]())
+    leaf = x.detach().clone().requires_grad_()
+    h = leaf * 1.0
+    out = []
+    forward = _cuda_kernels_run(lambda: out.append(module(h)))
+    assert len(forward) == 1 and "relu_mask_forward" in forward[0], forward
+    g = torch.ones_like(out[0])
+    backward = _cuda_kernels_run(lambda: torch.autograd.grad(out[0], leaf, g))  # (with the product's backward)
+    ours = [k for k in backward if "relu_mask_backward" in k]
+    route = [k for k in backward if "bitwise_and" in k or "threshold" in k or "leaky_relu" in k]
+    assert len(ours) == 1 and not route, backward
+
+
 # -------------------------------------------------------------------------------------------------- avg pool
 
 # (id, stock module, input shape); 3-d windows do not overlap and adaptive sizes divide the input's: CUDA's

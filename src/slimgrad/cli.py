@@ -305,6 +305,10 @@ def _core_lines(status: dict) -> list[str]:
                                    "stock runs it), ReLU / LeakyReLU up to 4M elements (the other families: CPU "
                                    "only)" if status.get("cuda", True)
                                    else "none (SLIMGRAD_CORE_CUDA=0)"),
+             "  its own CUDA kernels (ReLU / LeakyReLU masks, one launch each way): " + (
+                 "built in" if status.get("cuda_kernels") else
+                 f"not built ({status.get('cuda_kernels_reason')}); CUDA ReLUs run its aten route (same bits, more "
+                 "launches)"),
              f"  cache: {status['cache']}",
              f"  sources: {', '.join(status['sources'])}"]
     if status["reason"]:

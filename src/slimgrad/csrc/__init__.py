@@ -26,6 +26,13 @@ path (the core still serves CPU ones): the switch for a GPU problem, no code cha
 their own CPU loops (the clamp masks, dropout bits, max-pool positions, the norms) serve CPU tensors only, and so do
 the gated activations, aten's ops only but served on CUDA by their Triton kernel, and LoRA on convolutions (its CUDA
 default, the "seed" dropout policy, is the Python Function's Triton kernel).
+
+CUDA kernels of its own: where torch is a CUDA build, a GPU is visible and nvcc is found (``CUDA_HOME``), the build
+also compiles the ``*.cu`` files (today ReLU / LeakyReLU with the 1-bit mask: one launch each way where the aten route
+launches four forward and two backward, each ~40 µs of host time on the GPU machines measured). Built for the visible
+GPUs' architectures (``TORCH_CUDA_ARCH_LIST`` overrides), with PTX for newer ones. Where that build fails (an nvcc
+whose CUDA version differs from torch's, say), the failure is remembered in the cache, said once, and the core is
+built without them: CUDA tensors then run the aten route, with the same bits. ``SLIMGRAD_CORE_NVCC=0`` skips them.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import importlib.util
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -53,7 +61,7 @@ _UNLOADED = object()
 # [loaded module, None when unavailable or not yet tried]; [0] is _UNLOADED until the first core() call.
 _OFF = ("0", "off", "false", "no")
 _STATE = {"module": _UNLOADED, "reason": None, "enabled": os.environ.get("SLIMGRAD_CORE", "1").strip() not in _OFF,
-          "cuda": os.environ.get("SLIMGRAD_CORE_CUDA", "1").strip().lower() not in _OFF}
+          "cuda": os.environ.get("SLIMGRAD_CORE_CUDA", "1").strip().lower() not in _OFF, "cuda_reason": None}
 _LOCK = threading.Lock()
 
 
@@ -69,6 +77,48 @@ def _sources() -> list[Path]:
 
 def _headers() -> list[Path]:
     return sorted(SOURCES_DIR.glob("*.h"))
+
+
+def _cuda_sources() -> list[Path]:
+    return sorted(SOURCES_DIR.glob("*.cu"))
+
+
+def _cuda_wanted() -> str | None:
+    """The CUDA version the core's own CUDA kernels would be built for, or None where they are not built: torch is
+    not a CUDA build, no GPU is visible, nvcc is not found, or ``SLIMGRAD_CORE_NVCC=0`` / ``SLIMGRAD_CORE_CUDA=0``.
+    Never initialises a CUDA context (``torch.cuda.is_available`` does not), so a process that forks workers later
+    is unaffected."""
+    if (torch.version.cuda is None or not _STATE["cuda"] or not _cuda_sources()
+            or os.environ.get("SLIMGRAD_CORE_NVCC", "1").strip().lower() in _OFF):
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        from torch.utils import cpp_extension
+    except Exception:  # noqa: BLE001 - a broken CUDA install: the aten route runs
+        return None
+    home = cpp_extension.CUDA_HOME
+    if not home or not (Path(home) / "bin" / "nvcc").exists():
+        return None
+    return torch.version.cuda
+
+
+def _cuda_arch_list() -> str:
+    """``TORCH_CUDA_ARCH_LIST`` for the build: the user's, else the visible GPUs' compute capabilities (+PTX on the
+    newest), asked in a subprocess where this one has not initialised CUDA (asking here would create a context)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        return env
+    ask = ("import torch; print(' '.join(sorted({'%d.%d' % torch.cuda.get_device_capability(i) "
+           "for i in range(torch.cuda.device_count())})))")
+    if torch.cuda.is_initialized():
+        archs = sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
+    else:
+        done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=300, check=True)
+        archs = done.stdout.split()
+    if not archs:
+        raise RuntimeError("no CUDA device's compute capability could be read")
+    return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
 
 
 def _cpu_capability() -> str:
@@ -89,14 +139,17 @@ def _flags() -> list[str]:
     return flags
 
 
-def _key() -> str:
-    """What the binary depends on; a change in any of it is a different cache entry."""
+def _key(cuda: str | None = None) -> str:
+    """What the binary depends on; a change in any of it is a different cache entry. ``cuda``: the CUDA version
+    the *.cu kernels are built for (:func:`_cuda_wanted`), None for a core without them."""
     h = hashlib.sha256()
     for part in (torch.__version__, str(getattr(torch.version, "git_version", "")), sys.version,
                  platform.machine(), platform.system(), sysconfig.get_config_var("EXT_SUFFIX") or "",
                  str(torch._C._GLIBCXX_USE_CXX11_ABI), _cpu_capability(), " ".join(_flags())):
         h.update(part.encode())
-    for path in _sources() + _headers():
+    if cuda is not None:
+        h.update(f"cuda {cuda} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')}".encode())
+    for path in _sources() + _headers() + (_cuda_sources() if cuda is not None else []):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -198,19 +251,40 @@ class _Progress:
         return False
 
 
-def _compile(directory: Path, name: str, verbose: bool):
+def _compile(directory: Path, name: str, verbose: bool, cuda: str | None = None):
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(
-        name=name,
-        sources=[str(p) for p in _sources()],
-        extra_cflags=_flags(),
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(SOURCES_DIR)],
-        build_directory=str(directory),
-        verbose=verbose,
-        with_cuda=False,
-    )
+    if cuda is None:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in _sources()],
+            extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(SOURCES_DIR)],
+            build_directory=str(directory),
+            verbose=verbose,
+            with_cuda=False,
+        )
+    # --fmad=false: no fused multiply-adds the source does not write (nvcc's -ffp-contract=off), as for the C++
+    arch, old = _cuda_arch_list(), os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in _sources() + _cuda_sources()],
+            extra_cflags=[*_flags(), "-DSLIMGRAD_CUDA_KERNELS"],
+            extra_cuda_cflags=["-O3", "--fmad=false"],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(SOURCES_DIR)],
+            build_directory=str(directory),
+            verbose=verbose,
+            with_cuda=True,
+        )
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old
 
 
 def _why_no_compiler() -> str | None:
@@ -228,11 +302,52 @@ def _why_no_compiler() -> str | None:
 def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
     """Build (or load from the cache) the compiled core and return its module; raises with the reason on failure.
 
-    ``force`` removes this version's cache entry first. Safe to call from several processes at once."""
+    ``force`` removes this version's cache entry first. Safe to call from several processes at once.
+    Where the core's CUDA kernels are wanted (:func:`_cuda_wanted`) it is built with them; if that build fails,
+    once (remembered in the cache beside the entry, until ``force``), it is built without them."""
     reason = _why_no_compiler()
     if reason is not None:
         raise RuntimeError(f"slimgrad: cannot build the compiled core: {reason}")
-    key = _key()
+    cuda = _cuda_wanted()
+    if cuda is not None:
+        failed = _cuda_failure_path(_key(cuda))
+        if force:
+            failed.unlink(missing_ok=True)
+        if not failed.exists():
+            try:
+                return _build_one(cuda, verbose, quiet, force)
+            except Exception as e:  # noqa: BLE001 - the core without its CUDA kernels; the aten route runs
+                with contextlib.suppress(OSError):
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(f"{type(e).__name__}: {_first_line(e)}\n")
+                _STATE["cuda_reason"] = f"{type(e).__name__}: {_first_line(e)}"
+                _warn_cuda(_STATE["cuda_reason"])
+        else:
+            _STATE["cuda_reason"] = _read_failure(failed)
+    return _build_one(None, verbose, quiet, force)
+
+
+def _cuda_failure_path(key: str) -> Path:
+    return _build_dir(key).with_suffix(".cuda-failed")
+
+
+def _read_failure(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return f"their build failed before ({path.read_text().strip()}; `python -m slimgrad build --force` retries)"
+    return "their build failed before"
+
+
+def _warn_cuda(reason: str) -> None:
+    import warnings
+
+    warnings.warn(f"slimgrad: the compiled core's CUDA kernels did not build ({reason}); the core is built without "
+                  "them and CUDA tensors run its aten route (same numbers and bytes, more kernel launches). "
+                  "`python -m slimgrad build --verbose --force` shows the compiler's output.",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _build_one(cuda: str | None, verbose: bool, quiet: bool, force: bool):
+    key = _key(cuda)
     directory, name = _build_dir(key), _module_name(key)
     if not force and _verified(directory, name):
         # a complete entry loads without the lock: a read-only cache (a container image's prebuilt core, a shared
@@ -254,7 +369,7 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
             shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
         with _Progress(quiet or verbose):
-            module = _compile(directory, name, verbose)
+            module = _compile(directory, name, verbose, cuda)
         _write_checksum(directory, name)
     _prune(directory)
     return _finish(module)
@@ -424,20 +539,54 @@ def for_eager(x: torch.Tensor, cuda: bool = False):
 
 
 def status() -> dict:
-    """What the core is doing here, without building it: enabled, built (in the cache), loaded, and why not."""
-    key = _key()
+    """What the core is doing here, without building it: enabled, built (in the cache), loaded, and why not;
+    ``cuda_kernels``: whether the core's own CUDA kernels are in it (True / False), with ``cuda_kernels_reason``
+    where they are not."""
+    cuda = _cuda_wanted()
+    module = _STATE["module"]
+    loaded = module not in (_UNLOADED, None)
+    if loaded:
+        has_cuda = bool(module.cuda_kernels())
+    else:  # what a build here would give
+        has_cuda = cuda is not None and not _cuda_failure_path(_key(cuda)).exists()
+    if has_cuda:
+        cuda_reason = None
+    elif _STATE["cuda_reason"] is not None:
+        cuda_reason = _STATE["cuda_reason"]
+    elif cuda is not None and _cuda_failure_path(_key(cuda)).exists():
+        cuda_reason = _read_failure(_cuda_failure_path(_key(cuda)))
+    else:
+        cuda_reason = _why_no_cuda_kernels()
+    key = _key(cuda if has_cuda else None)
     directory, name = _build_dir(key), _module_name(key)
-    loaded = _STATE["module"] not in (_UNLOADED, None)
     reason = _STATE["reason"]
     if reason is None and not loaded:
         reason = _why_no_compiler()
     return {
+        "cuda_kernels": has_cuda,
+        "cuda_kernels_reason": cuda_reason,
         "enabled": _STATE["enabled"],
         "cuda": _STATE["cuda"],
         "loaded": loaded,
         "cached": _library_path(directory, name).exists(),
         "cache": str(directory),
         "reason": reason,
-        "sources": [p.name for p in _sources()],
+        "sources": [p.name for p in _sources() + (_cuda_sources() if has_cuda else [])],
         "flags": _flags(),
     }
+
+
+def _why_no_cuda_kernels() -> str:
+    """Why :func:`_cuda_wanted` said no, in words."""
+    if torch.version.cuda is None:
+        return "torch is a CPU build"
+    if not _STATE["cuda"]:
+        return "SLIMGRAD_CORE_CUDA=0"
+    if os.environ.get("SLIMGRAD_CORE_NVCC", "1").strip().lower() in _OFF:
+        return "SLIMGRAD_CORE_NVCC=0"
+    try:
+        if not torch.cuda.is_available():
+            return "no GPU is visible"
+    except Exception as e:  # noqa: BLE001
+        return f"CUDA is unusable here ({type(e).__name__})"
+    return "nvcc not found (set CUDA_HOME to a CUDA toolkit matching torch's CUDA version)"

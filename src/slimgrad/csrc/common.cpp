@@ -72,5 +72,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("autocast_cached_cast", [](const at::Tensor& t, py::handle dtype) {
     return at::autocast::cached_cast(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, t, t.device().type());
   });
+  // whether the *.cu kernels are compiled in (slimgrad.csrc builds them with nvcc for a CUDA torch; cuda_kernels.h)
+  m.def("cuda_kernels", [] {
+#ifdef SLIMGRAD_CUDA_KERNELS
+    return true;
+#else
+    return false;
+#endif
+  });
   for (auto r : slimgrad::registrars()) r(m);
 }

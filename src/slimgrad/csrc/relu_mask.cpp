@@ -13,6 +13,9 @@
 // (a port of slimgrad.functional._layout.binary_strides), memory order, conform, the bit select kernel.
 #include "common.h"
 #include "simd16.h"
+#ifdef SLIMGRAD_CUDA_KERNELS
+#include "cuda_kernels.h"
+#endif
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -464,9 +467,20 @@ bool leaky_bwd_block(const T* g, const uint8_t* m, T* out, int64_t b0, int64_t b
 // About twice the bytes stock's relu moves, in four small launches, but no Python Function and no Python Triton
 // launch: for the small tensors of host-bound CUDA steps (slimgrad.functional.activation sends larger ones to the
 // Triton kernels). `relu_mask_force_aten` runs it on CPU tensors too, so CPU tests check it against the kernels.
+// Where the core is built with nvcc (cuda_kernels.h), CUDA tensors run one kernel each way instead (cuda_route).
 bool g_force_aten = false;
 
 bool aten_route(const at::Tensor& t) { return !t.is_cpu() || g_force_aten; }
+
+// Whether t runs the core's own CUDA kernels (relu_mask_cuda.cu): compiled in, and t on CUDA.
+bool cuda_route(const at::Tensor& t) {
+#ifdef SLIMGRAD_CUDA_KERNELS
+  return t.is_cuda();
+#else
+  (void)t;
+  return false;
+#endif
+}
 
 // 1, 2, 4, ..., 128 as bytes on t's device, made once per device (never freed: a CUDA tensor must not outlive
 // its context in a static destructor at exit)
@@ -590,6 +604,13 @@ at::Tensor backward_kernel(const at::Tensor& grad, const at::Tensor& packed, std
 // The contract's forward on a contiguous xc, by the CPU kernels or the aten route: the output (xc itself in place),
 // the mask written into packed.
 at::Tensor forward_contiguous(const at::Tensor& xc, bool inplace, at::Tensor& packed, std::optional<double> slope) {
+  if (cuda_route(xc)) {  // the mask, then the output: the allocations of the CPU kernels (CORE_SIMULATION)
+    at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
+#ifdef SLIMGRAD_CUDA_KERNELS
+    cuda_kernels::relu_mask_forward(xc, oc, packed, slope);
+#endif
+    return oc;
+  }
   if (aten_route(xc)) return aten_forward(xc, inplace, packed, slope);
   at::Tensor oc = inplace ? xc : at::empty(xc.sizes(), xc.options());
   forward_kernel(xc, oc, packed, slope);
@@ -657,6 +678,10 @@ struct ReluMaskFunction : public torch::autograd::Function<ReluMaskFunction> {
       if (grad.requires_grad()) {  // double backward: stay differentiable in grad, as the Python path
         at::Tensor mask = masks::unpack(saved, g.sizes());
         gi = relu ? at::where(mask, g, at::Scalar(0)) : at::where(mask, g, g * *slope);
+      } else if (cuda_route(g)) {
+#ifdef SLIMGRAD_CUDA_KERNELS
+        gi = cuda_kernels::relu_mask_backward(g.contiguous(), saved, slope);
+#endif
       } else if (aten_route(g)) {
         gi = aten_backward(g.contiguous(), saved, slope);
       } else {

@@ -156,9 +156,10 @@ class CoreReluMaskSimulation:
 CORE_SIMULATION = CoreReluMaskSimulation()
 
 
-# CUDA tensors of up to this many elements run the core's aten route (relu_mask.cpp: a few small kernels launched
-# from C++, no Python Function, about twice the bytes stock's relu moves); larger ones the Python Function's one-pass
-# Triton kernel, whose host cost a step that large hides behind the GPU's work.
+# CUDA tensors of up to this many elements run the core (relu_mask.cpp: its own one-pass CUDA kernels where it was
+# built with nvcc, else its aten route, a few small kernels launched from C++ moving about twice the bytes stock's relu
+# moves; no Python Function either way); larger ones the Python Function's one-pass Triton kernel, whose host cost a
+# step that large hides behind the GPU's work.
 CORE_CUDA_MAX_NUMEL = 1 << 22
 
 
@@ -227,13 +228,21 @@ def _simulates_aten_route(x: torch.Tensor) -> bool:
     return csrc.enabled() and csrc._STATE["cuda"] and csrc.core() is not None
 
 
+def _core_has_cuda_kernels() -> bool:
+    from slimgrad import csrc
+
+    module = csrc.core()
+    return module is not None and bool(module.cuda_kernels())
+
+
 def choose(x: torch.Tensor):
     """The implementation for ``x`` (the registry's choice; the torch reference while compiling, since
     the fast backends are eager-only; for the estimate's fake tensors the core's allocations, on CPU its kernels',
     on CUDA its aten route's)."""
     if type(x) is not torch.Tensor:
         if _simulates_aten_route(x):
-            return CORE_ATEN_SIMULATION
+            # a core built with its CUDA kernels runs them on CUDA tensors: the CPU kernels' allocations
+            return CORE_SIMULATION if x.device.type == "cuda" and _core_has_cuda_kernels() else CORE_ATEN_SIMULATION
         if registry.simulates_core(FAMILY, x):
             return CORE_SIMULATION
     return registry.choose_or_reference(FAMILY, x, TORCH_IMPL)
