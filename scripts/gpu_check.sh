@@ -71,11 +71,12 @@ if [ "$PHASE" = core ]; then
   ( step cuda-core 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_core.py tests/test_cuda_exact.py \
       --maxfail=30 ) &
   CHAIN=$!
+  ( step estimate-sim 60 $PY -m pytest -q -p no:cacheprovider tests/test_estimate_cuda_sim.py -k "test_cuda" ) &
+  SIM=$!
   step cuda-core-on 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_masks.py --maxfail=25 \
     -k "not slow"
-  step estimate-sim 60 $PY -m pytest -q -p no:cacheprovider tests/test_estimate_cuda_sim.py -k "test_cuda"
-  wait $CHAIN
-  step call-overhead 60 $PY benchmarks/call_overhead.py --device cuda --repeats 100 --rounds 2 \
+  wait $CHAIN $SIM
+  step call-overhead 45 $PY benchmarks/call_overhead.py --device cuda --repeats 60 --rounds 2 \
     --only "ReLU,Conv2d frozen,BatchNorm2d eval"
   step speed 80 $PY benchmarks/speed.py --device cuda --pairs 3 --only noise,cnn,llama
   for w in ${BUDGET_WORKLOADS:-}; do  # (none unless named: BUDGET_WORKLOADS="llama qlora cnn")
