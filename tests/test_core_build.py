@@ -292,3 +292,23 @@ def test_a_failed_cuda_build_falls_back_once_remembered_until_forced(monkeypatch
     with pytest.warns(RuntimeWarning, match="CUDA kernels did not build"):
         csrc.build(force=True)
     assert calls == ["13.0", None]
+
+
+def test_cuda_architectures_come_from_the_visible_gpus_without_a_context_here(monkeypatch):
+    """The build's TORCH_CUDA_ARCH_LIST: the user's if set; else the visible GPUs' capabilities asked in a subprocess
+    (asking here would create a CUDA context in the user's process), PTX on the newest for later GPUs."""
+    import torch
+
+    asked = []
+
+    def run(cmd, **kwargs):
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="8.0 9.0\n", stderr="")
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(csrc.subprocess, "run", run)
+    assert csrc._cuda_arch_list() == "8.0;9.0+PTX"
+    assert asked and asked[0][0] == sys.executable
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
+    assert csrc._cuda_arch_list() == "8.6"
