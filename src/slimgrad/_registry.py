@@ -350,7 +350,8 @@ def _rebuild_converted(stock: type, *args):
 #: what a class may define and still change nothing a call computes (set-up, printing, class bookkeeping)
 _INIT_ONLY = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
                         "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__",
-                        "__init__", "reset_parameters", "extra_repr", "__constants__"})
+                        "__init__", "reset_parameters", "extra_repr", "__constants__",
+                        "__abstractmethods__", "_abc_impl"})  # (abc's bookkeeping: peft's torchao LoRA layer)
 _TWIN_PREFIX = "SubclassTwin_S"
 
 

@@ -465,6 +465,10 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
                 result.skipped.append(Skipped(path, name, reason))
                 if option is not None:  # an option asked for that does not engage here (a sharded LM head): a gap
                     result.add_gap(family_gap(wrapped_stock(kind) or kind, option, reason), path)
+                elif (family := claimed_family(module)) is not None:
+                    # a family the docs claim left as stock (peft's TorchaoLoraLinear, a LoRA subclass): a gap, as
+                    # below for a replacement that refuses the module
+                    result.add_gap(family_gap(kind, family, reason), path)
             elif kind in _STOCK_IS_MINIMAL or name in _STOCK_IS_MINIMAL_NAMES:
                 result.stock_minimal[name] = result.stock_minimal.get(name, 0) + 1
             elif kind not in _PURE_CONTAINERS:

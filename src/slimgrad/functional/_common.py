@@ -404,6 +404,23 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.preserve_format)
 
 
+def own_matmul_subclass(t) -> bool:
+    """Whether ``t`` is a tensor subclass whose matmuls are its own: torchao's quantized weights (``NF4Tensor`` runs
+    ``mm`` as ``linear_nf4``, i.e. ``a @ w.T``; ``Int8Tensor`` has no ``mm``). A Function that multiplies by the
+    weight in its backward (LoRA's base term: ``dX = dY @ W``) gives a wrong gradient or raises on them, so such a
+    weight takes the library's own forward. DTensor's matmuls are plain ones on shards, and fake tensors (the
+    estimate's, dynamo's) are no wrapper subclasses: neither is one."""
+    if t is None:
+        return False
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(t, DTensor)
+
+
 def check_tensor(value, name: str, *, fn: str) -> None:
     """Raise a TypeError naming the argument when ``value`` is not a tensor."""
     if not isinstance(value, torch.Tensor):

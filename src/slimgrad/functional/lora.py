@@ -457,6 +457,10 @@ def _check(x, weight, bias, adapters):
         _common.check_tensor(bias, "bias", fn=fn)
     if weight.dim() != 2:
         raise ValueError(f"{fn}: 'weight' must be 2-D, got shape {tuple(weight.shape)}")
+    if _common.own_matmul_subclass(weight):
+        raise TypeError(f"{fn}: 'weight' is a {type(weight).__name__}, a tensor subclass with matmuls of its own "
+                        f"(a quantized weight), which slimgrad's LoRA backward cannot multiply by; run the base layer "
+                        f"yourself (F.linear(x, weight, bias)) and add lora_linear's adapters-only term")
     if not isinstance(adapters, Sequence):
         raise TypeError(f"{fn}: 'adapters' must be a sequence of LoraAdapter, got {type(adapters).__name__}")
     for k, a in enumerate(adapters):

@@ -27,7 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from slimgrad import _notices, csrc
 from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional import _common
-from slimgrad.functional._common import autocast_enabled, note_input_kept
+from slimgrad.functional._common import autocast_enabled, note_input_kept, own_matmul_subclass
 from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy, resolve_policy
 from slimgrad.functional.lora import (
     LoraAdapter,
@@ -130,6 +130,11 @@ def _unsupported_layer(module: LoraLinear) -> str | None:
         return _CONV1D_REASON
     if (_stock_type(base) is Conv1D) != bool(module.fan_in_fan_out):
         return "fan_in_fan_out does not match the base layer's weight layout"
+    weight = base._parameters.get("weight")
+    if own_matmul_subclass(weight):  # (checked each call too: a model quantized after convert)
+        return (f"base layer's weight is a {type(weight).__name__}, a tensor subclass with matmuls of its own (a "
+                f"quantized weight, e.g. torchao's), which slimgrad's LoRA backward cannot multiply by: PEFT's own "
+                f"forward runs")
     return variant_reason(module)
 
 
