@@ -174,3 +174,11 @@ def test_python_dash_m_entry_point(tmp_path):
                              str(tmp_path / "p.png")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines()[-1].startswith("slimgrad: error: --plot draws the memory plan")
+
+
+def test_hf_without_transformers_names_the_extra_to_install(capsys, monkeypatch):
+    """The hint names what a user of the released package can run: the `hf` extra (it named a constraints file the
+    wheel does not ship: pkg44)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    code, _, err = _run(capsys, "--hf", "llama")
+    assert code == 2 and "pip install 'slimgrad[hf]'" in err and "constraints" not in err, err

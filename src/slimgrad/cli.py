@@ -133,7 +133,7 @@ def _build_audit_target(args):
         try:
             import transformers
         except ImportError:
-            raise UserError("--hf needs transformers: pip install transformers (with -c constraints.txt)") from None
+            raise UserError("--hf needs transformers: pip install 'slimgrad[hf]'") from None
         config_name, model_name, config_kwargs, labels = _HF_CONFIGS[args.hf]
         config = getattr(transformers, config_name)(**config_kwargs)
         model = getattr(transformers, model_name)(config).to(dtype)
@@ -322,7 +322,7 @@ def kernels_command(args) -> int:
 
     for line in _core_lines(csrc.status()):
         print(line)
-    print(kernels.format_table())
+    print(kernels.format_table())  # (describes: never builds the core, which `build` does)
     return 0
 
 

@@ -60,7 +60,8 @@ SOURCES_DIR = Path(__file__).resolve().parent
 _UNLOADED = object()
 # [loaded module, None when unavailable or not yet tried]; [0] is _UNLOADED until the first core() call.
 _OFF = ("0", "off", "false", "no")
-_STATE = {"module": _UNLOADED, "reason": None, "enabled": os.environ.get("SLIMGRAD_CORE", "1").strip() not in _OFF,
+_STATE = {"module": _UNLOADED, "reason": None,
+          "enabled": os.environ.get("SLIMGRAD_CORE", "1").strip().lower() not in _OFF,
           "cuda": os.environ.get("SLIMGRAD_CORE_CUDA", "1").strip().lower() not in _OFF, "cuda_reason": None}
 _LOCK = threading.Lock()
 

@@ -87,6 +87,10 @@ class Kernel:
             self._loaded = True
             try:
                 self._impl = self.load()
+            except NotBuiltYet as exc:  # only described (the table): a later call loads it
+                self._loaded = False
+                self._error = str(exc)
+                self._impl = None
             except Exception as exc:  # noqa: BLE001 - any import/build failure means "not available"
                 self._error = f"{type(exc).__name__}: {exc}"
                 self._impl = None
@@ -204,6 +208,26 @@ def _core_enabled() -> bool:
     return _CORE_STATE[0]["enabled"]
 
 
+class NotBuiltYet(RuntimeError):
+    """A core kernel asked about while only describing (:func:`table`), before the core was built: not an error
+    that sticks (the next real call builds or loads the core)."""
+
+
+_DESCRIBING = [False]
+
+
+@contextlib.contextmanager
+def describing():
+    """Inside, core kernels that would need the compiled core built first report "not built yet" instead of building
+    it (``python -m slimgrad kernels`` describes; it compiled the core for minutes on a fresh install)."""
+    old = _DESCRIBING[0]
+    _DESCRIBING[0] = True
+    try:
+        yield
+    finally:
+        _DESCRIBING[0] = old
+
+
 def core_loader(make: Callable[[object], object]) -> Callable[[], object]:
     """A ``load`` for a core kernel: ``make(core module)``, or an error (the kernel is then unavailable) where the
     compiled core is off or could not be built."""
@@ -211,6 +235,9 @@ def core_loader(make: Callable[[object], object]) -> Callable[[], object]:
     def load():
         from slimgrad import csrc
 
+        if (_DESCRIBING[0] and csrc._STATE["module"] is csrc._UNLOADED and csrc.enabled()
+                and not csrc.status()["cached"]):
+            raise NotBuiltYet("the compiled core is not built yet (built on first use, or `python -m slimgrad build`)")
         core = csrc.core()
         if core is None:
             raise RuntimeError("the compiled core is off or unavailable (python -m slimgrad kernels says why)")
@@ -295,7 +322,13 @@ _TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def table(devices: Iterable[str] = ("cpu", "cuda")) -> list[dict]:
-    """Rows (family, device, dtype, available backends, chosen backend) under the current preference."""
+    """Rows (family, device, dtype, available backends, chosen backend) under the current preference; describes
+    only: a compiled core not yet built is reported so, not built (:func:`describing`)."""
+    with describing():
+        return _table(devices)
+
+
+def _table(devices) -> list[dict]:
     rows = []
     for family in families():
         for device in devices:
