@@ -341,3 +341,13 @@ def test_cuda_architectures_come_from_the_visible_gpus_without_a_context_here(mo
     assert asked and asked[0][0] == sys.executable
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
     assert csrc._cuda_arch_list() == "8.6"
+
+
+def test_kernels_piped_into_a_reader_that_leaves_ends_quietly(tmp_path):
+    """`python -m slimgrad kernels | head` printed a BrokenPipeError traceback (pkg44's note)."""
+    proc = subprocess.Popen([sys.executable, "-m", "slimgrad", "kernels"], env=_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

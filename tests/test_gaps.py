@@ -79,6 +79,28 @@ def test_claimed_family_left_as_stock_warns_even_with_report(caplog):
     assert torch.equal(slim.eval()(x.clone()), expected)  # the gap runs stock's numbers
 
 
+class FeedForward(nn.Module):
+    """A gated MLP in Meta's reference naming (w1 gate, w3 up, w2 down), torchtune's FeedForward; left as stock
+    without a word before (loops44)."""
+
+    def __init__(self, n=8, h=12):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(n, h, bias=False), nn.Linear(h, n, bias=False), nn.Linear(n, h,
+                                                                                                         bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def test_gated_mlp_in_w1_w2_w3_naming_left_as_stock_is_a_gap():
+    model = nn.Sequential(nn.Linear(4, 8), FeedForward())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, report = slimgrad.convert(model, report=True)
+    assert [g.subject.rsplit(".", 1)[-1] for g in report.gaps] == ["FeedForward"]
+    assert any("gated MLP" in m and "FeedForward" in m for m in _gap_warnings(record))
+
+
 def test_exported_at_package_level():
     assert slimgrad.SlimgradWarning is SlimgradWarning and slimgrad.SlimgradGapError is SlimgradGapError
 

@@ -31,7 +31,8 @@ __all__ = ["CHUNKED_LOSS", "claimed_family", "family_gap", "library_of", "librar
 #: ``convert(chunked_loss=True)``
 CHUNKED_LOSS = "chunked_loss"
 
-_GATED_CHILDREN = ({"gate_proj", "up_proj", "down_proj"}, {"gate_up_proj", "down_proj"})
+# (w1 gate, w3 up, w2 down: Meta's reference FeedForward, torchtune's, transformers 4.x Mixtral's experts)
+_GATED_CHILDREN = ({"gate_proj", "up_proj", "down_proj"}, {"gate_up_proj", "down_proj"}, {"w1", "w2", "w3"})
 #: classes of a claimed library that stock already runs minimally (not a gap when left as stock)
 _NOT_GAPS = ("peft.tuners.lora.layer.Embedding",)
 

@@ -420,10 +420,15 @@ def main(argv=None) -> int:
         parser.error("--batch-size must be >= 2 for the in-repo CNNs: their batch norms train, and batch norm "
                      "in training mode needs more than one value per channel")
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # (inside the try: a reader gone shows here, not as an "Exception ignored" at exit)
+        return code
     except UserError as e:
         print(f"slimgrad: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m slimgrad kernels | head`: the reader left; no traceback (Python's recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
