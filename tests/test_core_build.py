@@ -141,6 +141,10 @@ def test_without_a_compiler_the_python_path_runs_and_says_why(tmp_path):
                              timeout=300)
     assert kernels.returncode == 0, kernels.stderr
     assert "unavailable: no C++ compiler" in kernels.stdout
+    build = subprocess.run([sys.executable, "-m", "slimgrad", "build"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    # one line saying why; no advice to read a compiler's output that does not exist
+    assert build.returncode == 1 and "no C++ compiler" in build.stderr and "--verbose" not in build.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "OFF", "False"])

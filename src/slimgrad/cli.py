@@ -43,7 +43,8 @@ def demo(args) -> int:
     torch.manual_seed(0)
     base = build_model(args.model, num_classes=10)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
-    print(f"slimgrad demo: {args.model}-like CNN, input {tuple(x.shape)}, torch {torch.__version__}")
+    kind = "encoder" if args.model.startswith("vit") else "CNN"
+    print(f"slimgrad demo: {args.model}-like {kind}, input {tuple(x.shape)}, torch {torch.__version__}")
     print("bytes kept for backward by one training forward (MiB), stock PyTorch vs slimgrad.convert:")
     print(f"{'case':<15}{'stock':>10}{'slimgrad':>10}{'ratio':>8}")
     for case in args.cases:
@@ -333,9 +334,11 @@ def build_command(args) -> int:
     try:
         module = csrc.build(verbose=args.verbose, force=args.force)
     except Exception as e:  # noqa: BLE001 - a failed build is reported in one line, the Python path still runs
+        # (no compiler found: there is no compiler output to show)
+        hint = ("" if csrc._why_no_compiler() is not None
+                else " `python -m slimgrad build --verbose` shows the compiler's output.")
         print(f"slimgrad: error: the compiled core did not build: {_first_line(e)}\n"
-              f"slimgrad still works without it (the Python path runs); `python -m slimgrad build --verbose` "
-              f"shows the compiler's output.", file=sys.stderr)
+              f"slimgrad still works without it (the Python path runs).{hint}", file=sys.stderr)
         return 1
     print(f"slimgrad: compiled core ready: {module.__file__}")
     return 0
