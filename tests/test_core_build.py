@@ -265,7 +265,7 @@ def test_cuda_kernels_are_not_wanted_on_a_cpu_torch_and_status_says_why():
 
     if torch.version.cuda is not None:
         pytest.skip("a CUDA build of torch")
-    assert csrc._cuda_wanted() is None
+    assert csrc._cuda_torch() is None
     status = csrc.status()
     assert status["cuda_kernels"] is False and status["cuda_kernels_reason"] == "torch is a CPU build"
     assert not any(s.endswith(".cu") for s in status["sources"])
@@ -301,7 +301,9 @@ def test_a_failed_cuda_build_falls_back_once_remembered_until_forced(monkeypatch
     cost the core, nor a failed build in every process: the core is built without them, the failure is written
     beside the cache entry and said once, later processes skip the attempt, ``force`` retries."""
     monkeypatch.setenv("SLIMGRAD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(csrc, "_cuda_wanted", lambda: "13.0")
+    monkeypatch.setattr(csrc, "_cuda_torch", lambda: "13.0")
+    monkeypatch.setattr(csrc, "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(csrc, "_cuda_arch_list", lambda: "9.0+PTX")
     monkeypatch.setattr(csrc, "_why_no_compiler", lambda: None)
     monkeypatch.setitem(csrc._STATE, "cuda_reason", None)
     calls = []
@@ -327,31 +329,81 @@ def test_a_failed_cuda_build_falls_back_once_remembered_until_forced(monkeypatch
     assert calls == ["13.0", None]
 
 
-def test_cuda_architectures_come_from_the_visible_gpus_without_a_context_here(monkeypatch):
-    """The build's TORCH_CUDA_ARCH_LIST: the user's if set; else the visible GPUs' capabilities asked in a subprocess
-    (asking here would create a CUDA context in the user's process), PTX on the newest for later GPUs."""
+def test_cuda_architectures_are_torchs_own_and_in_the_key(monkeypatch):
+    """The kernels are built for the architectures torch itself was built for (read without a GPU, so a core built
+    in a container image without one runs on any GPU torch supports; numeric order, PTX on the newest), or the
+    user's TORCH_CUDA_ARCH_LIST; either is in the cache key (two machines' GPUs sharing a cache once got one key:
+    review44)."""
     import torch
 
-    asked = []
-
-    def run(cmd, **kwargs):
-        asked.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout="8.0 9.0\n", stderr="")
-
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(csrc.subprocess, "run", run)
-    assert csrc._cuda_arch_list() == "8.0;9.0+PTX"
-    assert asked and asked[0][0] == sys.executable
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
-    assert csrc._cuda_arch_list() == "8.6"
+    monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: "sm_100 sm_75 sm_80 sm_86 sm_90 sm_120 compute_120",
+                        raising=False)
+    assert csrc._cuda_arch_list() == "7.5;8.0;8.6;9.0;10.0;12.0+PTX"
+    key_all = csrc._key("13.0")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert csrc._cuda_arch_list() == "8.0"
+    key_80 = csrc._key("13.0")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert len({key_all, key_80, csrc._key("13.0"), csrc._key(None)}) == 4
 
 
-def test_kernels_piped_into_a_reader_that_leaves_ends_quietly(tmp_path):
-    """`python -m slimgrad kernels | head` printed a BrokenPipeError traceback (pkg44's note)."""
-    proc = subprocess.Popen([sys.executable, "-m", "slimgrad", "kernels"], env=_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    proc.stdout.close()  # the reader leaves before the first line
-    err = proc.stderr.read().decode()
-    proc.wait(timeout=300)
-    assert "Traceback" not in err and "BrokenPipe" not in err, err
+def test_a_cuda_failure_marker_is_its_entrys_alone(monkeypatch, tmp_path):
+    """The marker sits beside its own entry: an entry's name has dots (torch2.13.0_...), and Path.with_suffix mapped
+    every key to one file, so one failed CUDA build turned the kernels off for every other entry (review44)."""
+    monkeypatch.setenv("SLIMGRAD_CACHE_DIR", str(tmp_path))
+    a, b = csrc._cuda_failure_path("aaaaaaaaaaaaaaaa"), csrc._cuda_failure_path("bbbbbbbbbbbbbbbb")
+    assert a != b and a.parent == b.parent == csrc._build_dir("aaaaaaaaaaaaaaaa").parent
+    assert a.name == csrc._build_dir("aaaaaaaaaaaaaaaa").name + ".cuda-failed"
+
+
+_CUDA_HOST = textwrap.dedent("""
+    import torch
+    from slimgrad import csrc
+    torch.version.cuda = "13.0"  # a CUDA build of torch, nvcc found, a GPU machine: simulated
+    csrc._nvcc = lambda: "/usr/local/cuda/bin/nvcc"
+    csrc._cuda_arch_list = lambda: "9.0+PTX"
+    compiles = []
+    def stub(directory, name, verbose, cuda=None):
+        compiles.append(cuda)
+        raise RuntimeError("stub: no compiling in this test")
+    csrc._compile = stub
+    import warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m = csrc.core()
+    print("LOADED", m is not None, "COMPILES", compiles, "KERNELS", csrc.status()["cuda_kernels"])
+    print("REASON", csrc.status()["cuda_kernels_reason"])
+""")
+
+
+def test_a_core_prebuilt_without_nvcc_loads_on_a_gpu_host_with_nvcc(tmp_path, _built_once):
+    """A container image's core, built where no nvcc was (no CUDA kernels), loads as built on a machine that has
+    nvcc: no compile at the first call of every fresh container (review44), and status says how to get them."""
+    cache, _ = _built_cache(_built_once, tmp_path)
+    out, _ = _finish(_run(_CUDA_HOST, _env(cache)))
+    assert "LOADED True COMPILES [] KERNELS False" in out, out
+    assert "build --force" in out, out
+
+
+def test_status_and_cli_say_what_the_cuda_kernels_are_in_each_state(monkeypatch, tmp_path, capsys):
+    """The `kernels` line: not claimed "built in" for a core not built yet, nor an aten route for a process whose CUDA
+    tensors run the Python path (review44)."""
+    from slimgrad import cli
+
+    monkeypatch.setenv("SLIMGRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(csrc._STATE, "module", csrc._UNLOADED)
+    monkeypatch.setitem(csrc._STATE, "cuda_reason", None)
+    monkeypatch.setattr(csrc, "_cuda_torch", lambda: "13.0")
+    monkeypatch.setattr(csrc, "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(csrc, "_cuda_arch_list", lambda: "9.0+PTX")
+    status = csrc.status()
+    assert status["cuda_kernels"] is None and "not built yet" in status["cuda_kernels_reason"]
+    assert "built in" not in cli._cuda_kernels_words(status)
+    monkeypatch.setitem(csrc._STATE, "cuda", False)
+    words = cli._cuda_kernels_words(csrc.status())
+    assert "SLIMGRAD_CORE_CUDA=0" in words and "aten route" not in words
+    monkeypatch.setitem(csrc._STATE, "cuda", True)
+    monkeypatch.setitem(csrc._STATE, "enabled", False)
+    words = cli._cuda_kernels_words(csrc.status())
+    assert "SLIMGRAD_CORE=0" in words and "built in" not in words

@@ -298,6 +298,17 @@ def estimate_command(args) -> int:
     return 0 if chosen is None or chosen.fits else 1
 
 
+def _cuda_kernels_words(status: dict) -> str:
+    has, why = status.get("cuda_kernels"), status.get("cuda_kernels_reason")
+    if has:
+        return "built in"
+    if has is None:
+        return why or "not built yet"
+    if not status["enabled"] or not status.get("cuda", True) or torch.version.cuda is None:
+        return f"none ({why})"
+    return f"none ({why}); CUDA ReLUs run its aten route (same bits, more launches)"
+
+
 def _core_lines(status: dict) -> list[str]:
     state = ("loaded" if status["loaded"] else "built (cached), not loaded in this process" if status["cached"]
              else "not built yet (built on first use, or `python -m slimgrad build`)")
@@ -306,10 +317,7 @@ def _core_lines(status: dict) -> list[str]:
                                    "stock runs it), ReLU / LeakyReLU up to 4M elements (the other families: CPU "
                                    "only)" if status.get("cuda", True)
                                    else "none (SLIMGRAD_CORE_CUDA=0)"),
-             "  its own CUDA kernels (ReLU / LeakyReLU masks, one launch each way): " + (
-                 "built in" if status.get("cuda_kernels") else
-                 f"not built ({status.get('cuda_kernels_reason')}); CUDA ReLUs run its aten route (same bits, more "
-                 "launches)"),
+             "  its own CUDA kernels (ReLU / LeakyReLU masks, one launch each way): " + _cuda_kernels_words(status),
              f"  cache: {status['cache']}",
              f"  sources: {', '.join(status['sources'])}"]
     if status["reason"]:
@@ -341,6 +349,8 @@ def build_command(args) -> int:
               f"slimgrad still works without it (the Python path runs).{hint}", file=sys.stderr)
         return 1
     print(f"slimgrad: compiled core ready: {module.__file__}")
+    if csrc._cuda_torch() is not None:  # (a CUDA build of torch: say whether its own CUDA kernels are in it)
+        print(f"slimgrad: its own CUDA kernels: {_cuda_kernels_words(csrc.status())}")
     return 0
 
 

@@ -27,12 +27,15 @@ their own CPU loops (the clamp masks, dropout bits, max-pool positions, the norm
 the gated activations, aten's ops only but served on CUDA by their Triton kernel, and LoRA on convolutions (its CUDA
 default, the "seed" dropout policy, is the Python Function's Triton kernel).
 
-CUDA kernels of its own: where torch is a CUDA build, a GPU is visible and nvcc is found (``CUDA_HOME``), the build
-also compiles the ``*.cu`` files (today ReLU / LeakyReLU with the 1-bit mask: one launch each way where the aten route
-launches four forward and two backward, each ~40 µs of host time on the GPU machines measured). Built for the visible
-GPUs' architectures (``TORCH_CUDA_ARCH_LIST`` overrides), with PTX for newer ones. Where that build fails (an nvcc
-whose CUDA version differs from torch's, say), the failure is remembered in the cache, said once, and the core is
-built without them: CUDA tensors then run the aten route, with the same bits. ``SLIMGRAD_CORE_NVCC=0`` skips them.
+CUDA kernels of its own: where torch is a CUDA build and nvcc is found (``CUDA_HOME``), the build also compiles the
+``*.cu`` files (today ReLU / LeakyReLU with the 1-bit mask: one launch each way where the aten route launches four
+forward and two backward, each ~40 µs of host time on the GPU machines measured), for the GPU architectures torch
+itself was built for (PTX on the newest; ``TORCH_CUDA_ARCH_LIST`` overrides; both are in the cache key), so a core
+built on a machine without a GPU (a container image) runs on any GPU torch supports. Where that build fails (an nvcc
+whose CUDA version differs from torch's, say), the failure is remembered beside the cache entry, said once, and the
+core is built without them: CUDA tensors then run the aten route, with the same bits. ``SLIMGRAD_CORE_NVCC=0`` skips
+them. A cached core loads as it was built, with or without them (a prebuilt one is never rebuilt because nvcc
+appeared or went); ``python -m slimgrad build --force`` rebuilds.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ import importlib.util
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -84,42 +86,44 @@ def _cuda_sources() -> list[Path]:
     return sorted(SOURCES_DIR.glob("*.cu"))
 
 
-def _cuda_wanted() -> str | None:
-    """The CUDA version the core's own CUDA kernels would be built for, or None where they are not built: torch is
-    not a CUDA build, no GPU is visible, nvcc is not found, or ``SLIMGRAD_CORE_NVCC=0`` / ``SLIMGRAD_CORE_CUDA=0``.
-    Never initialises a CUDA context (``torch.cuda.is_available`` does not), so a process that forks workers later
-    is unaffected."""
+def _cuda_torch() -> str | None:
+    """torch's CUDA version where the core may carry its own CUDA kernels (a CUDA build of torch, the kernels' sources
+    present, neither ``SLIMGRAD_CORE_CUDA=0`` nor ``SLIMGRAD_CORE_NVCC=0``), else None. Asks no GPU: the key of a core
+    built without one (a container image) is the key it has on a GPU machine."""
     if (torch.version.cuda is None or not _STATE["cuda"] or not _cuda_sources()
             or os.environ.get("SLIMGRAD_CORE_NVCC", "1").strip().lower() in _OFF):
         return None
     try:
-        if not torch.cuda.is_available():
-            return None
-        from torch.utils import cpp_extension
-    except Exception:  # noqa: BLE001 - a broken CUDA install: the aten route runs
-        return None
-    home = cpp_extension.CUDA_HOME
-    if not home or not (Path(home) / "bin" / "nvcc").exists():
+        _cuda_arch_list()
+    except RuntimeError:  # nothing to build for (_why_no_cuda_kernels says so)
         return None
     return torch.version.cuda
 
 
+def _nvcc() -> str | None:
+    """nvcc's path (``CUDA_HOME/bin/nvcc``, as torch.utils.cpp_extension finds it), or None."""
+    try:
+        from torch.utils import cpp_extension
+
+        home = cpp_extension.CUDA_HOME
+    except Exception:  # noqa: BLE001 - a broken CUDA install: the aten route runs
+        return None
+    nvcc = Path(home) / "bin" / "nvcc" if home else None
+    return str(nvcc) if nvcc is not None and nvcc.exists() else None
+
+
 def _cuda_arch_list() -> str:
-    """``TORCH_CUDA_ARCH_LIST`` for the build: the user's, else the visible GPUs' compute capabilities (+PTX on the
-    newest), asked in a subprocess where this one has not initialised CUDA (asking here would create a context)."""
+    """``TORCH_CUDA_ARCH_LIST`` for the build: the user's, else the architectures torch itself was built for (its
+    ``sm_XY`` list, read without initialising CUDA), PTX on the newest for later GPUs."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if env:
         return env
-    ask = ("import torch; print(' '.join(sorted({'%d.%d' % torch.cuda.get_device_capability(i) "
-           "for i in range(torch.cuda.device_count())})))")
-    if torch.cuda.is_initialized():
-        archs = sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
-    else:
-        done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=300, check=True)
-        archs = done.stdout.split()
+    flags = getattr(torch._C, "_cuda_getArchFlags", lambda: None)() or ""
+    archs = sorted({int(a[3:]) for a in flags.split() if a.startswith("sm_") and a[3:].isdigit()})
     if not archs:
-        raise RuntimeError("no CUDA device's compute capability could be read")
-    return ";".join(archs[:-1] + [archs[-1] + "+PTX"])
+        raise RuntimeError(f"torch lists no CUDA architectures it was built for ({flags!r}); set TORCH_CUDA_ARCH_LIST")
+    names = [f"{a // 10}.{a % 10}" for a in archs]
+    return ";".join(names[:-1] + [names[-1] + "+PTX"])
 
 
 def _cpu_capability() -> str:
@@ -142,14 +146,15 @@ def _flags() -> list[str]:
 
 def _key(cuda: str | None = None) -> str:
     """What the binary depends on; a change in any of it is a different cache entry. ``cuda``: the CUDA version
-    the *.cu kernels are built for (:func:`_cuda_wanted`), None for a core without them."""
+    the *.cu kernels are built for (:func:`_cuda_torch`; with the architectures, :func:`_cuda_arch_list`), None for a
+    core without them."""
     h = hashlib.sha256()
     for part in (torch.__version__, str(getattr(torch.version, "git_version", "")), sys.version,
                  platform.machine(), platform.system(), sysconfig.get_config_var("EXT_SUFFIX") or "",
                  str(torch._C._GLIBCXX_USE_CXX11_ABI), _cpu_capability(), " ".join(_flags())):
         h.update(part.encode())
     if cuda is not None:
-        h.update(f"cuda {cuda} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')}".encode())
+        h.update(f"cuda {cuda} {_cuda_arch_list()}".encode())
     for path in _sources() + _headers() + (_cuda_sources() if cuda is not None else []):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -267,7 +272,7 @@ def _compile(directory: Path, name: str, verbose: bool, cuda: str | None = None)
             with_cuda=False,
         )
     # --fmad=false: no fused multiply-adds the source does not write (nvcc's -ffp-contract=off), as for the C++
-    arch, old = _cuda_arch_list(), os.environ.get("TORCH_CUDA_ARCH_LIST")
+    arch, old = _cuda_arch_list(), os.environ.get("TORCH_CUDA_ARCH_LIST")  # (read by cpp_extension)
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
         return cpp_extension.load(
@@ -304,13 +309,24 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
     """Build (or load from the cache) the compiled core and return its module; raises with the reason on failure.
 
     ``force`` removes this version's cache entry first. Safe to call from several processes at once.
-    Where the core's CUDA kernels are wanted (:func:`_cuda_wanted`) it is built with them; if that build fails,
-    once (remembered in the cache beside the entry, until ``force``), it is built without them."""
+    A complete cached entry loads, the one with the core's CUDA kernels first (:func:`_cuda_torch`), without a
+    compiler. Else the core is built, with them where nvcc is found; if that build fails, once (remembered beside the
+    entry until ``force``), without them."""
+    cuda = _cuda_torch()
+    if not force:
+        for variant in ((cuda, None) if cuda is not None else (None,)):
+            module = _load_verified(variant)
+            if module is not None:
+                if variant is None and cuda is not None:
+                    _STATE["cuda_reason"] = ("the cached core was built without them (no nvcc then); `python -m "
+                                             "slimgrad build --force` rebuilds it with them where nvcc is found")
+                return module
     reason = _why_no_compiler()
     if reason is not None:
         raise RuntimeError(f"slimgrad: cannot build the compiled core: {reason}")
-    cuda = _cuda_wanted()
-    if cuda is not None:
+    if cuda is not None and _nvcc() is None:
+        _STATE["cuda_reason"] = _why_no_cuda_kernels()
+    elif cuda is not None:
         failed = _cuda_failure_path(_key(cuda))
         if force:
             failed.unlink(missing_ok=True)
@@ -328,8 +344,24 @@ def build(*, verbose: bool = False, quiet: bool = False, force: bool = False):
     return _build_one(None, verbose, quiet, force)
 
 
+def _load_verified(cuda: str | None):
+    """The cached core of this variant where its entry is complete (checksum), loaded; else None."""
+    key = _key(cuda)
+    directory, name = _build_dir(key), _module_name(key)
+    if not _verified(directory, name):
+        return None
+    try:
+        module = _import(_library_path(directory, name), name)
+    except Exception:  # noqa: BLE001 - a broken entry: the build below replaces it
+        return None
+    _touch(directory, name)
+    return _finish(module)
+
+
 def _cuda_failure_path(key: str) -> Path:
-    return _build_dir(key).with_suffix(".cuda-failed")
+    """Beside the entry, named after it (the entry's name has dots: ``torch2.13.0_cu130-...``, no suffix to swap)."""
+    directory = _build_dir(key)
+    return directory.parent / f"{directory.name}.cuda-failed"
 
 
 def _read_failure(path: Path) -> str:
@@ -540,28 +572,41 @@ def for_eager(x: torch.Tensor, cuda: bool = False):
 
 
 def status() -> dict:
-    """What the core is doing here, without building it: enabled, built (in the cache), loaded, and why not;
-    ``cuda_kernels``: whether the core's own CUDA kernels are in it (True / False), with ``cuda_kernels_reason``
-    where they are not."""
-    cuda = _cuda_wanted()
+    """What the core is doing here, without building it: enabled, built (in the cache), loaded, and why not.
+    ``cuda_kernels``: whether the core's own CUDA kernels are in it: True, False, or None where that is not known yet
+    (no core loaded or cached: a build would include them where nvcc is found); ``cuda_kernels_reason`` says why
+    not (or what a build would do)."""
+    cuda = _cuda_torch()
     module = _STATE["module"]
     loaded = module not in (_UNLOADED, None)
-    if loaded:
+    cached_cuda = cuda is not None and _verified(_build_dir(_key(cuda)), _module_name(_key(cuda)))
+    cached_plain = _verified(_build_dir(_key(None)), _module_name(_key(None)))
+    failed = cuda is not None and _cuda_failure_path(_key(cuda)).exists()
+    has_cuda: bool | None
+    if not _STATE["enabled"]:
+        has_cuda, cuda_reason = False, "the core is off (SLIMGRAD_CORE=0)"
+    elif not _STATE["cuda"]:
+        has_cuda, cuda_reason = False, "SLIMGRAD_CORE_CUDA=0: CUDA tensors run the Python path"
+    elif loaded:
         has_cuda = bool(module.cuda_kernels())
-    else:  # what a build here would give
-        has_cuda = cuda is not None and not _cuda_failure_path(_key(cuda)).exists()
-    if has_cuda:
-        cuda_reason = None
-    elif _STATE["cuda_reason"] is not None:
-        cuda_reason = _STATE["cuda_reason"]
-    elif cuda is not None and _cuda_failure_path(_key(cuda)).exists():
-        cuda_reason = _read_failure(_cuda_failure_path(_key(cuda)))
+        cuda_reason = None if has_cuda else (_STATE["cuda_reason"] or _why_no_cuda_kernels())
+    elif cached_cuda:
+        has_cuda, cuda_reason = True, None
+    elif cached_plain:
+        has_cuda = False
+        cuda_reason = (_why_no_cuda_kernels() if cuda is None else
+                       "the cached core was built without them; `python -m slimgrad build --force` rebuilds it with "
+                       "them where nvcc is found")
+    elif cuda is None or _nvcc() is None:
+        has_cuda, cuda_reason = False, _why_no_cuda_kernels()
+    elif failed:
+        has_cuda, cuda_reason = False, _read_failure(_cuda_failure_path(_key(cuda)))
     else:
-        cuda_reason = _why_no_cuda_kernels()
-    key = _key(cuda if has_cuda else None)
+        has_cuda, cuda_reason = None, "not built yet: built with the core (nvcc found)"
+    key = _key(cuda if (has_cuda or (has_cuda is None and cuda is not None)) else None)
     directory, name = _build_dir(key), _module_name(key)
     reason = _STATE["reason"]
-    if reason is None and not loaded:
+    if reason is None and not loaded and not (cached_cuda or cached_plain):
         reason = _why_no_compiler()
     return {
         "cuda_kernels": has_cuda,
@@ -572,13 +617,13 @@ def status() -> dict:
         "cached": _library_path(directory, name).exists(),
         "cache": str(directory),
         "reason": reason,
-        "sources": [p.name for p in _sources() + (_cuda_sources() if has_cuda else [])],
+        "sources": [p.name for p in _sources() + (_cuda_sources() if has_cuda is not False and cuda else [])],
         "flags": _flags(),
     }
 
 
 def _why_no_cuda_kernels() -> str:
-    """Why :func:`_cuda_wanted` said no, in words."""
+    """Why the core has no CUDA kernels of its own here (where :func:`_cuda_torch` or :func:`_nvcc` says no)."""
     if torch.version.cuda is None:
         return "torch is a CPU build"
     if not _STATE["cuda"]:
@@ -586,8 +631,7 @@ def _why_no_cuda_kernels() -> str:
     if os.environ.get("SLIMGRAD_CORE_NVCC", "1").strip().lower() in _OFF:
         return "SLIMGRAD_CORE_NVCC=0"
     try:
-        if not torch.cuda.is_available():
-            return "no GPU is visible"
-    except Exception as e:  # noqa: BLE001
-        return f"CUDA is unusable here ({type(e).__name__})"
+        _cuda_arch_list()
+    except RuntimeError as e:
+        return str(e)
     return "nvcc not found (set CUDA_HOME to a CUDA toolkit matching torch's CUDA version)"
