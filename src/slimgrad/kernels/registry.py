@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -213,19 +214,19 @@ class NotBuiltYet(RuntimeError):
     that sticks (the next real call builds or loads the core)."""
 
 
-_DESCRIBING = [False]
+_DESCRIBING = threading.local()  # (per thread: another thread's real first call must build, not be described)
 
 
 @contextlib.contextmanager
 def describing():
     """Inside, core kernels that would need the compiled core built first report "not built yet" instead of building
     it (``python -m slimgrad kernels`` describes; it compiled the core for minutes on a fresh install)."""
-    old = _DESCRIBING[0]
-    _DESCRIBING[0] = True
+    old = getattr(_DESCRIBING, "on", False)
+    _DESCRIBING.on = True
     try:
         yield
     finally:
-        _DESCRIBING[0] = old
+        _DESCRIBING.on = old
 
 
 def core_loader(make: Callable[[object], object]) -> Callable[[], object]:
@@ -235,7 +236,7 @@ def core_loader(make: Callable[[object], object]) -> Callable[[], object]:
     def load():
         from slimgrad import csrc
 
-        if (_DESCRIBING[0] and csrc._STATE["module"] is csrc._UNLOADED and csrc.enabled()
+        if (getattr(_DESCRIBING, "on", False) and csrc._STATE["module"] is csrc._UNLOADED and csrc.enabled()
                 and not csrc.status()["cached"]):
             raise NotBuiltYet("the compiled core is not built yet (built on first use, or `python -m slimgrad build`)")
         core = csrc.core()
