@@ -407,3 +407,14 @@ def test_status_and_cli_say_what_the_cuda_kernels_are_in_each_state(monkeypatch,
     monkeypatch.setitem(csrc._STATE, "enabled", False)
     words = cli._cuda_kernels_words(csrc.status())
     assert "SLIMGRAD_CORE=0" in words and "built in" not in words
+
+
+def test_a_prebuilt_core_loads_where_no_compiler_is(tmp_path, _built_once):
+    """A runtime image with the cache of a build image and no g++: the complete entry loads (the build checked for a
+    compiler before it looked in the cache, so the prebuilt core was never used there)."""
+    cache, _ = _built_cache(_built_once, tmp_path)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    os.symlink(sys.executable, bindir / "python")
+    out, err = _finish(_run(_LOAD, _env(cache, PATH=str(bindir), CXX="no-such-compiler")))
+    assert "LOADED True" in out and "no C++ compiler" not in err, (out, err)
