@@ -1417,6 +1417,12 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
     mask_facts = _mask_facts(kwargs)
     notes: list[str] = []
 
+    for t in _pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            # (fake tensors need a shape environment for a jagged dimension: torch's own assertion said nothing)
+            raise ValueError(f"estimate: an input is a nested (jagged) tensor of shape {tuple(t.shape)}, which the "
+                             f"simulated step cannot take; estimate with a padded batch of the same size instead")
+
     def fake(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":  # a model built on the meta device: fake tensors where it will run
             return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, target)

@@ -404,6 +404,19 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.preserve_format)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def foreign_input(x) -> bool:
+    """Whether an eager call's input is a tensor subclass the mask families leave to stock's op: a DTensor, a jagged
+    NestedTensor, a ``__torch_function__`` subclass (their kernels read plain storage, returned plain tensors, and
+    crashed or segfaulted on wrappers without one: subclass44). Fake tensors (``slimgrad.estimate``), torch.compile's
+    and torch.func's tensors are not: they take the families' own routes."""
+    if type(x) in _PLAIN_TYPES or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return not _is_fake_tensor(x)
+
+
 def own_matmul_subclass(t) -> bool:
     """Whether ``t`` is a tensor subclass whose matmuls are its own: torchao's quantized weights (``NF4Tensor`` runs
     ``mm`` as ``linear_nf4``, i.e. ``a @ w.T``; ``Int8Tensor`` has no ``mm``). A Function that multiplies by the

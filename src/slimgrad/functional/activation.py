@@ -363,7 +363,7 @@ def _check_slope(negative_slope) -> float:
 def _apply(input, negative_slope, inplace, keep_output, fn, use=None):
     """Run stock where no gradient will be asked of us; otherwise our Function."""
     check_tensor(input, "input", fn=fn)
-    if not (torch.is_grad_enabled() and input.requires_grad):
+    if not (torch.is_grad_enabled() and input.requires_grad) or _common.foreign_input(input):
         if negative_slope is None:
             return F.relu(input, inplace=inplace)
         return F.leaky_relu(input, negative_slope, inplace=inplace)

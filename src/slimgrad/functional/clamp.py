@@ -361,7 +361,7 @@ def _plainly_exact(v: float, dtype: torch.dtype) -> bool:
 def apply(input, kind, lo, hi=None, value=None, inplace=False, keep_output=False, use=None, fn=None):
     """Stock where no gradient will be asked of us; otherwise :class:`RangeMaskFunction`."""
     check_tensor(input, "input", fn=fn or kind)
-    if not (torch.is_grad_enabled() and input.requires_grad):
+    if not (torch.is_grad_enabled() and input.requires_grad) or _common.foreign_input(input):
         return _stock(input, kind, lo, hi, value, inplace)
     if inplace and input.is_leaf:
         raise RuntimeError(_LEAF_INPLACE)

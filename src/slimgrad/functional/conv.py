@@ -589,6 +589,13 @@ def conv_nd(
         if transposed:
             return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
         return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
+    if padding_mode == "zeros" and isinstance(x, torch.Tensor) and (_common.foreign_input(x)
+                                                                    or _common.foreign_input(weight)):
+        # a tensor subclass input or weight (a DTensor, whose conv backward takes no plain tensor beside its
+        # gradient; a __torch_function__ subclass, whose wrapped results made the Function's output a view): stock's
+        if transposed:
+            return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
+        return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
     core = csrc.for_eager(x, cuda=True)
     if core is not None:
         cfg = _functional_core_cfg(core, x, weight, bias, stride, padding, dilation, groups, nd, transposed,

@@ -390,10 +390,11 @@ def _dropout_impl(input, p, training, inplace, policy=None):
         return input  # stock returns the input itself here
     if policy is not None:
         check_policy(policy, source="dropout's argument 'policy'")
-    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+    if (not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()) or \
+            _common.foreign_input(input):
         # Under torch.func dropout is stock's op, with or without a gradient (vmap and jvp hand their wrapped
         # tensors here with requires_grad False): the kernels cannot read a wrapped tensor's data, and vmap's
-        # randomness rules are stock's draw.
+        # randomness rules are stock's draw. So for a tensor subclass (DTensor, NestedTensor, ...): stock's op.
         return torch.dropout_(input, p, training) if inplace else torch.dropout(input, p, training)
     policy = resolve_policy(policy, input.device)
     if torch.is_grad_enabled() and input.requires_grad:

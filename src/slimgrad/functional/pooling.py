@@ -85,7 +85,9 @@ def _is_default(stride) -> bool:
 
 
 def _wants_grad(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+    """Whether the call needs slimgrad's Function: a gradient is wanted, and x is no tensor subclass (a DTensor, a
+    NestedTensor, a ``__torch_function__`` subclass run stock's op: _common.foreign_input)."""
+    return torch.is_grad_enabled() and x.requires_grad and not _common.foreign_input(x)
 
 
 def _fp32_under_autocast(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from slimgrad._registry import ORIGINALS, register, register_forward
-from slimgrad.functional._common import autocast_enabled, note_exactly_narrower, note_input_kept
+from slimgrad.functional._common import autocast_enabled, foreign_input, note_exactly_narrower, note_input_kept
 from slimgrad.functional.dropout import POLICY_ATTRIBUTE, core_draw_simulated, module_policy
 from slimgrad.functional.lora import LoraLinearFunction, _core, _core_simulated
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
@@ -193,8 +193,8 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     from slimgrad.integrations.peft_lora import _adapters, _peft_keeps_as_little, _stock_type
 
     stock = _stock_type(self).forward
-    if global_module_hooks():  # the submodules the Function does not call would miss it (integrations/_hooks.py)
-        return stock(self, x, *args, **kwargs)
+    if global_module_hooks() or foreign_input(x):  # the submodules the Function does not call would miss the hook
+        return stock(self, x, *args, **kwargs)  # (integrations/_hooks.py); a DTensor / NestedTensor input: peft's
     if (not args and not kwargs and isinstance(x, torch.Tensor) and not x.requires_grad
             and _peft_keeps_as_little(self, x)):
         return stock(self, x)  # x frozen and read alone: peft keeps no more (peft_lora.py)

@@ -27,7 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from slimgrad import _notices, csrc
 from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional import _common
-from slimgrad.functional._common import autocast_enabled, note_input_kept, own_matmul_subclass
+from slimgrad.functional._common import autocast_enabled, foreign_input, note_input_kept, own_matmul_subclass
 from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy, resolve_policy
 from slimgrad.functional.lora import (
     LoraAdapter,
@@ -323,7 +323,7 @@ def _peft_keeps_as_little(self: LoraLinear, x: torch.Tensor) -> bool:
 def _forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT's ``Linear.forward`` in one Function where it is plain LoRA; PEFT's own forward elsewhere (and wherever a
     global module hook would miss the submodules the Function does not call: integrations/_hooks.py)."""
-    if global_module_hooks():
+    if global_module_hooks() or foreign_input(x):  # (a DTensor or NestedTensor input: peft's forward, subclass44)
         return LoraLinear.forward(self, x, *args, **kwargs)
     if not args and not kwargs and isinstance(x, torch.Tensor):
         # (any tensor type: the estimate's fake tensors must take the route the real step takes)

@@ -29,7 +29,7 @@ from torch import nn
 
 from slimgrad import csrc
 from slimgrad._registry import register_forward
-from slimgrad.functional._common import autocast_enabled, note_input_kept
+from slimgrad.functional._common import autocast_enabled, foreign_input, note_input_kept
 from slimgrad.functional.dropout import POLICY_ATTRIBUTE, module_policy, resolve_policy
 from slimgrad.functional.lora import adapters_apart
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
@@ -179,7 +179,7 @@ def _fast_forward(self, x: torch.Tensor):
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """peft's ``_ConvNd.forward``, with the adapters in one Function where that keeps less (peft's own wherever a
     global module hook would miss the submodules the Function does not call: integrations/_hooks.py)."""
-    if global_module_hooks():
+    if global_module_hooks() or foreign_input(x):  # (a DTensor or NestedTensor input: peft's forward, subclass44)
         return _lora_class(self).forward(self, x, *args, **kwargs)
     if (not args and not kwargs and isinstance(x, torch.Tensor) and not x.requires_grad
             and _peft_keeps_as_little(self, x)):
