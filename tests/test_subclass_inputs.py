@@ -58,15 +58,19 @@ def _run(model, x0, mode, inplace_after=False):
     return y, x.grad
 
 
+def _stock_and_slimgrad(make, mode, inplace_after=False):
+    """(stock's output and input gradient, slimgrad's) on independent copies, x a Tagged tensor."""
+    torch.manual_seed(0)
+    stock = make()
+    slim = slimgrad.convert(copy.deepcopy(stock)) if mode == "convert" else copy.deepcopy(stock)
+    x0 = torch.randn(2, 4, 6, 6)
+    return _run(stock, x0, "stock", inplace_after), _run(slim, x0, mode, inplace_after)
+
+
 @pytest.mark.parametrize("mode", ["convert", "enabled"])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_a_torch_function_subclass_keeps_its_type_and_stocks_numbers(name, mode):
-    torch.manual_seed(0)
-    stock = MASKS[name]()
-    slim = slimgrad.convert(copy.deepcopy(stock)) if mode == "convert" else copy.deepcopy(stock)
-    x0 = torch.randn(2, 4, 6, 6)
-    ys, gs = _run(stock, x0, "stock")
-    yq, gq = _run(slim, x0, mode)
+    (ys, gs), (yq, gq) = _stock_and_slimgrad(MASKS[name], mode)
     assert type(yq) is type(ys) is Tagged
     assert torch.equal(yq.as_subclass(torch.Tensor), ys.as_subclass(torch.Tensor))
     assert torch.equal(gq.as_subclass(torch.Tensor), gs.as_subclass(torch.Tensor))
@@ -76,12 +80,7 @@ def test_a_torch_function_subclass_keeps_its_type_and_stocks_numbers(name, mode)
 @pytest.mark.parametrize("name", list(FROZEN))
 def test_an_in_place_op_after_a_layer_on_a_torch_function_subclass(name, mode):
     """raised "Output 0 of _ConvFunction is a view and is being modified inplace" where stock runs."""
-    torch.manual_seed(0)
-    stock = FROZEN[name]()
-    slim = slimgrad.convert(copy.deepcopy(stock)) if mode == "convert" else copy.deepcopy(stock)
-    x0 = torch.randn(2, 4, 6, 6)
-    _, gs = _run(stock, x0, "stock", inplace_after=True)
-    _, gq = _run(slim, x0, mode, inplace_after=True)
+    (_, gs), (_, gq) = _stock_and_slimgrad(FROZEN[name], mode, inplace_after=True)
     assert torch.equal(gq.as_subclass(torch.Tensor), gs.as_subclass(torch.Tensor))
 
 
