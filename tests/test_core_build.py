@@ -260,11 +260,12 @@ def test_a_build_prunes_the_cache_to_the_most_recently_used_entries(tmp_path, _b
 # (built with nvcc for a CUDA torch with a GPU: tests/test_cuda_core.py checks them on one; here the machinery)
 
 
-def test_cuda_kernels_are_not_wanted_on_a_cpu_torch_and_status_says_why():
+def test_cuda_kernels_are_not_wanted_on_a_cpu_torch_and_status_says_why(monkeypatch):
     import torch
 
     if torch.version.cuda is not None:
         pytest.skip("a CUDA build of torch")
+    monkeypatch.setitem(csrc._STATE, "enabled", True)  # (the suite also runs with SLIMGRAD_CORE=0)
     assert csrc._cuda_torch() is None
     status = csrc.status()
     assert status["cuda_kernels"] is False and status["cuda_kernels_reason"] == "torch is a CPU build"
@@ -394,6 +395,8 @@ def test_status_and_cli_say_what_the_cuda_kernels_are_in_each_state(monkeypatch,
     monkeypatch.setenv("SLIMGRAD_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(csrc._STATE, "module", csrc._UNLOADED)
     monkeypatch.setitem(csrc._STATE, "cuda_reason", None)
+    monkeypatch.setitem(csrc._STATE, "enabled", True)  # (the suite also runs with SLIMGRAD_CORE=0)
+    monkeypatch.setitem(csrc._STATE, "cuda", True)
     monkeypatch.setattr(csrc, "_cuda_torch", lambda: "13.0")
     monkeypatch.setattr(csrc, "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
     monkeypatch.setattr(csrc, "_cuda_arch_list", lambda: "9.0+PTX")
