@@ -134,7 +134,10 @@ def test_peft_torchao_lora_layer_left_stock_is_a_gap():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize_(net, Int8WeightOnlyConfig())
-        model = get_peft_model(net, LoraConfig(r=4, target_modules=["lin"]))
+        try:
+            model = get_peft_model(net, LoraConfig(r=4, target_modules=["lin"]))
+        except TypeError as e:  # peft 0.17 with torchao 0.13 (the oldest tested set): stock itself fails
+            pytest.skip(f"peft {peft.__version__} cannot build its torchao LoRA layer here: {e}")
     layer = model.base_model.model.lin
     if type(layer).__name__ != "TorchaoLoraLinear":
         pytest.skip(f"peft built a {type(layer).__name__} here")
