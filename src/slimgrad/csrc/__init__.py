@@ -579,9 +579,10 @@ def status() -> dict:
     cuda = _cuda_torch()
     module = _STATE["module"]
     loaded = module not in (_UNLOADED, None)
-    cached_cuda = cuda is not None and _verified(_build_dir(_key(cuda)), _module_name(_key(cuda)))
-    cached_plain = _verified(_build_dir(_key(None)), _module_name(_key(None)))
-    failed = cuda is not None and _cuda_failure_path(_key(cuda)).exists()
+    cuda_key, plain_key = (_key(cuda) if cuda is not None else None), _key(None)  # (each reads every source)
+    cached_cuda = cuda_key is not None and _verified(_build_dir(cuda_key), _module_name(cuda_key))
+    cached_plain = _verified(_build_dir(plain_key), _module_name(plain_key))
+    failed = cuda_key is not None and _cuda_failure_path(cuda_key).exists()
     has_cuda: bool | None
     if not _STATE["enabled"]:
         has_cuda, cuda_reason = False, "the core is off (SLIMGRAD_CORE=0)"
@@ -600,10 +601,10 @@ def status() -> dict:
     elif cuda is None or _nvcc() is None:
         has_cuda, cuda_reason = False, _why_no_cuda_kernels()
     elif failed:
-        has_cuda, cuda_reason = False, _read_failure(_cuda_failure_path(_key(cuda)))
+        has_cuda, cuda_reason = False, _read_failure(_cuda_failure_path(cuda_key))
     else:
         has_cuda, cuda_reason = None, "not built yet: built with the core (nvcc found)"
-    key = _key(cuda if (has_cuda or (has_cuda is None and cuda is not None)) else None)
+    key = cuda_key if (cuda_key is not None and has_cuda is not False) else plain_key
     directory, name = _build_dir(key), _module_name(key)
     reason = _STATE["reason"]
     if reason is None and not loaded and not (cached_cuda or cached_plain):

@@ -404,7 +404,8 @@ def compact(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.preserve_format)
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: an eager call's plain tensor types (the families' hot paths test `type(t) in PLAIN_TYPES`)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def foreign_input(x) -> bool:
@@ -412,7 +413,7 @@ def foreign_input(x) -> bool:
     NestedTensor, a ``__torch_function__`` subclass (their kernels read plain storage, returned plain tensors, and
     crashed or segfaulted on wrappers without one: subclass44). Fake tensors (``slimgrad.estimate``), torch.compile's
     and torch.func's tensors are not: they take the families' own routes."""
-    if type(x) in _PLAIN_TYPES or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if type(x) in PLAIN_TYPES or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
     return not _is_fake_tensor(x)
 

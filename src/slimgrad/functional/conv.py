@@ -584,15 +584,11 @@ def conv_nd(
     Where stock keeps what we would keep (the weight trains, no explicit padding), stock's functional
     runs directly: no Function, no bookkeeping beyond noting that X is kept. ``normalised``: ``options``' answer
     for these arguments, where the caller has it (a module's cache)."""
-    if padding_mode == "zeros" and isinstance(x, torch.Tensor) and x.is_complex():
-        # complex convolutions: stock's F.conv splits them into real ones, which aten's kernels take
-        if transposed:
-            return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
-        return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
-    if padding_mode == "zeros" and isinstance(x, torch.Tensor) and (_common.foreign_input(x)
-                                                                    or _common.foreign_input(weight)):
-        # a tensor subclass input or weight (a DTensor, whose conv backward takes no plain tensor beside its
-        # gradient; a __torch_function__ subclass, whose wrapped results made the Function's output a view): stock's
+    if padding_mode == "zeros" and isinstance(x, torch.Tensor) and (
+            x.is_complex() or _common.foreign_input(x) or _common.foreign_input(weight)):
+        # stock's op: complex convolutions (stock's F.conv splits them into real ones, which aten's kernels take); a
+        # tensor subclass input or weight (a DTensor, whose conv backward takes no plain tensor beside its gradient; a
+        # __torch_function__ subclass, whose wrapped results made the Function's output a view)
         if transposed:
             return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
         return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
@@ -811,7 +807,7 @@ def conv_transpose3d(input, weight, bias=None, stride=1, padding=0, output_paddi
 
 # ---------------------------------------------------------------------------------------------- compiled core
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = _common.PLAIN_TYPES
 # (nd, transposed, stride, padding, dilation, groups, output_padding, kernel size where padding is a string)
 # -> the core's conv_Cfg, or False where the core does not serve those options (explicit padding)
 _CORE_CFGS: dict = {}

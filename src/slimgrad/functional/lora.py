@@ -503,7 +503,7 @@ def _autocast_casts_x_per_op(x: torch.Tensor) -> bool:
     return not cached
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = _common.PLAIN_TYPES
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -378,7 +378,7 @@ class LoraConvFunction(_common.Function):
         return tuple(grads)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = _common.PLAIN_TYPES
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -50,7 +50,7 @@ KNOWN = {
     "Conv1D.forward": {"0570fe82cfe0b593": "transformers 5.23.0-5.24.0"},
     "FalconLinear.forward": {"d4c23694133f449b": "transformers 4.57.6-5.24.0"},
 }
-_PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN = _common.PLAIN_TYPES
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHECK = Verified({"lora.Linear.forward": (LoraLinear, "forward"),
                    "BaseTunerLayer._cast_input_dtype": (LoraLinear, "_cast_input_dtype")},
