@@ -222,3 +222,12 @@ def test_an_in_place_op_after_a_conv_with_a_torch_function_subclass_weight(froze
         y.sum().backward()
         grads.append(x.grad)
     assert torch.equal(grads[0].as_subclass(torch.Tensor), grads[1].as_subclass(torch.Tensor))
+
+
+def test_a_subclass_input_says_once_that_it_runs_stock():
+    from slimgrad._notices import SlimgradWarning, reset_warned
+
+    reset_warned()
+    model = slimgrad.convert(nn.Sequential(nn.ReLU(), nn.Dropout(0.3)))
+    with pytest.warns(SlimgradWarning, match="a Tagged .*stock's op runs there"):
+        model(torch.randn(4, 6).as_subclass(Tagged).requires_grad_())

@@ -415,7 +415,13 @@ def foreign_input(x) -> bool:
     and torch.func's tensors are not: they take the families' own routes."""
     if type(x) in PLAIN_TYPES or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    return not _is_fake_tensor(x)
+    if _is_fake_tensor(x):
+        return False
+    from slimgrad import _notices  # (said once a process per type: a saving that does not engage says so)
+
+    _notices.notify(f"slimgrad: a {type(x).__name__} (a tensor subclass) reaches layers that keep less for plain "
+                    f"tensors; stock's op runs there for it (stock's bytes, no saving; README Limits)", stacklevel=4)
+    return True
 
 
 def own_matmul_subclass(t) -> bool:
