@@ -21,7 +21,6 @@ from tests._util import assert_same, laid_out
 from torch import nn
 
 from slimgrad import csrc
-from slimgrad.functional import lora_conv as lora_conv_module
 from slimgrad.functional.dropout import dropout_policy
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
 from slimgrad.kernels.registry import triton_interpreting
@@ -247,9 +246,10 @@ def test_triton_seed_kernel_runs_and_its_mask_is_the_gradients(device, channels_
         impl = dropout_kernels.choose_seed(torch.ones(1, device=device))
         assert impl.name == "triton"
         calls = []
-        real = lora_conv_module._fill_noise
-        # the torch reference (a private torch.Generator and .item() per adapter) must not run
-        monkeypatch.setattr(lora_conv_module, "_fill_noise", lambda *a: calls.append(1) or real(*a))
+        real = dropout_kernels.TorchDropoutSeed.noise
+        # the torch reference (Philox in ~200 integer ops an element block) must not run
+        monkeypatch.setattr(dropout_kernels.TorchDropoutSeed, "noise",
+                            staticmethod(lambda *a: calls.append(1) or real(*a)))
         (out, gx, ga, gb), (x, W, A, B, g) = _seed_step(device, channels_last)
         assert not calls
         torch.manual_seed(5)

@@ -463,6 +463,38 @@ def test_relu_cuda_kernels_launch_once_each_way(rid):
     assert len(ours) == 1 and not route, backward
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 255, 257, 21001])
+@pytest.mark.parametrize("seed_value", [0, -1, 2**40 + 12345, -(2**63)])
+def test_dropout_seed_cuda_kernel_is_the_philox_mask(seed_value, numel, dtype):
+    """The core's CUDA seed kernel (csrc/dropout_seed_cuda.cu; LoRA does not route to it yet): the mask is the torch
+    reference's ``philox_keep`` and Triton's, the values x * scale rounded once, in place too, one launch."""
+    from slimgrad.kernels import dropout as dk
+
+    if not _has_cuda_kernels():
+        pytest.skip(f"the core's CUDA kernels are not built here: {csrc.status()['cuda_kernels_reason']}")
+    p = 0.3
+    x = (torch.rand(numel, generator=torch.Generator().manual_seed(numel)) + 0.5).to(dtype)  # no zeros
+    seed = torch.tensor(seed_value, dtype=torch.int64)
+    expected = dk.SEED_TORCH.forward(x, p, seed, False)
+    core = csrc.core()
+    xc, sc = x.to(DEVICE), seed.to(DEVICE)
+    kernels = _cuda_kernels_run(lambda: core.dropout_seed_forward(xc, p, sc, False))
+    assert len(kernels) == 1 and "dropout_seed" in kernels[0], kernels
+    out = core.dropout_seed_forward(xc, p, sc, False)
+    _same_bits(out.cpu(), expected, "forward")
+    _same_bits(core.dropout_seed_backward(xc, p, sc).cpu(), expected, "backward")
+    inplace = xc.clone()
+    assert core.dropout_seed_forward(inplace, p, sc, True).data_ptr() == inplace.data_ptr()
+    _same_bits(inplace.cpu(), expected, "in place")
+    assert torch.equal((out.cpu() != 0), dk.philox_keep((numel,), p, seed))
+    if dtype != torch.float64:  # Triton's kernel, the Python path's on CUDA: the same mask
+        pytest.importorskip("triton")
+        from slimgrad.kernels.triton import dropout as td
+
+        assert torch.equal(td.keep_mask(xc, p, sc).bool().cpu(), dk.philox_keep((numel,), p, seed))
+
+
 # -------------------------------------------------------------------------------------------------- avg pool
 
 # (id, stock module, input shape); 3-d windows do not overlap and adaptive sizes divide the input's: CUDA's

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tests._triton_util import DEVICES
 from tests._util import assert_same
 
-from slimgrad import kernels
+from slimgrad import csrc, kernels
 from slimgrad.functional.dropout import dropout, dropout_policy
 from slimgrad.functional.lora import LoraAdapter, lora_linear
 from slimgrad.functional.lora_conv import ConvOptions, LoraConvAdapter, lora_conv
@@ -87,7 +87,8 @@ def _lora_step(device, compiled, need=(True, True, True), transpose=False):
     leaves = [t.clone().requires_grad_(q) for t, q in zip((x, A, B), need)]
     g = torch.randn(2, 6, 5, device=device)
     torch.manual_seed(5)
-    out = lora_linear(leaves[0], W, None, [LoraAdapter(leaves[1], leaves[2], 2.0, P)])
+    with csrc.disabled():  # the Python Function, whose backward is traced here (the core's C++ node: a graph break)
+        out = lora_linear(leaves[0], W, None, [LoraAdapter(leaves[1], leaves[2], 2.0, P)])
     graphs = _backward(out, g, compiled)
     return (out.detach(), *(t.grad for t in leaves)), graphs
 
@@ -239,9 +240,11 @@ def test_torch_reference_dropout_double_backward():
 
 
 def _reference_noise(shape, seed, dtype=torch.float32):
-    """The torch reference's noise for ``seed``: a private generator, drawn in the elements' row-major order."""
-    generator = torch.Generator().manual_seed(int(seed))
-    return torch.empty(shape, dtype=dtype).bernoulli_(1 - P, generator=generator).div_(1 - P)
+    """The "seed" policy's noise for ``seed``: Philox on the elements' row-major index (``philox_keep``, checked
+    against Triton's ``tl.rand`` and Philox's known answer in tests/test_dropout_philox.py and test_triton_masks.py),
+    scaled by stock's rounded 1 / (1 - p)."""
+    keep = dropout_kernels.philox_keep(tuple(shape), P, torch.as_tensor(seed, dtype=torch.int64))
+    return keep.to(dtype) * dropout_kernels.noise_scale(P, dtype)
 
 
 def _function_seed():
@@ -279,7 +282,7 @@ def test_lora_seed_mask_whatever_x_layout(need, transpose):
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
 def test_lora_conv_seed_mask_whatever_x_layout(channels_last):
     """LoRA on convolutions, seed policy: plain torch's output and gradients given the seed's mask, for a
-    channels-last x too (dX and dA used another mask before)."""
+    channels-last x too (dX and dA used another mask before), whose mask follows its memory order."""
     with dropout_policy("seed"):
         (out, gx, ga, gb), _ = _lora_conv_step("cpu", compiled=False, channels_last=channels_last)
     torch.manual_seed(0)
@@ -290,7 +293,9 @@ def test_lora_conv_seed_mask_whatever_x_layout(channels_last):
     A, B = torch.randn(2, 3, 3, 3) * 0.3, torch.randn(4, 2, 1, 1) * 0.3
     x, A, B = (t.clone().requires_grad_() for t in (x, A, B))
     g = torch.randn(2, 4, 6, 6)
-    noise = _reference_noise(x.shape, _function_seed())
+    # the mask of x's elements in memory order (the seed kernels read a channels-last x as it lies, on every backend)
+    noise = (_reference_noise((2, 6, 6, 3), _function_seed()).permute(0, 3, 1, 2) if channels_last
+             else _reference_noise(x.shape, _function_seed()))
     ref = F.conv2d(x, W, padding=1) + F.conv2d(F.conv2d(x * noise, A, padding=1), B) * 2.0
     ref.backward(g)
     torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)

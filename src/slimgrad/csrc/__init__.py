@@ -23,13 +23,16 @@ without nvcc, and aten dispatches on the tensors' device at run time, so the cor
 Function runs, in the same order, without the Python Function's per-call host cost (45-80 µs a layer call, which
 made host-bound CUDA steps 1.15-2.56x stock). ``SLIMGRAD_CORE_CUDA=0`` at start-up keeps CUDA tensors on the Python
 path (the core still serves CPU ones): the switch for a GPU problem, no code change needed. The other families with
-their own CPU loops (the clamp masks, dropout bits, max-pool positions, the norms) serve CPU tensors only, and so do
-the gated activations, aten's ops only but served on CUDA by their Triton kernel, and LoRA on convolutions (its CUDA
-default, the "seed" dropout policy, is the Python Function's Triton kernel).
+their own CPU loops (the clamp masks, dropout bits and seeds, max-pool positions, the norms) serve CPU tensors only,
+and so do the gated activations, aten's ops only but served on CUDA by their Triton kernel, LoRA linear whose
+adapters drop and LoRA on convolutions (their CUDA default, the "seed" dropout policy, is the Python Function's
+Triton kernel; the core's seed kernel shares its Philox stream, csrc/philox.h, so a CUDA one can take its place).
 
 CUDA kernels of its own: where torch is a CUDA build and nvcc is found (``CUDA_HOME``), the build also compiles the
 ``*.cu`` files (today ReLU / LeakyReLU with the 1-bit mask: one launch each way where the aten route launches four
-forward and two backward, each ~40 µs of host time on the GPU machines measured), for the GPU architectures torch
+forward and two backward, each ~40 µs of host time on the GPU machines measured; and the "seed" dropout policy's
+Philox kernel, built and tested but not routed to until a GPU run has checked it against Triton's), for the GPU
+architectures torch
 itself was built for (PTX on the newest; ``TORCH_CUDA_ARCH_LIST`` overrides; both are in the cache key), so a core
 built on a machine without a GPU (a container image) runs on any GPU torch supports. Where that build fails (an nvcc
 whose CUDA version differs from torch's, say), the failure is remembered beside the cache entry, said once, and the

@@ -21,4 +21,9 @@ void relu_mask_forward(const at::Tensor& x, at::Tensor& out, at::Tensor& packed,
 // each element's bit, to the bit.
 at::Tensor relu_mask_backward(const at::Tensor& grad, const at::Tensor& packed, std::optional<double> slope);
 
+// The "seed" dropout policy (dropout_seed_cuda.cu): out = x * (keep ? scale : 0), keep = philox::keep(seed, i, p);
+// x, out contiguous CUDA tensors of one size and dtype (out may be x), seed one int64 value on x's device, scale
+// stock's rounded 1 / (1 - p).
+void dropout_seed_apply(const at::Tensor& x, at::Tensor& out, double p, const at::Tensor& seed, double scale);
+
 }  // namespace slimgrad::cuda_kernels

@@ -36,4 +36,13 @@ Forward draw_and_apply_to(const at::Tensor& x, double p, at::ScalarType dtype);
 at::Tensor apply_packed_to(const at::Tensor& x, const at::Tensor& packed, double scale, at::ScalarType dtype);
 
 }  // namespace dropout_core
+
+namespace dropout_seed_core {
+
+// The "seed" policy's kernel (dropout_seed.cpp): x * (keep ? scale : 0) for a contiguous x, the mask Philox's for
+// (seed, element index, p) (philox.h), the scale stock's rounded 1 / (1 - p); in place into x when `inplace`.
+// seed: one int64 value on the CPU.
+at::Tensor apply(const at::Tensor& x, double p, const at::Tensor& seed, bool inplace);
+
+}  // namespace dropout_seed_core
 }  // namespace slimgrad

@@ -1,11 +1,15 @@
 // LoRA linear (peft's lora.Linear, plain LoRA) in the compiled core: slimgrad.functional.lora's
-// LoraLinearFunction as one C++ autograd Function, for eager CPU calls with the "bits" dropout policy.
+// LoraLinearFunction as one C++ autograd Function, for eager CPU calls (either dropout policy) and CUDA calls whose
+// adapters do not drop.
 //
 // Forward and backward are the Python Function's, op for op: the same aten calls (at::linear, addmm/mm, the same
-// casts and the same left-to-right sums), so the numbers are peft's; the adapters' dropout is stock's draw
-// (dropout.cpp: the mask peft's nn.Dropout would draw) kept as bits; what is saved is what the Python Function
-// saves, in the same order (x, or a compact copy, only when dW or some dA is requested; each adapter's A(drop(x))
-// only when its B trains; the packed masks only where dX or that dA is requested). Double backward is refused
+// casts and the same left-to-right sums), so the numbers are peft's; under the "bits" policy the adapters' dropout
+// is stock's draw (dropout.cpp: the mask peft's nn.Dropout would draw) kept as bits, under "seed" one int64 seed per
+// dropping adapter drawn as the Python Function draws them (`empty(k, int64).random_()`), the mask regenerated in
+// backward by the Philox kernel (dropout_seed.cpp) that any dropout_seed backend shares; what is saved is what the
+// Python Function saves, in the same order (x, or a compact copy, only when dW or some dA is requested; the seeds
+// where dX or a dropping adapter's dA is requested; each adapter's A(drop(x)) only when its B trains; the packed
+// masks only where dX or that dA is requested). Double backward is refused
 // with the Python Function's message. An undefined weight is the Python Function's weight=None: the adapters alone
 // (peft's bnb LoRA wrappers add them to their own quantized base), their sum cast to x's dtype.
 #include "common.h"
@@ -49,7 +53,8 @@ struct Result {
 
 // tensors: x, weight, bias, then (A_i, B_i, bias_i) per adapter; undefined for None. need: requires-grad flags.
 Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, const std::vector<bool>& need,
-                    bool fan_in_fan_out, bool cast, const std::vector<double>& scalings, const std::vector<double>& ps) {
+                    bool fan_in_fan_out, bool cast, const std::vector<double>& scalings, const std::vector<double>& ps,
+                    bool seeded) {
   const at::Tensor &x = t[0], &weight = t[1], &bias = t[2];
   const size_t n = scalings.size();
   at::Tensor result = weight.defined() ? base_forward(x, weight, bias, fan_in_fan_out) : at::Tensor();
@@ -71,12 +76,28 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
   std::vector<int64_t> u_dtypes(n), dropping(n, 0);
   std::vector<std::vector<int64_t>> perms(n);
   std::vector<double> scales(n, 0.0);
+  // the "seed" policy: one seed per dropping adapter, from the default generator (manual_seed and checkpointing
+  // reproduce them), drawn before the adapters as the Python Function draws them
+  at::Tensor seeds;
+  std::vector<int64_t> seed_index(n, -1);
+  int64_t n_seeds = 0;
+  bool seeds_read = need_x;
+  if (seeded) {
+    for (size_t i = 0; i < n; ++i)
+      if (ps[i] > 0 && ps[i] < 1) {
+        seed_index[i] = n_seeds++;
+        seeds_read = seeds_read || need[3 + 3 * i];
+      }
+    if (n_seeds) seeds = at::empty({n_seeds}, x.options().dtype(at::kLong)).random_();
+  }
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor &A = t[3 + 3 * i], &B = t[4 + 3 * i], &b_bias = t[5 + 3 * i];
     const double p = ps[i];
     at::Tensor dropped, mask;
     if (p == 1) {
       dropped = xa() * at::zeros({}, xa().options());
+    } else if (seed_index[i] >= 0) {
+      dropped = dropout_seed_core::apply(xa().contiguous(), p, seeds[seed_index[i]], false);
     } else if (p > 0 && !(need_x || need[3 + 3 * i])) {
       // no gradient reads this adapter's mask (x and its A frozen): stock's op itself (peft's nn.Dropout, after the
       // cast), nothing packed: a packed mask beside the draw put the step's peak a mask above peft's
@@ -126,7 +147,9 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
   c10::List<c10::List<int64_t>> perm_list;
   for (const auto& pm : perms) perm_list.push_back(c10::List<int64_t>(pm));
   d["perms"] = perm_list;
-  variable_list saved{keep_x ? kept_x : at::Tensor(), need_x ? weight : at::Tensor(), at::Tensor()};
+  d["seed_index"] = seed_index;
+  variable_list saved{keep_x ? kept_x : at::Tensor(), need_x ? weight : at::Tensor(),
+                      seeds_read ? seeds : at::Tensor()};
   for (auto& k : kept_t) saved.push_back(k);
   for (auto& m : masks) saved.push_back(m);
   for (size_t i = 3; i < 3 + 3 * n; ++i) saved.push_back(t[i]);  // (not x again, after the adapters)
@@ -137,17 +160,18 @@ Result lora_forward(AutogradContext* ctx, const std::vector<at::Tensor>& t, cons
 struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
   // tensors: the defined ones of (x, weight, bias, A_0, B_0, bias_0, ...); present: which of those slots are.
   static variable_list forward(AutogradContext* ctx, at::TensorList tensors, std::vector<int64_t> present,
-                               bool fan_in_fan_out, bool cast, std::vector<double> scalings, std::vector<double> ps) {
+                               bool fan_in_fan_out, bool cast, std::vector<double> scalings, std::vector<double> ps,
+                               bool seeded) {
     auto [t, need] = present_slots(tensors, present);
     ctx->saved_data["present"] = present;
-    return {lora_forward(ctx, t, need, fan_in_fan_out, cast, scalings, ps).out};
+    return {lora_forward(ctx, t, need, fan_in_fan_out, cast, scalings, ps, seeded).out};
   }
 
   // (grads_in by reference: present_backward says why)
   static variable_list backward(AutogradContext* ctx, variable_list& grads_in) {
     if (auto batched = slimgrad::per_batch_entry(ctx, grads_in, backward)) return *batched;
-    // 5 non-tensor arguments: present, fan_in_fan_out, cast, scalings, ps
-    return present_backward(ctx, grads_in, "LoraLinearFunction", 5,
+    // 6 non-tensor arguments: present, fan_in_fan_out, cast, scalings, ps, seeded
+    return present_backward(ctx, grads_in, "LoraLinearFunction", 6,
                             [&](const std::vector<bool>& need, at::Tensor* dy) {
                               return compute(ctx, grads_in[0], need, dy);
                             });
@@ -168,9 +192,10 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
     const auto dropping = d["dropping"].toIntVector();
     const auto scales = d["scales"].toDoubleVector();
     const auto perm_list = d["perms"].toList();
+    const auto seed_index = d["seed_index"].toIntVector();
     const size_t n = scalings.size();
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor &x = saved[0], &weight = saved[1], &seeds = saved[2];
     const auto kept = [&](size_t i) -> const at::Tensor& { return saved[3 + i]; };
     const auto mask = [&](size_t i) -> const at::Tensor& { return saved[3 + n + i]; };
     const auto adapter = [&](size_t k) -> const at::Tensor& { return saved[3 + 2 * n + k]; };
@@ -217,7 +242,9 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
           if (cast && x.scalar_type() != A.scalar_type()) xa = x.to(A.scalar_type());
         }
         at::Tensor dropped;
-        if (fused) {
+        if (seed_index[i] >= 0) {
+          dropped = dropout_seed_core::apply(xa.contiguous(), p, seeds[seed_index[i]], false);  // forward's mask
+        } else if (fused) {
           dropped = dropout_core::apply_packed_to(x, mask(i), scales[i], A.scalar_type());  // cast + dropout
         } else if (bits) {
           dropped = dropout_core::apply_packed(xa, mask(i), perm, scales[i], false);
@@ -230,7 +257,10 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
       }
       if (need_x) {
         at::Tensor dd = dt.mm(A);
-        if (bits) {
+        if (seed_index[i] >= 0) {
+          // dd: (rows, in), x's elements in order; a new tensor, as the Python Function's (and stock's grad * mask)
+          dd = dropout_seed_core::apply(dd, p, seeds[seed_index[i]], false);
+        } else if (bits) {
           std::vector<int64_t> shape = x_rows_shape;
           shape.push_back(dd.size(-1));
           dd = rows(dropout_core::apply_packed(dd.view(shape), mask(i), perm, scales[i], true));
@@ -273,9 +303,10 @@ struct LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction>
 };
 
 // One call of peft's plain-LoRA forward: (output, whether x itself was saved for backward).
+// seeded: the adapters drop under the "seed" policy (else "bits", or none drops).
 std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Tensor>>& tensors, bool fan_in_fan_out,
                                          bool cast, const std::vector<double>& scalings,
-                                         const std::vector<double>& ps) {
+                                         const std::vector<double>& ps, bool seeded) {
   std::vector<at::Tensor> t;
   t.reserve(tensors.size());
   bool any_grad = false;
@@ -285,7 +316,7 @@ std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Ten
   }
   if (!(at::GradMode::is_enabled() && any_grad)) {
     std::vector<bool> need(t.size(), false);
-    return {lora_forward(nullptr, t, need, fan_in_fan_out, cast, scalings, ps).out, false};
+    return {lora_forward(nullptr, t, need, fan_in_fan_out, cast, scalings, ps, seeded).out, false};
   }
   const size_t n_slots = t.size();
   // x once more, after the adapters, for the base layer's part of dX (LoraLinearFunction::compute says why)
@@ -297,7 +328,8 @@ std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Ten
       defined.push_back(t[i]);
       present[i] = 1;
     }
-  auto out = LoraLinearFunction::apply(at::TensorList(defined), present, fan_in_fan_out, cast, scalings, ps);
+  auto out =
+      LoraLinearFunction::apply(at::TensorList(defined), present, fan_in_fan_out, cast, scalings, ps, seeded);
   // x itself is saved when dW is requested, or some dA is and x is not a view into a larger storage (compact)
   const at::Tensor& x = t[0];
   bool need_a = false;
@@ -311,7 +343,9 @@ std::tuple<at::Tensor, bool> lora_linear(const std::vector<std::optional<at::Ten
 }  // namespace
 
 static Register reg_lora([](pybind11::module_& m) {
-  m.def("lora_linear_apply", &lora_linear, "slimgrad LoRA linear (plain LoRA, bits dropout): one C++ Function");
+  m.def("lora_linear_apply", &lora_linear, "slimgrad LoRA linear (plain LoRA): one C++ Function",
+        pybind11::arg("tensors"), pybind11::arg("fan_in_fan_out"), pybind11::arg("cast"), pybind11::arg("scalings"),
+        pybind11::arg("ps"), pybind11::arg("seeded") = false);
 });
 
 }  // namespace slimgrad

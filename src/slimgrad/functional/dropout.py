@@ -11,7 +11,8 @@ what slimgrad keeps instead:
   packed, 1/32 of stock's fp32 noise, and backward draws nothing. Made and read by the ``dropout_bits``
   kernel family (:mod:`slimgrad.kernels.dropout`).
 * ``"seed"``: an 8-byte seed from the default generator; the mask is regenerated in backward
-  (``dropout_seed`` family: a private generator today, a counter-based kernel on CUDA where registered).
+  (``dropout_seed`` family: Philox on the element index, Triton's ``tl.rand`` stream, made by Triton's kernel on
+  CUDA, the core's on CPU, torch's integer ops elsewhere: the same mask for a seed on every backend and device).
   Keeps nothing input-sized, pays a second draw; the mask is not stock's.
 * ``"auto"`` (default): ``bits`` on CPU (a second ``bernoulli_`` is the slow part of CPU dropout: measured
   in ``docs/benchmarks.md``), ``seed`` elsewhere.
@@ -112,21 +113,13 @@ def _draw_seed(device: torch.device) -> torch.Tensor:
 
 
 def _fill_noise(noise: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
-    """Seeded noise with stock's ops, drawn in the elements' logical (row-major) order whatever ``noise``'s layout.
+    """``noise`` filled with the seeded noise (:func:`slimgrad.kernels.dropout.philox_noise`), element by element in
+    logical (row-major) order whatever ``noise``'s layout.
 
     Why that order: LoRA draws its forward noise like x (``empty_like``: a transposed or channels-last x gives a
-    permuted tensor, and ``bernoulli_`` draws in memory order) and backward rebuilds it for a contiguous gradient;
-    drawn in memory order, the two masks differed for such an x (the gradient used a mask the forward never
-    applied). A contiguous ``noise`` is filled in place as before (the same values); another one gets a copy."""
-    if not kernels.has_values(seed):  # shapes only (meta, or slimgrad.estimate's fake tensors): no seed to read
-        return noise
-    generator = torch.Generator(device=noise.device)
-    generator.manual_seed(int(seed.item()))
-    if noise.is_contiguous():
-        noise.bernoulli_(1 - p, generator=generator)
-        return noise.div_(1 - p)
-    drawn = torch.empty(noise.shape, dtype=noise.dtype, device=noise.device).bernoulli_(1 - p, generator=generator)
-    return noise.copy_(drawn.div_(1 - p))
+    permuted tensor) and backward rebuilds it for a contiguous gradient; the mask must be the same function of the
+    logical index in both (drawn in memory order, the two masks differed for such an x)."""
+    return noise.copy_(kernels.philox_noise(noise, p, seed))  # (on fakes too: the estimate sees its allocations)
 
 
 def _apply_noise(input, noise, inplace):

@@ -13,14 +13,16 @@ adapter, the float noise *and* the dropped input. What the gradients actually re
 * dB: ``xa = A(dropout(x))``, r columns per row; kept because it is small and costly to rebuild.
 * biases: nothing.
 
-Eager CPU calls (no autocast, dropout policy "bits", the default there) run the compiled core instead
-(:mod:`slimgrad.csrc`, ``csrc/lora.cpp``): one C++ autograd Function per call, this Function's forward and
-backward op for op through aten (same matmuls, casts and sums, so the same bits), the adapters' dropout drawn by
-stock's call and applied and packed in one pass (``csrc/dropout.cpp``), saving exactly what this Function saves.
+Eager CPU calls (no autocast) run the compiled core instead (:mod:`slimgrad.csrc`, ``csrc/lora.cpp``): one C++
+autograd Function per call, this Function's forward and backward op for op through aten (same matmuls, casts and
+sums, so the same bits), the adapters' dropout under the "bits" policy (the default there) drawn by stock's call
+and applied and packed in one pass (``csrc/dropout.cpp``), under "seed" the same seeds this Function draws and the
+same Philox mask regenerated in one pass (``csrc/dropout_seed.cpp``), saving exactly what this Function saves.
 Eager CUDA calls whose adapters do not drop (p 0, eval, or 1) run it too: there it is aten's ops alone,
 dispatched to CUDA, without the Python Function's per-call host cost (``SLIMGRAD_CORE_CUDA=0`` turns that off).
-The Python Function stays for torch.compile, torch.func, autocast, the "seed" policy (CUDA's default: dropout on
-CUDA), other devices and a core that is off or unbuilt, and is the reference the core is tested against.
+The Python Function stays for torch.compile, torch.func, autocast, dropping adapters on CUDA (the "seed" policy
+with Triton's kernel), other devices and a core that is off or unbuilt, and is the reference the core is tested
+against.
 
 The forward runs PEFT's own ops in PEFT's order (``F.linear`` / ``addmm``, the same casts, the same
 left-to-right sum), so outputs are bitwise PEFT's. Backward runs the matrix products autograd runs for
@@ -507,15 +509,25 @@ _PLAIN = _common.PLAIN_TYPES
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def core_seeded(x, ps, policy) -> bool | None:
+    """How the compiled core would drop this call's adapters: False (none drops, or the "bits" policy: stock's draw
+    kept packed), True (the "seed" policy: Philox regenerated in backward, the same mask as the Python Function's
+    kernels), None where it cannot: dropping adapters on CUDA (its dropout kernels are CPU loops; CUDA's default
+    policy, "seed", is the Python Function's with Triton's kernel)."""
+    if not any(0 < p < 1 for p in ps):
+        return False
+    if not x.is_cpu:
+        return None
+    return resolve_policy(policy, x.device) == "seed"
+
+
 def _core(x, tensors, ps, policy):
     """The compiled core when this call may run it: eager, plain tensors of float dtypes on x's device, no
-    autocast, and the adapters' dropout (if any) kept as bits on CPU. On CUDA only adapters that do not drop
-    (p 0 or 1: aten's ops alone) run it: its dropout draws and packs with CPU loops, and CUDA's default policy,
-    "seed", is the Python Function's (Triton's counter-based kernel)."""
+    autocast, and the adapters' dropout (if any) one :func:`core_seeded` allows."""
     core = csrc.for_eager(x, cuda=True)
     if core is None or torch.is_autocast_enabled(x.device.type):
         return None
-    if any(0 < p < 1 for p in ps) and (not x.is_cpu or resolve_policy(policy, x.device) != "bits"):
+    if core_seeded(x, ps, policy) is None:
         return None
     device = x.device
     for t in tensors:
@@ -672,7 +684,8 @@ def _apply(x, weight, bias, flat, fan_in_fan_out, cast_input, scalings, ps, drop
     for adapters alone (their sum in x's dtype; the caller adds its base)."""
     tensors = [x, weight, bias, *flat]
     if (core := _core(x, tensors, ps, dropout_policy)) is not None:
-        out, x_kept = core.lora_linear_apply(tensors, bool(fan_in_fan_out), bool(cast_input), scalings, ps)
+        out, x_kept = core.lora_linear_apply(tensors, bool(fan_in_fan_out), bool(cast_input), scalings, ps,
+                                             bool(core_seeded(x, ps, dropout_policy)))
         if x_kept:
             _common.note_input_kept(x)
         return out

@@ -48,7 +48,6 @@ from slimgrad.functional.dropout import (
     _SIMULATED,
     _canonical,
     _dense,
-    _fill_noise,
     _inverse,
     _memory_order,
     bits_backward,
@@ -192,11 +191,9 @@ class LoraConvFunction(_common.Function):
                 # finds its layout and scale again: _bits)
                 dropped, mask, _, _ = bits_forward(xa, p, False)
             elif p > 0:
-                seed_impl = dropout_kernels.choose_seed(xa)
-                if seed_impl is dropout_kernels.SEED_TORCH:
-                    dropped = xa * _fill_noise(torch.empty_like(xa), p, seeds[j])
-                else:  # a counter-based kernel (Triton on CUDA): x'·noise in one pass, no generator, no host sync
-                    dropped = _seeded(seed_impl, xa, p, seeds[j], _seed_order(xa))
+                # the "seed" policy's kernel (Triton on CUDA, the core's on CPU, else the torch reference: one Philox
+                # mask for all), in x's memory order: x'·noise in one pass, no generator, no host sync
+                dropped = _seeded(dropout_kernels.choose_seed(xa), xa, p, seeds[j], _seed_order(xa))
                 j += 1
             t = _conv(dropped, A, None, a)
             del dropped  # temporaries go as soon as they are read: the step's peak stays at peft's
@@ -240,10 +237,8 @@ class LoraConvFunction(_common.Function):
         seeded = None
         if keep_seeds:
             # the kernel forward drew with (the registry's choice for x's device and dtype, asked again: the same
-            # answer) and, for a counter-based one, the memory order it ran in
-            impl = dropout_kernels.choose_seed(adapters[0] if xa_dtype == a_dtype else x)
-            if impl is not dropout_kernels.SEED_TORCH:
-                seeded = (impl, _seed_order(x))
+            # answer) and the memory order it ran in
+            seeded = (dropout_kernels.choose_seed(adapters[0] if xa_dtype == a_dtype else x), _seed_order(x))
         # stock's noise is empty_like(x'), in x's layout: with a non-contiguous x, the input gradient is handed on in
         # the layout of stock's `dd * noise` (backward), not the mask's memory order it is made in
         noise_strides = None
@@ -328,7 +323,7 @@ class LoraConvFunction(_common.Function):
             if not need_t:
                 continue
             noise = None
-            # the forward's counter-based kernel (Triton) regenerates its mask, in the order it ran in
+            # the forward's seed kernel regenerates its mask, in the order it ran in
             kernel = seeded is not None and 0 < p < 1 and masks[i] is None and i not in bits
             if p == 1:
                 noise = torch.zeros((), dtype=A.dtype, device=A.device)
@@ -336,15 +331,8 @@ class LoraConvFunction(_common.Function):
                 pass  # applied through _seeded below
             elif p > 0 and i in bits:
                 pass  # applied through the dropout_bits kernels below
-            elif p > 0 and masks[i] is not None:
+            elif p > 0:  # (a seeded adapter is `kernel`: its seeds are kept wherever dX or dA reads them)
                 noise = masks[i].to(A.dtype).div_(1 - p)
-            elif p > 0 and torch.compiler.is_compiling():
-                # compiled autograd over an eager forward: the forward's generator (the torch reference, as
-                # _fill_noise) read inside an opaque op, not by a traced .item() (a graph break); 1 * noise is exact
-                noise = traced_seed_apply(torch.ones(x_shape, dtype=A.dtype, device=A.device), p,
-                                          seeds[seed_index[i]], "torch")
-            elif p > 0:
-                noise = _fill_noise(torch.empty(x_shape, dtype=A.dtype, device=A.device), p, seeds[seed_index[i]])
             if need_a:
                 # dA first, with the rebuilt input freed before dX allocates (two calls, as slimgrad's conv
                 # makes them: bitwise the combined call's results)

@@ -28,12 +28,13 @@ from slimgrad import _notices, csrc
 from slimgrad._registry import ORIGINALS, register_forward
 from slimgrad.functional import _common
 from slimgrad.functional._common import autocast_enabled, foreign_input, note_input_kept, own_matmul_subclass
-from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy, resolve_policy
+from slimgrad.functional.dropout import POLICIES, POLICY_ATTRIBUTE, module_policy
 from slimgrad.functional.lora import (
     LoraAdapter,
     LoraLinearFunction,
     _base_forward,
     adapters_apart,
+    core_seeded,
     lora_linear,
     peft_graph_keeps_as_little,
 )
@@ -266,9 +267,9 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
         adapters.append((A, B, bb))
     cast = d.get("cast_input_dtype_enabled", True)
     policy = d.get(POLICY_ATTRIBUTE)
-    dropping = any(0 < p < 1 for p in ps)
     core = csrc.for_eager(x, cuda=True)
-    if core is None or (dropping and (not x.is_cpu or resolve_policy(policy, device) != "bits")):
+    seeded = core_seeded(x, ps, policy)
+    if core is None or seeded is None:
         # The Python Function's route (lora_linear's): its argument checks first, where it would raise
         if (weight.dim() != 2 or (policy is not None and policy not in POLICIES)
                 or any(A.dim() != 2 or B.dim() != 2 or B.shape[1] != A.shape[0] for A, B, _ in adapters)
@@ -292,7 +293,7 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
         return _C_APPLY(LoraLinearFunction, x, *[t if t is None else _unwrap_if_dead(t) for t in tensors[1:3]],
                         plan[2], bool(cast), tuple(scalings), tuple(ps), policy,
                         *[t if t is None else _unwrap_if_dead(t) for t in tensors[3:]], x)[0]
-    out, x_kept = core.lora_linear_apply(tensors, plan[2], bool(cast), scalings, ps)
+    out, x_kept = core.lora_linear_apply(tensors, plan[2], bool(cast), scalings, ps, seeded)
     if x_kept:
         note_input_kept(x)
     return out

@@ -34,14 +34,19 @@ slow; seed on CUDA, where a counter-based generator is nearly free).
   generator, so ``manual_seed`` and checkpointing reproduce it). The mask is a pure function of
   ``(seed, element index, p)``: backward regenerates it. ``x``/``grad`` contiguous; ``out = x * noise``,
   ``grad_input = grad * noise`` with ``noise = keep ? scale : 0`` as above. The mask differs from stock's
-  (another generator), identically in forward and backward.
+  (another generator), identically in forward and backward, and is the same for every backend: Philox4x32-10 on
+  the element's logical index, Triton's ``tl.rand`` stream (:func:`philox_keep`; the core's ``csrc/philox.h``), so
+  a mask one backend drew (Triton on CUDA, the core on CPU, the torch reference for float64 or with the core off)
+  any other regenerates, and the same seed gives the same mask on CPU and CUDA.
 
 A backward that torch.compile traces over an eager forward (compiled autograd) must not ask the registry for its
 ``dropout_seed`` kernel: while tracing it answers the torch reference, whose mask is not the one a Triton forward
 applied. It calls :func:`traced_seed_apply`, an opaque op that runs the forward's kernel (by name, or the registry's
 eager choice) on the real tensors when the graph runs.
 
-The compiled core (:mod:`slimgrad.csrc`, ``csrc/dropout.cpp``) registers ``dropout_bits`` as backend ``core``
+The compiled core registers ``dropout_seed`` as backend ``core`` on CPU (``csrc/dropout_seed.cpp``: the Philox mask
+made and applied in one parallel pass; the reference's integer ops take ~200 passes over int64 temporaries), and
+(:mod:`slimgrad.csrc`, ``csrc/dropout.cpp``) ``dropout_bits`` as backend ``core``
 (priority 20, above numba's 10): one parallel pass that applies the mask and packs it (bf16/fp16 in fp32,
 rounded once, as stock's ``mul``), for all four float dtypes, so the Python Function also runs it where the
 core is built. The scale (:func:`noise_scale`) is computed once per ``(p, dtype)``: ``.item()`` per call was a
@@ -56,8 +61,9 @@ import torch
 
 from . import registry
 
-__all__ = ["BITS", "SEED", "CoreDropoutBits", "has_values", "TorchDropoutBits", "TorchDropoutSeed", "choose_bits",
-           "choose_seed", "noise_scale", "seed_kernel", "traced_seed_apply", "TracedSeed", "TRACED_SEED"]
+__all__ = ["BITS", "SEED", "CoreDropoutBits", "CoreDropoutSeed", "SimulatedCoreSeed", "TorchDropoutBits",
+           "TorchDropoutSeed", "choose_bits", "choose_seed", "noise_scale", "philox_first_word", "philox_keep",
+           "philox_noise", "seed_kernel", "traced_seed_apply", "TracedSeed", "TRACED_SEED"]
 
 BITS, SEED = "dropout_bits", "dropout_seed"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -97,29 +103,80 @@ class TorchDropoutBits:
         return grad * noise if out is None else torch.mul(grad, noise, out=out)
 
 
-def has_values(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values can be read: not a meta tensor, not a fake one (``slimgrad.estimate`` runs the step
-    on fake tensors, where the seed policy's noise keeps its allocations but has no seed to draw from)."""
-    if t.device.type == "meta":
-        return False
-    from torch._subclasses.fake_tensor import is_fake
+# Philox4x32-10, Triton's ``tl.rand`` stream (csrc/philox.h has the same function for the core's kernels).
+_M32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_UNIFORM_SCALE = 4.6566127342e-10  # as a float32: the largest s with (2**31 - 1) * s < 1
+# elements per pass: bounds the reference's int64 temporaries (~10 of them: 5 MiB on CPU; 80 MiB on CUDA, where the
+# reference serves float64 and tensors of 2**31 elements or more, and each pass is ~200 launches)
+_PHILOX_CHUNK = {"cuda": 1 << 20}
+_PHILOX_CHUNK_DEFAULT = 1 << 16
 
-    return not is_fake(t)
+
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of ``a * b`` for a constant ``a < 2**32`` and ``b``'s int64 values in
+    ``[0, 2**32)``, in 16-bit halves so that no int64 product overflows."""
+    t = (b & 0xFFFF) * a  # < 2**48
+    u = (b >> 16) * a + (t >> 16)  # < 2**48 + 2**32
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox_first_word(c0: torch.Tensor, c1: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
+    """The first output word of Philox4x32-10 (Salmon et al. 2011, Random123's constants) for counter
+    ``(c0, c1, 0, 0)`` and key ``(k0, k1)``: 32-bit words held in int64 tensors, broadcast together."""
+    c2 = c3 = torch.zeros_like(c0)
+    for _ in range(10):
+        hi_b, lo_b = _mul32(_ROUND_B, c2)
+        hi_a, lo_a = _mul32(_ROUND_A, c0)
+        c0, c2 = hi_b ^ c1 ^ k0, hi_a ^ c3 ^ k1
+        c1, c3 = lo_b, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return c0
+
+
+def _philox_uniform(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Triton's ``tl.rand(seed, index)`` (float32) for int64 element indices, with torch's integer ops: the key is
+    the int64 seed read as unsigned, as Triton's ``philox`` reads it."""
+    word = philox_first_word(index & _M32, (index >> 32) & _M32, seed & _M32, (seed >> 32) & _M32)
+    folded = torch.where(word > 0x7FFFFFFF, _M32 - word, word)  # int32(x) < 0 ? ~x : x
+    scale = torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=index.device)
+    return folded.to(torch.float32) * scale
+
+
+def philox_keep(shape, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """The "seed" policy's mask (bool, ``shape``, on ``seed``'s device, elements in logical row-major order): element
+    ``i`` is kept where Triton's ``tl.rand(seed, i) >= p`` (p as float32), the mask every ``dropout_seed`` backend
+    applies (Triton's kernels, the core's, this reference), so any of them regenerates another's."""
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    device = seed.device
+    p32 = torch.tensor(p, dtype=torch.float32, device=device)
+    seed = seed.reshape(())
+    keep = torch.empty(numel, dtype=torch.bool, device=device)
+    chunk = _PHILOX_CHUNK.get(device.type, _PHILOX_CHUNK_DEFAULT)
+    for start in range(0, numel, chunk):
+        index = torch.arange(start, min(start + chunk, numel), dtype=torch.int64, device=device)
+        keep[start:start + index.numel()] = _philox_uniform(index, seed) >= p32
+    return keep.view(tuple(int(s) for s in shape))
+
+
+def philox_noise(like: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """The "seed" policy's noise (``keep ? scale : 0`` in ``like``'s dtype, stock's rounded scale), contiguous, of
+    ``like``'s shape."""
+    return philox_keep(like.shape, p, seed).to(like.dtype).mul_(noise_scale(p, like.dtype))
 
 
 class TorchDropoutSeed:
-    """Reference: a private ``torch.Generator`` seeded from ``seed``, stock's ops in stock's order."""
+    """Reference: :func:`philox_noise` with torch's ops, then stock's product. On fake tensors (``slimgrad.estimate``)
+    and meta ones it runs the same ops: the simulation sees its very allocations."""
 
     name = "torch"
 
     @staticmethod
     def noise(like, p, seed):
-        if not has_values(seed):  # shapes only (meta, or slimgrad.estimate's fake tensors): no seed to read
-            return torch.empty_like(like)
-        generator = torch.Generator(device=like.device)
-        generator.manual_seed(int(seed.item()))
-        noise = torch.empty_like(like).bernoulli_(1 - p, generator=generator)
-        return noise.div_(1 - p)
+        return philox_noise(like, p, seed)
 
     @classmethod
     def forward(cls, x, p, seed, inplace):
@@ -129,6 +186,18 @@ class TorchDropoutSeed:
     @classmethod
     def backward(cls, grad, p, seed):
         return grad * cls.noise(grad, p, seed)
+
+
+class CoreDropoutSeed:
+    """The compiled core's kernels (``csrc/dropout_seed.cpp``): the same Philox mask, regenerated and applied in one
+    parallel pass."""
+
+    name = "core"
+
+    def __init__(self, core):
+        self.forward = core.dropout_seed_forward
+        self.backward = core.dropout_seed_backward
+        self.keep_mask = core.dropout_seed_keep_mask
 
 
 BITS_TORCH = TorchDropoutBits()
@@ -151,14 +220,37 @@ registry.register(BITS, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priorit
                   load=registry.core_loader(CoreDropoutBits),
                   note="compiled core: mask applied and packed in one parallel pass")
 registry.register(SEED, registry.TORCH, devices=("cpu", "cuda"), dtypes=_FLOATS, load=lambda: SEED_TORCH,
-                  note="private torch.Generator per call (reference)")
+                  note="Philox with torch's integer ops (reference)")
+registry.register(SEED, registry.CORE, devices=("cpu",), dtypes=_FLOATS, priority=20,
+                  load=registry.core_loader(CoreDropoutSeed),
+                  note="compiled core: Philox mask regenerated and applied in one parallel pass")
 
 
 def choose_bits(x: torch.Tensor):
     return registry.choose_or_reference(BITS, x, BITS_TORCH)
 
 
+class SimulatedCoreSeed:
+    """The core's ``dropout_seed`` kernels on fake tensors (``slimgrad.estimate``), which they cannot read: what they
+    allocate, one output (none in place)."""
+
+    name = "core"
+
+    @staticmethod
+    def forward(x, p, seed, inplace):
+        return x if inplace else torch.empty_like(x)
+
+    @staticmethod
+    def backward(grad, p, seed):
+        return torch.empty_like(grad)
+
+
+SIMULATED_CORE_SEED = SimulatedCoreSeed()
+
+
 def choose_seed(x: torch.Tensor):
+    if type(x) is not torch.Tensor and registry.simulates_core(SEED, x):
+        return SIMULATED_CORE_SEED
     return registry.choose_or_reference(SEED, x, SEED_TORCH)
 
 
