@@ -417,6 +417,26 @@ def test_conv_module_options_changed_after_first_call():
     assert_same(slim(x), stock(x))
 
 
+@pytest.mark.parametrize("attr,index,value", [("padding", 0, 0), ("stride", 0, 2), ("dilation", 1, 2),
+                                               ("output_padding", 0, 1)])
+def test_conv_list_option_changed_in_place_is_seen(attr, index, value):
+    """A list option (stock's forward passes it on) changed in place between calls: the old options ran on the core's
+    route (the cache matched the module's own list against itself; 9x9 where stock gave 7x9)."""
+    torch.manual_seed(0)
+    transposed = attr == "output_padding"
+    stock = (nn.ConvTranspose2d(3, 4, 3, stride=2) if transposed else nn.Conv2d(3, 4, 3, padding=1))
+    stock.requires_grad_(False)
+    slim = slim_copy(stock)
+    x = torch.randn(2, 3, 5 if transposed else 9, 9, requires_grad=True)
+    for m in (stock, slim):
+        setattr(m, attr, [0, 0] if transposed else [1, 1])
+        m(x)
+        getattr(m, attr)[index] = value
+    out = slim(x)
+    assert _ran_core(out)
+    assert_same(out, stock(x))
+
+
 # ----------------------------------------------------------------------------------------------- batch norm
 
 BN_SHAPES = {

@@ -83,9 +83,15 @@ def _core_cfg(self, core, weight, nd: int, transposed: bool):
     # padding='same' is worked out from the kernel's size: a weight of another size (surgery, load_state_dict with
     # assign=True) must remake it (the old padding ran: 8x8 -> 6x6; the state-change sweep)
     kernel = tuple(weight.shape[2:]) if isinstance(self.padding, str) else None
-    d["_slimgrad_conv_core"] = _CoreCache((self.stride, self.padding, self.dilation, self.groups, self.padding_mode,
-                                           self.output_padding, core, self._reversed_padding_repeated_twice, kernel),
-                                          cfg)
+    # A list option (`conv.padding = [1, 1]`, which stock's forward passes on) is keyed by a copy, so the identity
+    # check above never matches it and the options are read again each call: changed in place, the module's own list
+    # matched itself and the old options ran (9x9 where stock gave 7x9; the cached-decisions sweep)
+    # (stock's own _reversed_padding_repeated_twice is a list for padding='same': kept as it is, read by identity)
+    options = tuple(list(v) if isinstance(v, list) else v for v in (self.stride, self.padding, self.dilation))
+    key = (*options, self.groups, self.padding_mode,
+           list(self.output_padding) if isinstance(self.output_padding, list) else self.output_padding, core,
+           self._reversed_padding_repeated_twice, kernel)
+    d["_slimgrad_conv_core"] = _CoreCache(key, cfg)
     return cfg
 
 
