@@ -460,3 +460,48 @@ def test_output_of_a_channels_last_input_can_be_modified_in_place(make, core):
             results.append((out.detach(), x.grad))
     assert_bitwise(results[1][0], results[0][0], "output")
     assert_bitwise(results[1][1], results[0][1], "grad")
+
+
+class _SharedActivation(nn.Module):
+    """One activation module called twice a step: a trainable Linear keeps the first call's output, nobody keeps the
+    second's, whose input another trainable Linear keeps anyway (so stock's kept input is free there)."""
+
+    def __init__(self, act, d=32):
+        super().__init__()
+        self.act, self.fc1, self.fc2, self.side = act, nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("w", torch.randn(d))
+
+    def forward(self, x):
+        a = self.fc1(self.act(x))
+        h = self.fc2(x)
+        return a.sum() + self.side(h).sum() + (self.act(h) * self.w).sum()
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LeakyReLU(0.1), nn.ReLU6, lambda: nn.Hardtanh(-1.0, 2.0),
+                                  lambda: nn.Threshold(0.1, 0.5)], ids=["leaky", "relu6", "hardtanh", "threshold"])
+def test_activation_used_twice_keeps_its_output_only_if_every_call_is_kept(make):
+    """A module whose stock op keeps its input, called twice a step with one call's output kept by a consumer: it
+    learned "keep the output" from either call and then kept the unkept call's whole output, a tensor stock does not
+    keep (+8 KiB of 24, every step). Now at most its 1-bit masks above stock (README, Limits)."""
+    import copy as _copy
+
+    import slimgrad
+    from slimgrad.measure import SavedTensors
+
+    torch.manual_seed(0)
+    stock = _SharedActivation(make())
+    slim = slimgrad.convert(_copy.deepcopy(stock))
+    x0 = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    masks = 2 * (16 * 32 + 7) // 8
+    for step in range(3):
+        kept = []
+        for model in (stock, slim):
+            model.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            with SavedTensors(exclude=[model]) as counter:
+                out = model(x)
+            kept.append(counter.bytes)
+            out.backward()
+        assert kept[1] <= kept[0] + masks, (step, kept)
+        for p, q in zip(stock.parameters(), slim.parameters()):
+            assert_same(q.grad, p.grad)

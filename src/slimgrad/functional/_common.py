@@ -28,6 +28,7 @@ __all__ = [
     "storage_bytes",
     "UseCell",
     "learn_from_use",
+    "count_call",
     "mark_producer",
     "note_input_kept",
     "fast_kernel",
@@ -501,13 +502,16 @@ def plain_sizes(*values) -> bool:
 #
 # - each call of the producer gets a :class:`UseCell`, attached to its output tensor (``mark_producer``);
 # - a consumer that saves that tensor for backward marks the cell (``note_input_kept``);
-# - the producer's backward ORs its cells into the module (``learn_from_use``) and queues a callback that
-#   publishes the result as ``module._slimgrad_output_kept`` once the whole backward pass is over.
+# - the producer's backward counts its kept cells into the module (``learn_from_use``) and queues a callback that
+#   publishes the result as ``module._slimgrad_output_kept`` once the whole backward pass is over: any kept call
+#   for ReLU (whose stock op keeps its output), every call for the families whose stock op keeps its input
+#   (``count_call``).
 #
 # Publishing only at the end of backward keeps the decision fixed while checkpointing recomputes the
 # forward inside backward (non-reentrant checkpointing insists that the recomputation saves the same
 # tensors), and a module called several times per forward (torchvision reuses ``self.relu``) keeps its
-# output when any of its uses is kept. Gradients are exact either way; only the bytes kept differ.
+# output when any of its uses is kept (ReLU) or all are (the others). Gradients are exact either way; only the bytes
+# kept differ.
 _PRODUCERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -565,14 +569,28 @@ def learn_from_use(producer, cell: UseCell) -> None:
     task = torch._C._current_graph_task_id()
     if state.get("_slimgrad_task") != task:
         state["_slimgrad_task"] = task
-        state["_slimgrad_uses_kept"] = False
+        state["_slimgrad_uses_kept"] = 0
 
         def publish():
-            state["_slimgrad_output_kept"] = state["_slimgrad_uses_kept"]
+            kept, calls = state["_slimgrad_uses_kept"], state.pop("_slimgrad_calls", None)
+            state["_slimgrad_output_kept"] = kept > 0 if calls is None else kept >= calls
 
         torch.autograd.Variable._execution_engine.queue_callback(publish)
     if cell.kept:
-        state["_slimgrad_uses_kept"] = True
+        state["_slimgrad_uses_kept"] += 1
+
+
+def count_call(producer) -> None:
+    """Called by each call, with a gradient, of a producer whose stock op keeps its *input* (LeakyReLU, the clamp
+    family): the module then keeps its output only when every call's output was kept by a consumer (counted here
+    against the kept calls :func:`learn_from_use` sees), not when any was. Where a consumer did not keep one call's
+    output, keeping it is a whole tensor stock does not keep whenever the input is alive anyway (one LeakyReLU used
+    twice: 32 KiB against stock's 24 KiB, every step; the cached-decisions sweep), while a mask is one bit an
+    element. ReLU's stock op keeps its output: any kept call is enough there (no count)."""
+    if torch.compiler.is_compiling():
+        return
+    state = producer.__dict__
+    state["_slimgrad_calls"] = state.get("_slimgrad_calls", 0) + 1
 
 
 # Exactly narrower values. bitsandbytes' 4-bit layers compute in the compute dtype (bf16 in QLoRA) and return

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from slimgrad import csrc
 from slimgrad.functional import _common, _layout, _shared_masks
-from slimgrad.functional._common import UseCell, check_tensor, learn_from_use, mark_producer
+from slimgrad.functional._common import UseCell, check_tensor, count_call, learn_from_use, mark_producer
 from slimgrad.kernels import bitmask as _bitmask
 from slimgrad.kernels import relu_mask
 
@@ -448,6 +448,8 @@ def _module_forward(module, input, negative_slope):
     module's output during the previous step (then it is shared, not extra); see the producer/consumer
     rule in ``_common``."""
     keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
+    if negative_slope is not None and type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
+        count_call(module)  # stock's leaky_relu keeps its input: keep the output only if every call's is kept
     if keep_output and _common.in_checkpointed_forward():
         # a checkpointed region keeps the mask, the default: its recomputation, after another backward may have
         # published a new decision, must save what its forward saved
