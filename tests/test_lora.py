@@ -1023,3 +1023,26 @@ def test_a_model_that_learned_its_readers_pickles():
         loaded.append(torch.load(buf, weights_only=False))
     for stock_bytes, slim_bytes in _steps_against_peft(*loaded, steps=2):
         assert slim_bytes < stock_bytes
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_autocast_input_without_grad_keeps_no_adapter_cast(p):
+    """CPU bf16 autocast, an input needing no gradient (q/k/v over frozen embeddings), adapters training: only dX
+    reads A, so its bf16 cast is not kept (the Function kept every adapter tensor: r x in bytes more than peft's, a
+    step); values as peft's."""
+    torch.manual_seed(0)
+    stock = get_peft_model(nn.Sequential(nn.Linear(64, 64)), LoraConfig(
+        r=8, target_modules=["0"], lora_dropout=p, init_lora_weights=False))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(4, 16, 64)
+    results = []
+    for model in (stock, slim):
+        torch.manual_seed(1)
+        with SavedTensors(exclude=[model]) as kept, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().sum().backward()
+        results.append((kept.bytes, out, [q.grad for q in model.parameters() if q.requires_grad]))
+    assert results[1][0] <= results[0][0], (results[1][0], results[0][0])
+    assert_same(results[1][1], results[0][1])
+    for a, b in zip(results[1][2], results[0][2], strict=True):
+        assert_same(a, b)

@@ -86,6 +86,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 _ADAPTERS_AT = 8
 
 
+def _adapters_read(adapters, need_x: bool, need_a) -> list:
+    """The adapters' tensors as backward keeps them: A where dX reads it (``dt @ A``), B where dX or its A's gradient
+    does (``dt = g_u @ B``), each else an empty stand-in of its dtype and device (backward reads those). A parameter
+    costs nothing to keep and is kept as it is; under autocast A and B are casts that only this graph would keep
+    alive: an input needing no gradient kept A's bf16 copy, which stock's matmul does not (the cached-decisions
+    sweep)."""
+    out = []
+    for i in range(0, len(adapters), 3):
+        A, B, b_bias = adapters[i: i + 3]
+        read_a, read_b = need_x, need_x or need_a[i // 3]
+        out += [A if read_a or isinstance(A, torch.nn.Parameter) else A.new_empty(0),
+                B if read_b or isinstance(B, torch.nn.Parameter) else B.new_empty(0), b_bias]
+    return out
+
+
 class LoraLinearFunction(_common.Function):
     """``base(x) + sum_i B_i(A_i(drop_i(x'))) * s_i`` cast back to the base result's dtype, x' = x cast to
     the adapters' dtype (when ``cast``).
@@ -237,7 +252,8 @@ class LoraLinearFunction(_common.Function):
         # weight is a parameter (not counted); it is only read when dX is requested.
         ctx.save_for_backward(kept_x, weight if need_x else None, seeds if keep_seeds else None,
                               *[t if nb else None for t, nb in zip(kept_t, need_b)],
-                              *[m if (need_x or na) else None for m, na in zip(masks, need_a)], *adapters)
+                              *[m if (need_x or na) else None for m, na in zip(masks, need_a)],
+                              *_adapters_read(adapters, need_x, need_a))
 
     @staticmethod
     def stock(x, weight, bias, fan_in_fan_out, cast, scalings, ps, policy, *adapters):
