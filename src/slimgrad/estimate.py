@@ -379,8 +379,16 @@ def _is_packed_param(x) -> bool:
 
 
 def _has_packed_param(args, kwargs) -> bool:
-    for a in (*args, *kwargs.values()):
-        if _is_packed_param(a) or (isinstance(a, (list, tuple)) and any(_is_packed_param(b) for b in a)):
+    # (per op: a fake tensor, most arguments, is never a packed weight, and is skipped before Parameter's
+    # Python-level isinstance check)
+    fake = _fake_tensor_type()
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if type(a) is fake:
+            continue
+        if isinstance(a, (list, tuple)):
+            if any(type(b) is not fake and _is_packed_param(b) for b in a):
+                return True
+        elif _is_packed_param(a):
             return True
     return False
 
@@ -434,6 +442,9 @@ def _wrapped_numbers(func, args, kwargs) -> int:
     fp32, 2 for bf16; none where the dtypes agree).
     Both are alive while the op's output is made: a dispatch mode sees the number itself, so they are counted here
     (an RMSNorm step's backward peak, ``2.0 * up.pow(1)``, was 12 B above the estimate)."""
+    if not any(type(a) in _WRAPPED_BYTES for a in args) and not (
+            kwargs and any(type(v) in _WRAPPED_BYTES for v in kwargs.values())):
+        return 0  # (no Python number: what _wraps answers for every argument)
     schema = getattr(getattr(func, "_schema", None), "arguments", None)
     if not schema:
         return 0
@@ -517,7 +528,6 @@ class _Allocations(TorchDispatchMode):
         self.wrapped: list = []  # (weak output, storage): saved numbers of the last op (_count_saved_number)
         self.made_by: dict[int, int] = {}  # cdata -> id of the autograd node whose backward made it
         self.summed = None  # (cdata, event index, bytes, kind): a sum of two gradients the engine may do in place
-        self.real_strides: dict = {}  # signature -> the real kernel's output strides (_as_real_kernel_lays_out)
 
     def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
@@ -674,15 +684,16 @@ class _Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.wrapped and func.namespace != "prim":  # (prim.device runs on the output before autograd has it)
+        facts = _op_facts(func)
+        if self.wrapped and not facts.prim:  # (prim.device runs on the output before autograd has it)
             self._attach_saved_numbers()
         self.sweep()
         if self.fake_mode is not None and _has_packed_param(args, kwargs):
             args, kwargs = _as_fake_params(self.fake_mode, args, kwargs)
         try:
-            if func in _ONE_DTYPE_OPS:
+            if facts.one_dtype:
                 _check_one_dtype(func, args)
-            out = _grouped_mm_on_fakes(func, args, kwargs) if func in _GROUPED_MM else func(*args, **kwargs)
+            out = _grouped_mm_on_fakes(func, args, kwargs) if facts.grouped else func(*args, **kwargs)
         except Exception:
             # where the step stopped, before the modules' frames unwind (the caller's error names it)
             self.failed_at = self._where()
@@ -703,12 +714,12 @@ class _Allocations(TorchDispatchMode):
                     self.made_by[StorageWeakRef(_storage(t)).cdata] = made
         # the op's Python numbers, wrapped in host tensors while it runs (on CPU: device memory there)
         transient = _wrapped_numbers(func, args, kwargs) if self.device_type == "cpu" else 0
-        if func in _SAVES_NUMBER and isinstance(out, torch.Tensor):
+        if facts.saves_number and isinstance(out, torch.Tensor):
             saved = self._count_saved_number(func, args, out, kind, owner)
             new += saved
             transient -= saved  # the saved number is that wrapped tensor, counted as the op's new storage
         sig = None
-        if _SCRATCH_OPS.search(func.__name__.split(".")[0]) or _mixed_dtypes(args) or _casts_to_reduce(func, args, out):
+        if facts.scratch or _mixed_dtypes(args) or (facts.reduction and _casts_to_reduce(func, args, out)):
             sig = _signature(func, args, kwargs)
             if sig is not None:
                 self.signatures.setdefault(sig, None)
@@ -726,9 +737,10 @@ class _Allocations(TorchDispatchMode):
         sig = _signature(func, args, kwargs)
         if sig is None:
             return out
-        if sig not in self.real_strides:
-            self.real_strides[sig] = _real_strides(func, sig)
-        strides = self.real_strides[sig]
+        key = (torch.get_num_threads(), bool(torch.backends.mkldnn.enabled), sig)
+        if key not in _REAL_STRIDES:
+            _REAL_STRIDES[key] = _real_strides(func, sig)
+        strides = _REAL_STRIDES[key]
         leaves, spec = _pytree.tree_flatten(out)
         if strides is None or len(strides) != len(leaves):
             return out
@@ -738,13 +750,17 @@ class _Allocations(TorchDispatchMode):
         return _pytree.tree_unflatten(restrided, spec)
 
 
+#: (threads, oneDNN on, signature) -> the real CPU kernel's output strides, for the process (a plan's estimates ask the
+#: same small ops at every candidate)
+_REAL_STRIDES: dict = {}
+
 #: the most bytes of inputs an op is run on for real to learn its outputs' layout (:func:`_lays_out_ambiguously`)
 _AMBIGUOUS_REPLAY_BYTES = 1 << 20
 
 
 def _lays_out_ambiguously(func, args) -> bool:
     """A fresh-output aten op reading a small 4-/5-d tensor that is contiguous in both memory formats."""
-    if func.namespace != "aten" or any(r.alias_info is not None for r in func._schema.returns):
+    if not _op_facts(func).fresh_aten:
         return False
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if sum(t.numel() * t.element_size() for t in tensors) > _AMBIGUOUS_REPLAY_BYTES:
@@ -1144,9 +1160,46 @@ def _data_dependence_explained(sim: _Allocations):
 
 
 def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, _fake_tensor_type())
 
-    return isinstance(t, FakeTensor)
+
+_FAKE_TENSOR: list = []
+
+
+def _fake_tensor_type() -> type:
+    if not _FAKE_TENSOR:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        _FAKE_TENSOR.append(FakeTensor)
+    return _FAKE_TENSOR[0]
+
+
+class _OpFacts:
+    """What the simulation asks of an op at every call that depends on the op alone, found once per op."""
+
+    __slots__ = ("name", "prim", "one_dtype", "grouped", "saves_number", "scratch", "reduction", "fresh_aten")
+
+    def __init__(self, func):
+        self.name = func.__name__.split(".")[0]
+        self.prim = func.namespace == "prim"
+        self.one_dtype = func in _ONE_DTYPE_OPS
+        self.grouped = func in _GROUPED_MM
+        self.saves_number = func in _SAVES_NUMBER
+        self.scratch = bool(_SCRATCH_OPS.search(self.name))
+        self.reduction = self.name in _REDUCTIONS
+        schema = getattr(func, "_schema", None)
+        self.fresh_aten = (func.namespace == "aten" and schema is not None
+                           and not any(r.alias_info is not None for r in schema.returns))
+
+
+_OP_FACTS: dict = {}
+
+
+def _op_facts(func) -> _OpFacts:
+    facts = _OP_FACTS.get(func)
+    if facts is None:
+        facts = _OP_FACTS[func] = _OpFacts(func)
+    return facts
 
 
 @contextlib.contextmanager
@@ -1535,10 +1588,10 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         inside = sim.signatures.get(sig) or 0 if sig is not None else 0
         return after - totals.get("host", 0) - new + max(new + transient, inside)
 
-    # the peak: after each op, or inside it
+    # the peak: after each op, or inside it (each op's bytes found once: the blocks' peaks read them too)
+    held_at = [held(e) for e in sim.events[first_event:]]
     peak, peak_at = start, None
-    for i in range(first_event, len(sim.events)):
-        here = held(sim.events[i])
+    for i, here in enumerate(held_at, first_event):
         if here > peak:
             peak, peak_at = here, i
     at_peak: dict[str, int] = {}
@@ -1563,14 +1616,16 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         return sim._bytes(st, t.device.type) if st is not None else 0
 
     block_peak: dict[str, int] = {}
-    for i in range(first_event, len(sim.events)):
+    blocks_of_owner: dict[str, list[str]] = {}  # an op's owner -> the blocks holding it, once per owner
+    for i, here in enumerate(held_at, first_event):
         owner = sim.events[i][4]
         if not owner:
             continue
-        here = held(sim.events[i])
-        for b in block_paths:
-            if owner == b or owner.startswith(b + "."):
-                block_peak[b] = max(block_peak.get(b, 0), here)
+        holding = blocks_of_owner.get(owner)
+        if holding is None:
+            holding = blocks_of_owner[owner] = [b for b in block_paths if owner == b or owner.startswith(b + ".")]
+        for b in holding:
+            block_peak[b] = max(block_peak.get(b, 0), here)
     rows = []
     for b in block_paths:
         row = BlockEstimate(b)
