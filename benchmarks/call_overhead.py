@@ -92,8 +92,10 @@ def _cases():
     yield "[Function] FusedAddRMSNorm, weight trains, X needs grad", _FusedAdd(False), xs, True
     lora = _peft_lora()
     if lora is not None:
-        yield "[Function] peft LoRA Linear r=4, dropout 0.1", lora, xs, False
-        yield "[Function] peft LoRA Conv2d r=4, dropout 0.1", _peft_lora_conv(0.1), x4, False
+        # x frozen and read by the layer alone: peft's own forward runs (its graph keeps as little as the Function)
+        yield "peft LoRA Linear r=4, dropout 0.1, X frozen (peft's forward)", lora, xs, False
+        yield "[Function] peft LoRA Linear r=4, dropout 0.1, X needs grad", _peft_lora(), xs, True
+        yield "peft LoRA Conv2d r=4, dropout 0.1, X frozen (peft's forward)", _peft_lora_conv(0.1), x4, False
         yield "[Function] peft LoRA Conv2d r=4, dropout 0.1, X needs grad", _peft_lora_conv(0.1), x4, True
         yield ("[Function] peft LoRA Conv2d r=4, bf16 model, fp32 adapters", _peft_lora_conv(0.0, torch.bfloat16),
                lambda: x4().bfloat16(), False)
