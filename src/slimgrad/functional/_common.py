@@ -586,7 +586,8 @@ def count_call(producer) -> None:
     against the kept calls :func:`learn_from_use` sees), not when any was. Where a consumer did not keep one call's
     output, keeping it is a whole tensor stock does not keep whenever the input is alive anyway (one LeakyReLU used
     twice: 32 KiB against stock's 24 KiB, every step; the cached-decisions sweep), while a mask is one bit an
-    element. ReLU's stock op keeps its output: any kept call is enough there (no count)."""
+    element. ReLU's stock op keeps its output, and so do the in-place forms (their result): any kept call is enough
+    there (no count)."""
     if torch.compiler.is_compiling():
         return
     state = producer.__dict__

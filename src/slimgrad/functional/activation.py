@@ -448,8 +448,9 @@ def _module_forward(module, input, negative_slope):
     module's output during the previous step (then it is shared, not extra); see the producer/consumer
     rule in ``_common``."""
     keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
-    if negative_slope is not None and type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
-        count_call(module)  # stock's leaky_relu keeps its input: keep the output only if every call's is kept
+    if (negative_slope is not None and not module.inplace and type(input) is torch.Tensor and input.requires_grad
+            and torch.is_grad_enabled()):
+        count_call(module)  # stock's leaky_relu keeps its input (in place: its result): output only if every call's
     if keep_output and _common.in_checkpointed_forward():
         # a checkpointed region keeps the mask, the default: its recomputation, after another backward may have
         # published a new decision, must save what its forward saved

@@ -430,8 +430,9 @@ def module_forward(module, input, kind, lo, hi=None, value=None):
     """Shared by the modules: keep the output instead of a mask when a consumer kept this module's output
     during the previous step (the producer/consumer rule in ``_common``)."""
     keep_output = module.__dict__.get("_slimgrad_output_kept", False)  # no nn.Module.__getattr__ miss
-    if type(input) is torch.Tensor and input.requires_grad and torch.is_grad_enabled():
-        count_call(module)  # stock's op keeps its input: keep the output only if every call's is kept
+    if (not getattr(module, "inplace", False) and type(input) is torch.Tensor and input.requires_grad
+            and torch.is_grad_enabled()):
+        count_call(module)  # stock's op keeps its input (in place: its result): output only if every call's is kept
     if keep_output and _common.in_checkpointed_forward():
         # a checkpointed region keeps the mask, the default: its recomputation, after another backward may have
         # published a new decision, must save what its forward saved
