@@ -495,6 +495,46 @@ def test_dropout_seed_cuda_kernel_is_the_philox_mask(seed_value, numel, dtype):
         assert torch.equal(td.keep_mask(xc, p, sc).bool().cpu(), dk.philox_keep((numel,), p, seed))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("need", [(True, True, True), (False, True, True), (True, False, True)],
+                         ids=["all", "adapters", "x-and-B"])
+def test_lora_seed_dropout_through_the_core_on_cuda(need, dtype, monkeypatch):
+    """``SLIMGRAD_CORE_CUDA_SEED=1`` (off by default until this passes on a GPU): LoRA whose adapters drop under the
+    seed policy runs the core's C++ Function with its CUDA Philox kernel, bit for bit the Python Function with
+    Triton's kernel (the switch off), the same saved bytes and generator state."""
+    from slimgrad.functional import lora as lora_module
+    from slimgrad.functional.dropout import dropout_policy
+    from slimgrad.functional.lora import LoraAdapter, lora_linear
+    from slimgrad.measure import SavedTensors
+
+    if not _has_cuda_kernels():
+        pytest.skip(f"the core's CUDA kernels are not built here: {csrc.status()['cuda_kernels_reason']}")
+    g0 = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 5, 40, generator=g0).to(DEVICE, dtype)
+    W = torch.randn(24, 40, generator=g0).to(DEVICE, dtype)
+    A0, B0 = (torch.randn(8, 40, generator=g0) * 0.3).to(DEVICE), (torch.randn(24, 8, generator=g0) * 0.3).to(DEVICE)
+    gy = torch.randn(3, 5, 24, generator=g0).to(DEVICE, dtype)
+    runs = []
+    for switch in (True, False):
+        monkeypatch.setattr(lora_module, "_CUDA_SEED", switch)
+        x, A, B = (t.clone().requires_grad_(q) for t, q in zip((x0, A0, B0), need))
+        torch.manual_seed(3)
+        with dropout_policy("seed"), SavedTensors() as kept:
+            out = lora_linear(x, W, None, [LoraAdapter(A, B, 2.0, 0.25)], cast_input=True)
+        state = torch.cuda.get_rng_state()
+        node = out.grad_fn.name()
+        out.backward(gy)
+        runs.append((out.detach(), [t.grad for t in (x, A, B)], kept.bytes, state, node))
+    (out_c, grads_c, kept_c, state_c, node_c), (out_p, grads_p, kept_p, state_p, node_p) = runs
+    assert "CppNode" in node_c and "CppNode" not in node_p, (node_c, node_p)
+    _same_bits(out_c, out_p, "output")
+    for a, b in zip(grads_c, grads_p):
+        assert (a is None) == (b is None)
+        if a is not None:
+            _same_bits(a, b, "gradient")
+    assert kept_c == kept_p and torch.equal(state_c, state_p)
+
+
 # -------------------------------------------------------------------------------------------------- avg pool
 
 # (id, stock module, input shape); 3-d windows do not overlap and adaptive sizes divide the input's: CUDA's

@@ -33,6 +33,7 @@ x one Function per adapter: ``adapters_apart``).
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -525,14 +526,24 @@ _PLAIN = _common.PLAIN_TYPES
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+#: ``SLIMGRAD_CORE_CUDA_SEED=1`` at start-up (off by default): CUDA calls whose adapters drop under the "seed" policy
+#: run the core's C++ Function with its CUDA Philox kernel (csrc/dropout_seed_cuda.cu) where the core carries its CUDA
+#: kernels, instead of the Python Function with Triton's. Off until a GPU run has checked it (tests/test_cuda_core.py
+#: with the switch on) and timed it: the switch lets that run happen without a code change.
+_CUDA_SEED = os.environ.get("SLIMGRAD_CORE_CUDA_SEED", "0").strip().lower() in ("1", "on", "true", "yes")
+
+
 def core_seeded(x, ps, policy) -> bool | None:
     """How the compiled core would drop this call's adapters: False (none drops, or the "bits" policy: stock's draw
     kept packed), True (the "seed" policy: Philox regenerated in backward, the same mask as the Python Function's
-    kernels), None where it cannot: dropping adapters on CUDA (its dropout kernels are CPU loops; CUDA's default
-    policy, "seed", is the Python Function's with Triton's kernel)."""
+    kernels), None where it cannot: dropping adapters on CUDA (the bits policy's kernels are CPU loops; CUDA's default
+    policy, "seed", is the Python Function's with Triton's kernel, unless ``SLIMGRAD_CORE_CUDA_SEED=1``)."""
     if not any(0 < p < 1 for p in ps):
         return False
     if not x.is_cpu:
+        if (_CUDA_SEED and x.is_cuda and resolve_policy(policy, x.device) == "seed"
+                and (core := csrc.core()) is not None and core.cuda_kernels()):
+            return True
         return None
     return resolve_policy(policy, x.device) == "seed"
 
