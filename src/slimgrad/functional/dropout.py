@@ -119,7 +119,10 @@ def _fill_noise(noise: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
     Why that order: LoRA draws its forward noise like x (``empty_like``: a transposed or channels-last x gives a
     permuted tensor) and backward rebuilds it for a contiguous gradient; the mask must be the same function of the
     logical index in both (drawn in memory order, the two masks differed for such an x)."""
-    return noise.copy_(kernels.philox_noise(noise, p, seed))  # (on fakes too: the estimate sees its allocations)
+    # (on fakes too: the estimate sees its allocations)
+    if noise.is_contiguous():
+        return kernels.philox_noise(noise, p, seed, out=noise)
+    return noise.copy_(kernels.philox_noise(noise, p, seed))
 
 
 def _apply_noise(input, noise, inplace):

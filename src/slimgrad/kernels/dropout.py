@@ -108,10 +108,11 @@ _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _UNIFORM_SCALE = 4.6566127342e-10  # as a float32: the largest s with (2**31 - 1) * s < 1
-# elements per pass: bounds the reference's int64 temporaries (~10 of them: 5 MiB on CPU; 80 MiB on CUDA, where the
-# reference serves float64 and tensors of 2**31 elements or more, and each pass is ~200 launches)
+# elements per pass: bounds the reference's int64 temporaries (~10 of them: 1.3 MiB on CPU, where 16 Ki elements
+# also ran fastest, 4 Ki and 64 Ki ~30 % slower; 80 MiB on CUDA, where the reference serves float64 and tensors of
+# 2**31 elements or more, and each pass is ~200 launches)
 _PHILOX_CHUNK = {"cuda": 1 << 20}
-_PHILOX_CHUNK_DEFAULT = 1 << 16
+_PHILOX_CHUNK_DEFAULT = 1 << 14
 
 
 def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +145,20 @@ def _philox_uniform(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     return folded.to(torch.float32) * scale
 
 
+def _philox_fill(out: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """``out`` (flat, contiguous) set to the keep mask, 1 / True where element ``i`` is kept, chunk by chunk: the
+    integer temporaries stay at a chunk's (no mask-sized bool beside a noise)."""
+    device = out.device
+    p32 = torch.tensor(p, dtype=torch.float32, device=device)
+    seed = seed.reshape(())
+    numel = out.numel()
+    chunk = _PHILOX_CHUNK.get(device.type, _PHILOX_CHUNK_DEFAULT)
+    for start in range(0, numel, chunk):
+        index = torch.arange(start, min(start + chunk, numel), dtype=torch.int64, device=device)
+        out[start:start + index.numel()].copy_(_philox_uniform(index, seed) >= p32)
+    return out
+
+
 def philox_keep(shape, p: float, seed: torch.Tensor) -> torch.Tensor:
     """The "seed" policy's mask (bool, ``shape``, on ``seed``'s device, elements in logical row-major order): element
     ``i`` is kept where Triton's ``tl.rand(seed, i) >= p`` (p as float32), the mask every ``dropout_seed`` backend
@@ -151,21 +166,16 @@ def philox_keep(shape, p: float, seed: torch.Tensor) -> torch.Tensor:
     numel = 1
     for size in shape:
         numel *= int(size)
-    device = seed.device
-    p32 = torch.tensor(p, dtype=torch.float32, device=device)
-    seed = seed.reshape(())
-    keep = torch.empty(numel, dtype=torch.bool, device=device)
-    chunk = _PHILOX_CHUNK.get(device.type, _PHILOX_CHUNK_DEFAULT)
-    for start in range(0, numel, chunk):
-        index = torch.arange(start, min(start + chunk, numel), dtype=torch.int64, device=device)
-        keep[start:start + index.numel()] = _philox_uniform(index, seed) >= p32
+    keep = _philox_fill(torch.empty(numel, dtype=torch.bool, device=seed.device), p, seed)
     return keep.view(tuple(int(s) for s in shape))
 
 
-def philox_noise(like: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+def philox_noise(like: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The "seed" policy's noise (``keep ? scale : 0`` in ``like``'s dtype, stock's rounded scale), contiguous, of
-    ``like``'s shape."""
-    return philox_keep(like.shape, p, seed).to(like.dtype).mul_(noise_scale(p, like.dtype))
+    ``like``'s shape; written into ``out`` (contiguous, like's shape and dtype) when given."""
+    noise = torch.empty(like.shape, dtype=like.dtype, device=like.device) if out is None else out
+    _philox_fill(noise.view(-1), p, seed)
+    return noise.mul_(noise_scale(p, like.dtype))
 
 
 class TorchDropoutSeed:
