@@ -424,6 +424,8 @@ std::vector<int64_t> product_strides(const at::Tensor& grad, const std::vector<i
   return masks::binary_strides(grad.sizes(), grad.strides(), noise_strides);
 }
 
+double noise_scale(double p, at::ScalarType dtype) { return slimgrad::noise_scale(p, dtype); }
+
 bool fuses_cast(const at::Tensor& x, at::ScalarType dtype) {
   return dtype == at::kFloat && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
          x.is_contiguous();

@@ -32,6 +32,9 @@ std::vector<int64_t> product_strides(const at::Tensor& grad, const std::vector<i
 // x.to(dtype) then dropout, in one pass (the cast is exact): for a contiguous bf16/fp16 x and dtype float32, as
 // LoRA's adapters see x. fuses_cast says when these apply; the draw is stock's `empty_like(x.to(dtype))`.
 bool fuses_cast(const at::Tensor& x, at::ScalarType dtype);
+
+// Stock's noise value at kept elements, `ones((), dtype).div_(1 - p)`, once per (p, dtype): both policies' scale.
+double noise_scale(double p, at::ScalarType dtype);
 Forward draw_and_apply_to(const at::Tensor& x, double p, at::ScalarType dtype);
 at::Tensor apply_packed_to(const at::Tensor& x, const at::Tensor& packed, double scale, at::ScalarType dtype);
 
