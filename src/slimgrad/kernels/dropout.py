@@ -108,11 +108,13 @@ _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _UNIFORM_SCALE = 4.6566127342e-10  # as a float32: the largest s with (2**31 - 1) * s < 1
-# elements per pass: bounds the reference's int64 temporaries (~10 of them: 1.3 MiB on CPU, where 16 Ki elements
-# also ran fastest, 4 Ki and 64 Ki ~30 % slower; 80 MiB on CUDA, where the reference serves float64 and tensors of
-# 2**31 elements or more, and each pass is ~200 launches)
-_PHILOX_CHUNK = {"cuda": 1 << 20}
-_PHILOX_CHUNK_DEFAULT = 1 << 14
+# elements per pass: bounds the reference's int64 temporaries (~10 of them, ~80 bytes an element). On CPU a 64th of
+# the tensor, between 256 and 16 Ki elements: ~1.3 bytes an element beside a 4-byte noise (a sixteenth put a small
+# LoRA step's peak 13 % above peft's), at most 1.3 MiB; 16 Ki also ran fastest (4 Ki and 64 Ki ~30 % slower, 1 Ki
+# 4x). On CUDA, where the reference serves float64 and tensors of 2**31 elements or more and each pass is ~200
+# launches, 1 Mi.
+_PHILOX_CHUNK = {"cuda": (1 << 20, 1 << 20)}
+_PHILOX_CHUNK_DEFAULT = (1 << 8, 1 << 14)
 
 
 def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +154,8 @@ def _philox_fill(out: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tenso
     p32 = torch.tensor(p, dtype=torch.float32, device=device)
     seed = seed.reshape(())
     numel = out.numel()
-    chunk = _PHILOX_CHUNK.get(device.type, _PHILOX_CHUNK_DEFAULT)
+    lo, hi = _PHILOX_CHUNK.get(device.type, _PHILOX_CHUNK_DEFAULT)
+    chunk = min(max(numel // 64, lo), hi)
     for start in range(0, numel, chunk):
         index = torch.arange(start, min(start + chunk, numel), dtype=torch.int64, device=device)
         out[start:start + index.numel()].copy_(_philox_uniform(index, seed) >= p32)
