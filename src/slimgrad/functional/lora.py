@@ -460,7 +460,7 @@ def _draw_to_simulated(x: torch.Tensor, p: float, dtype: torch.dtype):
 
 
 def _core_simulated(x, tensors, ps, policy) -> bool:
-    """:func:`_core`'s answer for the real tensors the fake ones stand for (slimgrad.estimate on CPU)."""
+    """:func:`_core_apply`'s answer for the real tensors the fake ones stand for (slimgrad.estimate on CPU)."""
     if not is_simulated_core(x) or torch.is_autocast_enabled(x.device.type):
         return False
     if any(0 < p < 1 for p in ps) and resolve_policy(policy, x.device) != "bits":
@@ -548,19 +548,24 @@ def core_seeded(x, ps, policy) -> bool | None:
     return resolve_policy(policy, x.device) == "seed"
 
 
-def _core(x, tensors, ps, policy):
-    """The compiled core when this call may run it: eager, plain tensors of float dtypes on x's device, no
-    autocast, and the adapters' dropout (if any) one :func:`core_seeded` allows."""
+def _core_apply(x, tensors, fan_in_fan_out: bool, cast: bool, scalings, ps, policy):
+    """One call through the compiled core where it may run (eager, plain tensors of float dtypes on x's device, no
+    autocast, the adapters' dropout, if any, one :func:`core_seeded` allows): the output, x noted as kept where the
+    core kept it; None where it may not (the caller runs the Python Function)."""
     core = csrc.for_eager(x, cuda=True)
     if core is None or torch.is_autocast_enabled(x.device.type):
         return None
-    if core_seeded(x, ps, policy) is None:
+    seeded = core_seeded(x, ps, policy)
+    if seeded is None:
         return None
     device = x.device
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN or t.device != device or t.dtype not in _CORE_DTYPES):
             return None
-    return core
+    out, x_kept = core.lora_linear_apply(tensors, fan_in_fan_out, cast, scalings, ps, seeded)
+    if x_kept:
+        _common.note_input_kept(x)
+    return out
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -710,11 +715,8 @@ def _apply(x, weight, bias, flat, fan_in_fan_out, cast_input, scalings, ps, drop
     """One LoRA call: the core, else the Python Function; ``flat`` holds (A, B, bias) per adapter; ``weight`` None
     for adapters alone (their sum in x's dtype; the caller adds its base)."""
     tensors = [x, weight, bias, *flat]
-    if (core := _core(x, tensors, ps, dropout_policy)) is not None:
-        out, x_kept = core.lora_linear_apply(tensors, bool(fan_in_fan_out), bool(cast_input), scalings, ps,
-                                             bool(core_seeded(x, ps, dropout_policy)))
-        if x_kept:
-            _common.note_input_kept(x)
+    if (out := _core_apply(x, tensors, bool(fan_in_fan_out), bool(cast_input), scalings, ps,
+                           dropout_policy)) is not None:
         return out
     # x again after the adapters, for the base layer's part of dX (see LoraLinearFunction.backward); none without a
     # base (as the core), and not under torch.compile: dynamo refuses one tensor passed twice, and compiled

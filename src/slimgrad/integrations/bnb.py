@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from slimgrad._registry import ORIGINALS, register, register_forward
-from slimgrad.functional._common import autocast_enabled, foreign_input, note_exactly_narrower, note_input_kept
+from slimgrad.functional._common import autocast_enabled, foreign_input, note_exactly_narrower
 from slimgrad.functional.dropout import POLICY_ATTRIBUTE, core_draw_simulated, module_policy
-from slimgrad.functional.lora import LoraLinearFunction, _core, _core_simulated, core_seeded
+from slimgrad.functional.lora import LoraLinearFunction, _core_apply, _core_simulated
 from slimgrad.functional.quantized import linear_4bit, linear_8bit
 from slimgrad.integrations._fingerprint import Verified
 from slimgrad.integrations._hooks import global_module_hooks
@@ -248,10 +248,7 @@ def _adapter_forward(x, cast, scaling, p, policy, A, B, bias):
     the Python Function elsewhere, under ``slimgrad.estimate`` allocating as the core would."""
     tensors = [x, None, None, A, B, bias]
     scalings, ps = (scaling,), (p,)
-    if (core := _core(x, tensors, ps, policy)) is not None:
-        out, x_kept = core.lora_linear_apply(tensors, False, cast, scalings, ps, bool(core_seeded(x, ps, policy)))
-        if x_kept:
-            note_input_kept(x)
+    if (out := _core_apply(x, tensors, False, bool(cast), scalings, ps, policy)) is not None:
         return out
     if _core_simulated(x, tensors, ps, policy):
         with core_draw_simulated():  # the C++ Function's allocations
