@@ -163,3 +163,19 @@ def test_seed_policy_reference_peaks_no_higher_than_stock():
 
     with csrc.disabled():
         assert peak(slim) <= peak(stock)
+
+
+def test_cuda_seed_switch_that_cannot_engage_says_so(monkeypatch):
+    """SLIMGRAD_CORE_CUDA_SEED=1 where the core has no CUDA kernels (a CPU torch here): a SlimgradWarning and the
+    Python Function's route (None). A stand-in with a CUDA device: core_seeded reads only that."""
+    from slimgrad import _notices
+    from slimgrad.functional import lora as lora_module
+
+    monkeypatch.setattr(lora_module, "_CUDA_SEED", True)
+    monkeypatch.setattr(_notices, "_WARNED", set())
+
+    class _Cuda:
+        is_cpu, is_cuda, device = False, True, torch.device("cuda")
+
+    with pytest.warns(UserWarning, match="SLIMGRAD_CORE_CUDA_SEED=1 is set"):
+        assert lora_module.core_seeded(_Cuda(), (0.1,), "seed") is None

@@ -541,9 +541,14 @@ def core_seeded(x, ps, policy) -> bool | None:
     if not any(0 < p < 1 for p in ps):
         return False
     if not x.is_cpu:
-        if (_CUDA_SEED and x.is_cuda and resolve_policy(policy, x.device) == "seed"
-                and (core := csrc.core()) is not None and core.cuda_kernels()):
-            return True
+        if _CUDA_SEED and x.is_cuda and resolve_policy(policy, x.device) == "seed":
+            if (core := csrc.core()) is not None and core.cuda_kernels():
+                return True
+            from slimgrad import _notices  # a switch that cannot engage says so (once a process)
+
+            _notices.notify("slimgrad: SLIMGRAD_CORE_CUDA_SEED=1 is set, but the compiled core carries no CUDA kernels "
+                            "here (python -m slimgrad kernels says why): LoRA's seeded dropout on CUDA runs the Python "
+                            "Function and Triton's kernel, the same mask", stacklevel=5)
         return None
     return resolve_policy(policy, x.device) == "seed"
 
