@@ -1,8 +1,9 @@
 """What `convert(chunked_loss=True)` costs in time where the head is a large share of the step, and how the rows per
 chunk set it: GPT-2 (hidden 256, 4 layers, vocab 50257) with LoRA on ``c_attn`` (dropout 0.1), batch 4x128, stock
-against the chunked loss; then the head alone (508 tokens) at several chunk sizes. The chunked backward computes each
-chunk's logits again and each chunk reads the whole head weight, so chunks of few rows are slow
-(docs/chunked_loss.md, Time). Interleaved steps, one thread.
+against the chunked loss; then the head alone (508 tokens) at several chunk sizes, frozen (LoRA's case: the hidden
+states' gradient is formed in the forward, from the log-probabilities at hand) and trained (the backward computes each
+chunk's logits again). Each chunk reads the whole head weight, so chunks of few rows are slow (docs/chunked_loss.md,
+Time). Interleaved steps, one thread.
 
     python benchmarks/chunked_loss_time.py [--steps 10]
 """
@@ -83,10 +84,24 @@ def head_alone(steps: int) -> dict:
             fused_linear_cross_entropy(h, weight, target, chunk_size=rows).backward()
         return run
 
+    w_trained = weight.clone().requires_grad_()
+
+    def stock_trained():
+        h = h0.clone().requires_grad_()
+        F.cross_entropy(F.linear(h, w_trained).float(), target).backward()
+        w_trained.grad = None
+
+    def chunked_trained():
+        h = h0.clone().requires_grad_()
+        fused_linear_cross_entropy(h, w_trained, target).backward()
+        w_trained.grad = None
+
     fns = {"stock": stock}
     fns.update({f"chunks of {r} rows": chunked(r) for r in (21, 64, 128, 254, tokens)})
     default = default_chunk_size(tokens, HIDDEN, VOCAB)
     fns[f"default ({default} rows)"] = chunked(None)
+    fns["stock, head trains"] = stock_trained
+    fns[f"default ({default} rows), head trains (recomputes)"] = chunked_trained
     return _interleaved(fns, steps, "head alone")
 
 

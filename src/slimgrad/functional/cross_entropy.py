@@ -4,9 +4,11 @@ A language model's head ``cross_entropy(linear(h, W, b).float(), t)`` is usually
 allocation of a training step: stock autograd keeps the fp32 logits' log-softmax (tokens x vocab x 4 bytes,
 e.g. 2 GiB for 4k tokens of a 128k vocabulary) plus, in reduced precision, the logits themselves, although
 every gradient can be rebuilt from the hidden states, the weight and the targets. Here the forward walks
-over row chunks and keeps nothing larger than one chunk's logits alive at a time; backward recomputes each
-chunk's logits from the saved hidden states and forms dHidden (and dWeight/dBias only when they require
-grad) chunk by chunk.
+over row chunks and keeps nothing larger than one chunk's logits alive at a time. Where only dHidden is asked for
+(a frozen head: LoRA, QLoRA) and the loss is one number, the forward forms dHidden from each chunk's
+log-probabilities while it has them and keeps it instead of the hidden states (:func:`grad_in_forward`); backward
+scales it. Otherwise backward recomputes each chunk's logits from the saved hidden states and forms dHidden (and
+dWeight/dBias only when they require grad) chunk by chunk.
 
 Exactness: each chunk runs stock's own kernels in stock's order (linear in the input dtype, optional
 Gemma-style soft-capping in that dtype, upcast to fp32 as Hugging Face's ``ForCausalLMLoss`` does,
@@ -14,7 +16,9 @@ Gemma-style soft-capping in that dtype, upcast to fp32 as Hugging Face's ``ForCa
 over all rows, so the loss is what stock computes whenever a row's logits are the same with fewer rows in
 the matmul. The weight and bias gradients are sums over all rows, accumulated chunk by chunk in fp32 (then
 rounded once to the parameter's dtype): a different summation order than stock's single matmul, so they
-agree within fp32 rounding (and within one rounding of bf16/fp16).
+agree within fp32 rounding (and within one rounding of bf16/fp16). dHidden formed in forward is scaled by the
+loss's gradient in backward: bitwise the recomputing path's where that gradient is a power of two (``loss.backward()``,
+1/2**k gradient accumulation, a loss scaler), within one rounding of hidden's dtype otherwise.
 """
 
 from __future__ import annotations
@@ -63,35 +67,109 @@ def _chunk_logits(h, weight, bias, softcap):
     return z.float(), t
 
 
+def _logits_grad(logp, tanh_out, start, stop, grad_nll, grad_smooth, valid, target, options, total_weight,
+                 weight_dtype):
+    """One chunk's gradient with respect to the linear's output, from its fp32 log-probabilities: stock's backward
+    through ``(1-eps)*nll + smooth*(eps/V)``, the log-softmax, the upcast and the soft cap, step for step.
+    ``grad_nll``: the nll kernel's upstream gradient; ``grad_smooth``: the smoothing term's per-row gradient (None
+    without label smoothing)."""
+    ignore_index, _, reduction, _, softcap = options
+    low_precision = weight_dtype != torch.float32
+    g_nll = grad_nll[start:stop] if reduction == "none" else grad_nll
+    grad_logp = _aten.nll_loss_backward(g_nll, logp, target[start:stop], None, _REDUCTIONS[reduction], ignore_index,
+                                        total_weight)
+    if grad_smooth is not None:
+        rows = grad_smooth[start:stop] if reduction == "none" else grad_smooth.expand(stop - start)
+        rows = rows.masked_fill(~valid[start:stop], 0.0)
+        grad_logp += rows[:, None]
+    g = _aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
+    del grad_logp
+    if low_precision and not (softcap is not None and softcap[1]):
+        g = g.to(weight_dtype)
+    if softcap is not None:
+        g = _aten.tanh_backward(g * softcap[0], tanh_out) / softcap[0]
+        if low_precision and softcap[1]:  # capped in fp32: the upcast's backward comes after the cap's
+            g = g.to(weight_dtype)
+    return g
+
+
+def _upstream(grad_loss, total_weight, options, vocab):
+    """The nll kernel's upstream gradient and the smoothing term's (None without label smoothing), from the loss's
+    gradient ``grad_loss`` (after the divisor's): stock's backward through ``(1-eps)*nll + smooth*(eps/V)``."""
+    ignore_index, label_smoothing, reduction, _, _ = options
+    if not label_smoothing > 0:
+        return grad_loss, None
+    grad_smooth = grad_loss * (label_smoothing / vocab)
+    if reduction == "mean":
+        grad_smooth = grad_smooth / total_weight
+    return grad_loss * (1 - label_smoothing), -grad_smooth
+
+
+def grad_in_forward(hidden, weight, bias, reduction) -> bool:
+    """Whether the Function forms dHidden in its forward, from the log-probabilities it has at hand, and keeps that
+    instead of the hidden states: only dHidden is asked for (a frozen head: LoRA, QLoRA, a frozen-embedding
+    fine-tune) and the loss is one number. Backward then scales it by the loss's gradient instead of computing every
+    chunk's logits again (a third vocab x hidden matrix product per token, 1.17x stock's step on GPT-2's
+    vocabulary, the perf sweep of 2026-11-28), as Liger-Kernel's fused linear cross-entropy does. The bytes kept
+    are the same (dHidden is hidden's size and dtype). Exactness: dHidden is formed for an upstream gradient of 1
+    (after the divisor's, which the Function applies itself: HF's ``num_items_in_batch``) and multiplied by the
+    real one: bitwise what computing it with the real one gives where that is a power of two (1, the 1/2**k of
+    gradient accumulation, a loss scaler's 2**k: a power of two scales every rounding step exactly), within one
+    rounding of the hidden states' dtype otherwise."""
+    return (reduction != "none" and torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+            and not (bias is not None and bias.requires_grad))
+
+
 class FusedLinearCrossEntropyFunction(_common.Function):
-    """``cross_entropy(linear(hidden, weight, bias).float(), target)`` over row chunks.
+    """``cross_entropy(linear(hidden, weight, bias).float(), target)`` over row chunks, divided by ``divisor``
+    where one is given (Hugging Face's ``num_items_in_batch``: ``loss / divisor``, as ``ForCausalLMLoss``).
 
     hidden is (N, H), target (N,). Returns ``(loss, total_weight)``, the loss normaliser (a 0-d tensor) that
-    backward reads. Keeps the hidden states, the targets and the normaliser, and only when some gradient is
-    requested. Double backward is refused: it would need the full softmax, which this Function exists not to
-    keep. Under torch.func stock's computation runs (:meth:`stock`): the chunk loop writes into preallocated
-    buffers, which vmap cannot batch.
+    backward reads; with ``grad_now`` (:func:`grad_in_forward`) ``(loss, total_weight, dhidden)``, dHidden formed
+    in forward for an upstream gradient of 1 and kept instead of the hidden states. Otherwise it keeps the hidden
+    states, the targets and the normaliser, and only when some gradient is requested. Double backward is refused: it
+    would need the full softmax, which this Function exists not to keep. Under torch.func stock's computation runs
+    (:meth:`stock`): the chunk loop writes into preallocated buffers, which vmap cannot batch.
     """
 
     @staticmethod
-    def forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
+    def forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap, divisor,
+                grad_now):
         n, vocab = hidden.shape[0], weight.shape[0]
+        options = (ignore_index, label_smoothing, reduction, chunk_size, softcap)
         valid = target != ignore_index
         safe_target = torch.where(valid, target, torch.zeros_like(target))
         picked = hidden.new_empty((n, 1), dtype=torch.float32)
         smooth = hidden.new_empty((n,), dtype=torch.float32) if label_smoothing > 0 else None
+        # The per-row log-probabilities of the targets, reduced by stock's nll_loss kernel (same order, same
+        # normaliser): ignored rows get the private ignore value -1, valid rows class 0 of ``picked``.
+        nll_target = torch.where(valid, torch.zeros_like(target), torch.full_like(target, -1))
+        dh = None
+        if grad_now:
+            # the normaliser before the loop (the kernel's own count of the valid rows), and the upstream gradient of
+            # a loss whose own gradient is 1: stock's DivBackward of the divisor, then the smoothing's split
+            total_weight = _aten.nll_loss_forward(picked.new_zeros((n, 1)), nll_target, None,
+                                                  _REDUCTIONS[reduction], -1)[1]
+            one = torch.ones((), dtype=torch.float32, device=hidden.device)
+            grad_nll, grad_smooth = _upstream(one if divisor is None else one / divisor, total_weight, options,
+                                              vocab)
+            dh = torch.empty_like(hidden)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            logits, _ = _chunk_logits(hidden[start:stop], weight, bias, softcap)
+            logits, tanh_out = _chunk_logits(hidden[start:stop], weight, bias, softcap)
             logp = torch.log_softmax(logits, 1)
             del logits
             picked[start:stop] = logp.gather(1, safe_target[start:stop, None])
             if smooth is not None:
                 smooth[start:stop] = logp.sum(1)
-            del logp
-        # The per-row log-probabilities of the targets, reduced by stock's nll_loss kernel (same order, same
-        # normaliser): ignored rows get the private ignore value -1, valid rows class 0 of ``picked``.
-        nll_target = torch.where(valid, torch.zeros_like(target), torch.full_like(target, -1))
+            if dh is not None:
+                g = _logits_grad(logp, tanh_out, start, stop, grad_nll, grad_smooth, valid, target, options,
+                                 total_weight, weight.dtype)
+                del logp, tanh_out
+                torch.mm(g, weight, out=dh[start:stop])
+                del g
+            else:
+                del logp, tanh_out
         loss, total_weight = _aten.nll_loss_forward(picked, nll_target, None, _REDUCTIONS[reduction], -1)
         if smooth is not None:
             # Stock's label-smoothing composite, on the same per-row values.
@@ -101,45 +179,48 @@ class FusedLinearCrossEntropyFunction(_common.Function):
             elif reduction == "sum":
                 smooth_loss = smooth_loss.sum()
             loss = (1 - label_smoothing) * loss + smooth_loss * (label_smoothing / vocab)
-        return loss, total_weight
+        if divisor is not None:
+            loss = loss / divisor
+        return (loss, total_weight) if dh is None else (loss, total_weight, dh)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap = inputs
-        _, total_weight = output
-        ctx.mark_non_differentiable(total_weight)
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap, divisor, \
+            grad_now = inputs
+        total_weight = output[1]
+        ctx.mark_non_differentiable(*output[1:])
         if not torch.compiler.is_compiling():  # None for its gradient, not a zero allocated each backward
             ctx._materialize_non_diff_grads = False
         need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
         need_b = need_b and bias is not None
         ctx.mask = (need_h, need_w, need_b)
         ctx.options = (ignore_index, label_smoothing, reduction, chunk_size, softcap)
-        if need_h or need_w or need_b:
+        ctx.divisor = divisor
+        ctx.grad_now = len(output) == 3
+        if ctx.grad_now:
+            ctx.save_for_backward(output[2])  # dHidden for an upstream gradient of 1: all that backward reads
+        elif need_h or need_w or need_b:
             _common.note_input_kept(hidden)
             ctx.save_for_backward(hidden, weight, bias, target, total_weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_total_weight):
+    def backward(ctx, grad_loss, *_grad_non_differentiable):
         need_h, need_w, need_b = ctx.mask
         if not (need_h or need_w or need_b):
-            return (None,) * 9
+            return (None,) * 11
+        if ctx.grad_now:
+            (dh,) = ctx.saved_tensors
+            return dh * grad_loss, None, None, None, None, None, None, None, None, None, None
         hidden, weight, bias, target, total_weight = ctx.saved_tensors
-        ignore_index, label_smoothing, reduction, chunk_size, softcap = ctx.options
-        n, vocab = hidden.shape[0], weight.shape[0]
-        red = _REDUCTIONS[reduction]
+        options = ctx.options
+        chunk_size, softcap = options[3], options[4]
+        n = hidden.shape[0]
         low_precision = weight.dtype != torch.float32
-
-        # Stock's backward through ``(1-eps)*nll + smooth*(eps/V)``: the nll kernel's upstream gradient and
-        # the per-element gradient of the smoothing term's -sum(logp) (zero on ignored rows).
-        grad_nll, grad_smooth = grad_loss, None
-        if label_smoothing > 0:
-            grad_nll = grad_loss * (1 - label_smoothing)
-            grad_smooth = grad_loss * (label_smoothing / vocab)
-            if reduction == "mean":
-                grad_smooth = grad_smooth / total_weight
-            grad_smooth = -grad_smooth
-            valid = target != ignore_index
+        if ctx.divisor is not None:
+            grad_loss = grad_loss / ctx.divisor  # stock's DivBackward of ``loss / num_items_in_batch``
+        grad_nll, grad_smooth = _upstream(grad_loss, total_weight, options, weight.shape[0])
+        valid = target != options[0] if grad_smooth is not None else None
 
         # dh is made after the first chunk's softmax temporaries are gone: with one chunk (short inputs) it would
         # otherwise sit beside them at the step's peak, one hidden-states tensor above stock's, whose input
@@ -154,22 +235,9 @@ class FusedLinearCrossEntropyFunction(_common.Function):
             logits, tanh_out = _chunk_logits(h, weight, bias, softcap)
             logp = torch.log_softmax(logits, 1)
             del logits
-            g_nll = grad_nll[start:stop] if reduction == "none" else grad_nll
-            grad_logp = _aten.nll_loss_backward(g_nll, logp, target[start:stop], None, red, ignore_index,
-                                                total_weight)
-            if grad_smooth is not None:
-                rows = grad_smooth[start:stop] if reduction == "none" else grad_smooth.expand(stop - start)
-                rows = rows.masked_fill(~valid[start:stop], 0.0)
-                grad_logp += rows[:, None]
-            g = _aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
-            del grad_logp, logp
-            if low_precision and not (softcap is not None and softcap[1]):
-                g = g.to(weight.dtype)
-            if softcap is not None:
-                g = _aten.tanh_backward(g * softcap[0], tanh_out) / softcap[0]
-                del tanh_out
-                if low_precision and softcap[1]:  # capped in fp32: the upcast's backward comes after the cap's
-                    g = g.to(weight.dtype)
+            g = _logits_grad(logp, tanh_out, start, stop, grad_nll, grad_smooth, valid, target, options,
+                             total_weight, weight.dtype)
+            del logp, tanh_out
             if need_h:
                 if dh is None:
                     dh = torch.empty_like(hidden)
@@ -188,17 +256,19 @@ class FusedLinearCrossEntropyFunction(_common.Function):
             dw = dw.to(weight.dtype)
         if db is not None and db.dtype != bias.dtype:
             db = db.to(bias.dtype)
-        return dh, dw, None, db, None, None, None, None, None
+        return dh, dw, None, db, None, None, None, None, None, None, None
 
     @staticmethod
-    def stock(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap):
+    def stock(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap, divisor,
+              grad_now):
         """Stock's computation: the whole logits, Hugging Face's head and loss."""
         logits = F.linear(hidden, weight, bias)
         if softcap is not None:
             cap, in_fp32 = softcap
             logits = torch.tanh((logits.float() if in_fp32 else logits) / cap) * cap
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
+        loss = F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
+        return loss if divisor is None else loss / divisor
 
     @classmethod
     def under_transform(cls, *args):
@@ -269,9 +339,12 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     softcap: float | None = None,
     softcap_in_fp32: bool = False,
+    divisor: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without materialising the
-    logits (see the module docstring for what is kept and how exact it is).
+    logits (see the module docstring for what is kept and how exact it is); ``/ divisor`` where one is given
+    (Hugging Face's ``num_items_in_batch`` with ``reduction="sum"``), inside the Function so that a frozen head's
+    input gradient, formed in forward (:func:`grad_in_forward`), divides as stock's backward does.
 
     ``hidden`` is (..., H) and ``target`` has hidden's leading shape; ``reduction="none"`` returns fp32
     losses of target's shape. ``softcap`` applies Gemma's ``tanh(z / softcap) * softcap`` to the logits (in
@@ -281,6 +354,9 @@ def fused_linear_cross_entropy(
     lower-precision dtype, as stock ``F.linear`` would.
     """
     _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap)
+    if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, (int, float, torch.Tensor))):
+        raise TypeError(f"fused_linear_cross_entropy: 'divisor' must be a number, a tensor or None, got "
+                        f"{type(divisor).__name__}")
     hidden, weight, bias = _common.autocast_lower_precision(hidden, weight, bias)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = target.reshape(-1)
@@ -295,8 +371,9 @@ def fused_linear_cross_entropy(
     with _common.autocast_off(hidden.device.type):
         loss = FusedLinearCrossEntropyFunction.apply(
             h2, weight, t1, bias, ignore_index, float(label_smoothing), reduction, chunk_size,
-            None if softcap is None else (float(softcap), bool(softcap_in_fp32)),
+            None if softcap is None else (float(softcap), bool(softcap_in_fp32)), divisor,
+            grad_in_forward(h2, weight, bias, reduction),
         )
-        if type(loss) is tuple:  # (loss, total_weight); stock's computation (under torch.func) returns the loss
+        if type(loss) is tuple:  # (loss, total_weight[, dh]); stock's computation (under torch.func) returns the loss
             loss = loss[0]
     return loss.view(target.shape) if reduction == "none" else loss

@@ -356,12 +356,13 @@ def _loss(call: _Call, recipe: _Recipe, probe=None):
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
     num_items = call.num_items if recipe.num_items else None
     reduction = "sum" if num_items is not None else "mean"
+    if torch.is_tensor(num_items):
+        num_items = num_items.to(hidden.device)
+    # (ForCausalLMLoss's ``loss / num_items_in_batch`` inside the Function: a frozen head's input gradient, formed
+    # in its forward, then divides as stock's backward does)
     loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), call.head.weight, shift_labels,
                                       bias, ignore_index=call.ignore_index, reduction=reduction,
-                                      softcap=recipe.softcap, softcap_in_fp32=recipe.softcap_fp32)
-    if num_items is not None:
-        num_items = num_items.to(loss.device) if torch.is_tensor(num_items) else num_items
-        loss = loss / num_items
+                                      softcap=recipe.softcap, softcap_in_fp32=recipe.softcap_fp32, divisor=num_items)
     return loss, outputs
 
 
