@@ -391,3 +391,43 @@ def test_input_gradient_of_a_transposed_input_is_laid_out_as_peft(dtype, core):
     assert_same(gm, gs, what="gradient at the layer's input")
     assert_same(lm, ls, what="leaf gradient (through GELU)")
     compare_grads(stock, slim)
+
+
+class _Shrink(nn.Module):
+    def forward(self, w):
+        return w * 0.9
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv2d"])
+@pytest.mark.parametrize("target", ["lora_A", "lora_B", "base_layer"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_layer_parametrized_after_convert_runs_as_peft(layer, target, dropout):
+    """A LoRA submodule parametrized after convert (weight_norm, a custom parametrization) has no "weight" parameter:
+    the fast paths read ``_parameters["weight"]`` and raised KeyError where peft runs (the wrappers sweep)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8)) if layer == "linear" else nn.Sequential(nn.Conv2d(3, 4, 3))
+    stock = get_peft_model(inner, LoraConfig(r=2, target_modules=["0"], lora_dropout=dropout))
+    slim = slimgrad.convert(copy.deepcopy(stock))
+    x = torch.randn(2, 8) if layer == "linear" else torch.randn(2, 3, 5, 5)
+    results = []
+    for model in (stock, slim):
+        lay = model.base_model.model[0]
+        module = {"lora_A": lay.lora_A["default"], "lora_B": lay.lora_B["default"],
+                  "base_layer": lay.base_layer}[target]
+        if target == "base_layer":
+            parametrizations.weight_norm(module)
+        else:
+            parametrize.register_parametrization(module, "weight", _Shrink())
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(1)
+        y = model(xi)
+        y.sum().backward()
+        results.append((y, xi.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    assert_same(y1, y0, what="output")
+    assert_same(gx1, gx0, what="dX")
+    assert g0.keys() == g1.keys()
+    for name, g in g0.items():
+        assert_same(g1[name], g, what=name)

@@ -212,7 +212,8 @@ def _active_plain_adapters(d: dict, layer_type: type):
         if _hooked(a) or _hooked(b) or _hooked(drop):
             return None
         p = _dropout_p(drop)
-        A, B = a._parameters["weight"], b._parameters["weight"]
+        # (.get: a module parametrized after convert has no "weight" parameter: the checked path, or peft's, runs)
+        A, B = a._parameters.get("weight"), b._parameters.get("weight")
         if p is None or type(A) not in _PLAIN or type(B) not in _PLAIN:
             return None
         dtype = A.dtype if dtype is None else dtype
@@ -247,7 +248,7 @@ def _fast_forward(self: LoraLinear, x: torch.Tensor):
                                            type(base).forward if falcon else None)
     if not plan[1] or _hooked(base):
         return None
-    weight, bias = base._parameters["weight"], base._parameters.get("bias")
+    weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
     if plan[3] is not None and (bias is not None or type(base).forward is not plan[3]):
         return None  # a FalconLinear given a bias, or its forward patched, since: _forward checks it again
     device = x.device

@@ -144,7 +144,8 @@ def _fast_forward(self, x: torch.Tensor):
     if plan is None or plan[0] is not type(base):
         plan = d["_slimgrad_core_plan"] = (type(base), _unsupported_layer(self) is None, _STOCK[cls])
     nd = x.dim() - 2
-    if not plan[1] or _hooked(base) or nd != base._parameters["weight"].dim() - 2:
+    weight = base._parameters.get("weight")  # (None: parametrized after convert; the checked path decides)
+    if not plan[1] or _hooked(base) or type(weight) not in _PLAIN or nd != weight.dim() - 2:
         return None
     found = _active_plain_adapters(d, plan[2])
     if found is None:
