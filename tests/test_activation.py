@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import hypothesis.strategies as st
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import slimgrad
 import slimgrad.nn.activation  # noqa: F401  (registers the replacements)
 from _util import FLOAT_DTYPES, assert_same, input_grad_as_returned, laid_out, saved_bytes, slim_copy
 from slimgrad.functional._common import note_input_kept
@@ -505,3 +507,48 @@ def test_activation_used_twice_keeps_its_output_only_if_every_call_is_kept(make)
         assert kept[1] <= kept[0] + masks, (step, kept)
         for p, q in zip(stock.parameters(), slim.parameters()):
             assert_same(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("where", ["consumer", "relu", "global"])
+def test_full_backward_hook_does_not_hide_the_consumer_keeping_the_output(where):
+    """A full backward hook passes the module's inputs (or outputs) on through BackwardHookFunction, new tensor
+    objects on the same values: the consumer's keeping of ReLU's output went unseen and the ReLU kept its 1-bit mask
+    besides, above stock every step (the wrappers sweep). From the second step on, stock's bytes; gradients stock's."""
+    from slimgrad.measure import SavedTensors
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+
+    x = torch.randn(2, 3, 8, 8)
+
+    def steps(model):
+        handles = []
+        if where == "consumer":
+            model[2].register_full_backward_hook(lambda mod, gi, go: None)
+        elif where == "relu":
+            model[1].register_full_backward_pre_hook(lambda mod, go: None)
+        else:
+            handles.append(nn.modules.module.register_module_full_backward_hook(lambda mod, gi, go: None))
+        kept, grads = [], []
+        try:
+            for _ in range(3):
+                with SavedTensors(exclude=[model]) as saved:
+                    y = model(x)
+                y.sum().backward()
+                kept.append(saved.bytes)
+                grads.append([p.grad.clone() for p in model.parameters()])
+                model.zero_grad(set_to_none=True)
+        finally:
+            for h in handles:
+                h.remove()
+        return kept, grads
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the hook fires for outputs where no input needs grad
+        stock_kept, stock_grads = steps(build())
+        slim_kept, slim_grads = steps(slimgrad.convert(build()))
+    assert slim_kept[1:] == stock_kept[1:], (slim_kept, stock_kept)
+    for a, b in zip(slim_grads, stock_grads):
+        for ga, gb in zip(a, b):
+            assert torch.equal(ga, gb)

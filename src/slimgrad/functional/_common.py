@@ -555,8 +555,25 @@ def note_input_kept(x: torch.Tensor) -> None:
     if torch.compiler.is_compiling() or not x.requires_grad or not _PRODUCERS:
         return
     cell = _PRODUCERS.get(x)
+    if cell is None and x._is_view():
+        cell = _through_backward_hook(x)
     if cell is not None and x._version == cell.version:
         cell.kept = True
+
+
+def _through_backward_hook(x: torch.Tensor):
+    """The producer cell of the tensor a full backward hook passed on as ``x``: ``register_full_backward_hook`` (and
+    its pre-hook, and the global ones) hands a module's inputs, or its outputs, through ``BackwardHookFunction``,
+    whose outputs are new tensor objects viewing the same values. A ReLU whose consumer kept that alias kept its
+    1-bit mask besides, more than stock every step (the wrappers sweep). None unless ``x`` is exactly its base."""
+    fn = x.grad_fn
+    if fn is None or type(fn).__name__ != "BackwardHookFunctionBackward":
+        return None
+    base = x._base
+    if (base is None or base.shape != x.shape or base.stride() != x.stride()
+            or base.storage_offset() != x.storage_offset()):
+        return None
+    return _PRODUCERS.get(base)
 
 
 def learn_from_use(producer, cell: UseCell) -> None:
