@@ -376,3 +376,51 @@ def test_flags_of_the_wrong_kind_raise_as_stock_and_0d_tensor_numbers_run():
             got = call(x2)
         got.sum().backward()
         assert torch.equal(got, expected) and torch.equal(x2.grad, x1.grad)
+
+
+class _StoredTransposed(nn.Module):
+    """A parametrization whose weight is a transposed view of what is stored (``orthogonal`` does as much for conv
+    kernels whose matrices are wide)."""
+
+    def forward(self, stored):
+        return stored.transpose(-1, -2)
+
+    def right_inverse(self, weight):
+        return weight.transpose(-1, -2).contiguous()
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("case", ["weight trains, X frozen", "weight frozen, X needs grad", "both"])
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+def test_computed_weight_in_another_layout_gives_stock_bits(groups, case, core):
+    """A conv whose weight is computed as a transposed view: dW came from a contiguous carrier (other kernels than
+    stock's strided weight, ~2e-6 off, and contiguous where stock's keeps the weight's strides) and dX from the
+    transposed convolution on the strided weight (~4e-7 off at groups > 1; the wrappers sweep). Now stock's bits,
+    and no more bytes than stock."""
+    from torch.nn.utils import parametrize
+
+    from slimgrad import csrc
+    from slimgrad.measure import SavedTensors
+
+    x = torch.randn(2, 16, 10, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(2, 16, 11, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    base = nn.Conv1d(16, 16, 8, padding=4, groups=groups)
+    results = []
+    for model in (copy.deepcopy(base), slimgrad.convert(copy.deepcopy(base))):
+        parametrize.register_parametrization(model, "weight", _StoredTransposed())
+        stored = model.parametrizations.weight.original
+        stored.requires_grad_(case != "weight frozen, X needs grad")
+        model.bias.requires_grad_(False)
+        xx = x.clone().requires_grad_(case != "weight trains, X frozen")
+        with contextlib.nullcontext() if core else csrc.disabled(), SavedTensors() as kept:
+            y = model(xx)
+        y.backward(g)
+        results.append((y, stored.grad, xx.grad, kept.bytes))
+    (y0, w0, x0, b0), (y1, w1, x1, b1) = results
+    assert_same(y1, y0, what="output")
+    assert_same(w1, w0, what="dW")
+    if w0 is not None:
+        assert w1.stride() == w0.stride(), (w1.stride(), w0.stride())
+    assert_same(x1, x0, what="dX")
+    assert b1 <= b0, (b1, b0)

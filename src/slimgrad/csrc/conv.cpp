@@ -64,6 +64,17 @@ at::MemoryFormat conv_format(const at::Tensor& t) {
   return t.suggest_memory_format();
 }
 
+// Whether aten's kernels see `t` in a layout an uninitialised tensor of conv_format(t) reproduces: contiguous or
+// channels-last. A computed weight that is another view (a parametrization returning a transpose: orthogonal on wide
+// conv kernels) is not: its carrier made dW through other kernels than stock's (~1e-6 off), and its dX by the
+// transposed convolution read it strided where stock's backward reads a contiguous copy (the wrappers sweep).
+bool standard_layout(const at::Tensor& t) {
+  if (t.is_contiguous()) return true;
+  const auto d = t.dim();
+  return (d == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+         (d == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d));
+}
+
 std::vector<int64_t> dense_strides(at::IntArrayRef shape, at::MemoryFormat fmt) {
   const int64_t n = static_cast<int64_t>(shape.size());
   std::vector<int64_t> order;
@@ -285,8 +296,10 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
     for (auto s : c.stride) strided = strided || s != 1;
     strided = strided && !c.transposed && cpu;
     // (the backend selector last: asked only where nothing else decided)
+    // (a weight in another layout: stock's own call reads it as stock's does, see standard_layout)
     st->carrier_dx = pointwise || st->db_in_dx_call || strided || fallback_kernel ||
-                     st->xp_format != at::MemoryFormat::Contiguous || (cpu && !dx_route_on_onednn(c, xp, weight, out));
+                     st->xp_format != at::MemoryFormat::Contiguous || !standard_layout(weight) ||
+                     (cpu && !dx_route_on_onednn(c, xp, weight, out));
     if (st->carrier_dx || st->x_format != at::MemoryFormat::Contiguous) {
       st->x_stride = x.strides().vec();
       st->x_ref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(x.getIntrusivePtr());
@@ -303,7 +316,8 @@ at::Tensor conv_fwd(AutogradContext* ctx, const at::Tensor& x, const at::Tensor&
   }
   // The weight for dX, and for dW (or dB alone, above) where it is a leaf the caller holds anyway: aten's backward
   // makes whatever stands in for it contiguous (see weight_carrier).
-  const bool keep_w = need_x || ((need_w || st->db_call) && weight.is_leaf());
+  // (A computed weight in another layout is kept, as stock keeps it: no carrier reproduces what aten reads.)
+  const bool keep_w = need_x || ((need_w || st->db_call) && (weight.is_leaf() || !standard_layout(weight)));
   if ((need_w || st->db_call) && !keep_w) st->w_format = conv_format(weight);
   ctx->save_for_backward({need_w ? x : at::Tensor(), keep_w ? weight : at::Tensor()});
   ctx->saved_data["s"] = c10::IValue::make_capsule(st);

@@ -143,6 +143,17 @@ def _format(t: torch.Tensor) -> torch.memory_format:
     return suggest_memory_format(t)
 
 
+def _standard_layout(t: torch.Tensor) -> bool:
+    """Whether aten's kernels see ``t`` in a layout an uninitialised tensor of ``_format(t)`` reproduces (contiguous or
+    channels-last). A computed weight that is another view (a parametrization returning a transpose: ``orthogonal``
+    on wide conv kernels) is not: its carrier made dW through other kernels than stock's (~1e-6 off), and its dX by
+    the transposed convolution read it strided where stock's backward reads a contiguous copy (the wrappers sweep)."""
+    if t.is_contiguous():
+        return True
+    cl = _CL.get(t.dim())
+    return cl is not None and t.is_contiguous(memory_format=cl)
+
+
 class _ConvFunction(_common.Function):
     """One Function for every convolution kind; ``cfg`` carries the non-tensor options:
     (nd, transposed, stride, padding, dilation, output_padding, groups, pad_mode, pad, cast_dtype, pad_dtype).
@@ -205,7 +216,8 @@ class _ConvFunction(_common.Function):
         reduced_on_cpu = cpu and out.dtype in (torch.float16, torch.bfloat16)
         ctx.db_call = (not need_x and not need_w and bias is not None and ctx.needs_input_grad[2] and reduced_on_cpu
                        and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
-        keep_w = need_x or ((need_w or ctx.db_call) and weight.is_leaf)
+        # (a computed weight in another layout is kept, as stock keeps it: no carrier reproduces what aten reads)
+        keep_w = need_x or ((need_w or ctx.db_call) and (weight.is_leaf or not _standard_layout(weight)))
         ctx.save_for_backward((x if xc is None else xc) if need_w else None, weight if keep_w else None)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
@@ -250,6 +262,7 @@ class _ConvFunction(_common.Function):
         if need_x and not need_w and not torch.compiler.is_compiling():
             ctx.db_in_dx_call = ctx.needs_input_grad[2] and reduced_on_cpu
             ctx.carrier_dx = ((not transposed and all(k == 1 for k in ctx.w_shape[2:])) or ctx.db_in_dx_call
+                              or not _standard_layout(weight)  # (stock's own call reads it as stock's does)
                               or (cpu and not transposed and any(s != 1 for s in cfg[2]))
                               or (cpu and (x.dtype not in (torch.float32, torch.bfloat16)
                                                               or not _dx_route_on_onednn(xp, weight, out, cfg))))
