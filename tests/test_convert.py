@@ -507,3 +507,19 @@ def test_the_optimizer_warning_waits_for_a_closure_and_sees_zeroed_gradients():
         warnings.simplefilter("always")
         opt.step()
     assert any("before slimgrad.convert" in m for m in _slimgrad_warnings(record))
+
+
+def test_lazy_module_before_its_first_forward_is_left_alone_saying_why():
+    """A lazy module's parameters do not exist before its first forward, where it turns into its plain class: the
+    report said "subclass ... (it may compute something else)" or counted an unknown type (the wrappers sweep)."""
+    model = nn.Sequential(nn.LazyConv2d(6, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(), nn.Flatten(),
+                          nn.LazyLinear(5))
+    model, report = slimgrad.convert(model, inplace=True, report=True)
+    reasons = {s.path: s.reason for s in report.skipped}
+    for path, becomes in (("0", "Conv2d"), ("1", "BatchNorm2d"), ("4", "Linear")):
+        assert "lazy module" in reasons[path] and f"becomes a {becomes}" in reasons[path], reasons
+        assert "run one forward" in reasons[path]
+    assert not report.unknown
+    model(torch.randn(2, 3, 8, 8))  # materialised: a second convert converts the plain classes
+    model = slimgrad.convert(model)
+    assert type(model[0]) is not nn.Conv2d and isinstance(model[0], nn.Conv2d)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from ._copied import note_copy
 from ._forward_chain import reaches, rewrapped
@@ -192,6 +193,16 @@ class _Selector:
         return (kind in self.types
                 or (bool(self.types) and (init_only_stock(kind) or delegating_stock(kind)) in self.types)
                 or any(self._matches(p, path) for p in self.patterns))
+
+
+def _lazy_reason(module: nn.Module) -> str:
+    """Why a lazy module (LazyConv2d, LazyLinear, ...) is left alone before its first forward: its parameters do not
+    exist yet, and at that forward it turns itself into its plain class, which convert never saw (it was reported as
+    a subclass that "may compute something else", or a type slimgrad does not know: the wrappers sweep)."""
+    becomes = getattr(type(module), "cls_to_become", None)
+    what = f"a {becomes.__name__}" if becomes is not None else "its plain class"
+    return (f"a lazy module whose parameters are not initialised yet (it becomes {what} at its first forward); run "
+            f"one forward (an example batch), then convert")
 
 
 def _why_not_exact(module: nn.Module) -> str | None:
@@ -457,6 +468,9 @@ def convert(model: nn.Module, *, inplace: bool = False, include=None, exclude=No
         if option is not None and not options.get(option, False):
             continue
         if replacement is None:
+            if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+                result.skipped.append(Skipped(path, name, _lazy_reason(module)))
+                continue
             gap = module_gap(module, chunked_loss=chunked_loss, disabled=disabled)
             reason = _why_not_exact(module)
             if gap is not None and reason is None:
