@@ -234,6 +234,12 @@ class MemoryEstimate:
     blocks: list[BlockEstimate]
     device: str
     host_peak_bytes: int = 0
+    #: under autocast (its weight cache on): the bytes of the low-precision copies autocast made of trainable leaf
+    #: tensors (a LoRA's A and B, trainable weights), counted in ``step_peak_bytes`` as a step in its own autocast
+    #: region makes them. Autocast caches them until its region exits: a loop whose one region spans several steps
+    #: holds them from its first step on, and its later steps peak this much lower above their start (the same
+    #: ``peak_bytes``)
+    autocast_cache_bytes: int = 0
     #: what the estimate could not count (ops too large to replay for their scratch space)
     notes: list[str] = dataclasses.field(default_factory=list)
     timeline: list[tuple[int, str, int]] = dataclasses.field(repr=False, default_factory=list)
@@ -528,6 +534,8 @@ class _Allocations(TorchDispatchMode):
         self.wrapped: list = []  # (weak output, storage): saved numbers of the last op (_count_saved_number)
         self.made_by: dict[int, int] = {}  # cdata -> id of the autograd node whose backward made it
         self.summed = None  # (cdata, event index, bytes, kind): a sum of two gradients the engine may do in place
+        self.autocast_cache_bytes = 0  # forward casts autocast keeps in its cache (_count_autocast_cache)
+        self.autocast_dtype = None  # autocast's lower precision where the step runs under autocast with its cache on
 
     def _bytes(self, s, device_type: str) -> int:
         n = s.nbytes()
@@ -725,7 +733,22 @@ class _Allocations(TorchDispatchMode):
                 self.signatures.setdefault(sig, None)
         self.events.append((self.current, new, sig, self.phase, owner, node, dict(self.totals), transient))
         self._note_sum(func, args, kwargs, out)
+        if new and func is torch.ops.aten._to_copy.default:
+            self._count_autocast_cache(args, out, new)
         return out
+
+    def _count_autocast_cache(self, args, out, new: int) -> None:
+        """A forward cast that autocast keeps in its cache (``cached_cast``: an fp32 leaf that requires grad, a
+        trainable weight, cast to autocast's lower precision), counted in the step as a step in its own autocast
+        region makes it; a region that spans several steps made it in its first one (MemoryEstimate's field)."""
+        if self.phase != "forward" or not args or not isinstance(args[0], torch.Tensor) \
+                or not isinstance(out, torch.Tensor):
+            return
+        src = args[0]
+        # (autocast's state reads off inside a dispatch mode: it is taken when the step starts, see estimate)
+        if (self.autocast_dtype is not None and src.dtype == torch.float32 and src.requires_grad and src.is_leaf
+                and src._base is None and out.dtype == self.autocast_dtype):
+            self.autocast_cache_bytes += new
 
     def _as_real_kernel_lays_out(self, func, args, kwargs, out):
         """The op's outputs with the strides the real CPU kernel gives them. Where an input is both contiguous and
@@ -1461,6 +1484,11 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
 
     hf_loss.check_heads(model)
     sim = _Allocations(device)
+    try:
+        if torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled():
+            sim.autocast_dtype = torch.get_autocast_dtype(device)
+    except (RuntimeError, TypeError):  # a device type without autocast
+        pass
     paths = {id(m): p for p, m in model.named_modules()}
     # bitsandbytes' packed weights stay real (see _packed_tensors); fake mode (or sim, _as_fake_params) converts
     # them where an op reads them
@@ -1669,9 +1697,16 @@ def estimate(model: nn.Module, *args, optimizer=None, loss_fn: Callable | None =
         peak_bytes=peak, step_peak_bytes=peak - start, weight_bytes=weight_bytes, input_bytes=input_bytes,
         gradient_bytes=grad_bytes, optimizer_bytes=optim_bytes, kept_bytes=kept_total, at_peak=at_peak,
         peak_where=peak_where, blocks=rows, device=device, host_peak_bytes=host_peak, timeline=timeline,
-        notes=notes + ([f"scratch space inside {len(skipped)} op call(s) ({', '.join(sorted(set(skipped)))}) is not "
-                        f"counted: their inputs exceed SLIMGRAD_ESTIMATE_REPLAY_BYTES ({_gib(_REPLAY_LIMIT)})"]
-                       if skipped else [])
+        autocast_cache_bytes=sim.autocast_cache_bytes,
+        notes=notes
+        + ([f"under autocast, {sim.autocast_cache_bytes} B of the step are the low-precision copies autocast caches "
+            f"of trainable weights until its region exits: a loop whose one autocast region spans several steps made "
+            f"them in its first step, and its later steps peak that much lower above their start "
+            f"(autocast_cache_bytes; the same peak_bytes)"]
+           if sim.autocast_cache_bytes else [])
+        + ([f"scratch space inside {len(skipped)} op call(s) ({', '.join(sorted(set(skipped)))}) is not "
+            f"counted: their inputs exceed SLIMGRAD_ESTIMATE_REPLAY_BYTES ({_gib(_REPLAY_LIMIT)})"]
+           if skipped else [])
         + ([f"scratch space inside {', '.join(sorted(set(failed)))} is not counted: replayed on real tensors of the "
             f"simulated dtypes it raised (the simulation gave some output another dtype than the real kernel does)"]
            if failed else []))
