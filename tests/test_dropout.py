@@ -399,3 +399,45 @@ def test_no_gradient_runs_stocks_op_and_peaks_as_stock(dtype, inplace, core):
         assert_same(a, b, what="grad")
     assert torch.equal(rm, rs)  # the same draws from the generator
     assert peak_slim <= peak_stock, (peak_slim, peak_stock)
+
+
+@pytest.mark.parametrize("p", [1 - 1e-5, 1 - 1e-7])
+@pytest.mark.parametrize("core", [True, False], ids=["core", "python"])
+@pytest.mark.parametrize("policy", ["bits", "seed"])
+def test_fp16_scale_rounded_to_inf_drops_to_zero_as_stock(p, core, policy):
+    """fp16 rounds 1 / (1 - p) to inf for p > 1 - 1/65504: stock's noise (bernoulli_ then div_) is 0 at dropped
+    elements, a 0/1 mask times the scale gave 0 * inf = NaN (the degenerate-shapes sweep). bits: stock's own draw,
+    so stock's bits; seed: its own mask, so the dropped elements are 0 and the kept ones x * inf, as stock's."""
+    from slimgrad import csrc
+
+    x = torch.randn(4, 17, generator=torch.Generator().manual_seed(0)).half()
+    with contextlib.nullcontext() if core else csrc.disabled():
+        torch.manual_seed(3)
+        xs = x.clone().requires_grad_()
+        ys = F.dropout(xs, p)
+        torch.manual_seed(3)
+        xg = x.clone().requires_grad_()
+        yg = dropout(xg, p, policy=policy)
+        g = torch.ones_like(ys)
+        ys.backward(g)
+        yg.backward(g)
+    if policy == "bits":
+        assert_same(yg, ys)
+        assert_same(xg.grad, xs.grad)
+    dropped = yg == 0
+    assert not yg.isnan().any() and not xg.grad.isnan().any()
+    assert bool(((yg.abs() == math.inf) | dropped).all())
+    assert torch.equal(xg.grad == 0, dropped)
+
+
+@pytest.mark.parametrize("shape, dtype", [((1,), torch.float32), ((1,), torch.float16), ((3,), torch.bfloat16),
+                                          ((2, 1), torch.float16)])
+def test_seed_policy_keeps_no_more_than_stock_on_tiny_tensors(shape, dtype):
+    """The seed's 8 bytes were more than stock's noise on a tensor of under 8 bytes (4 B for one fp32 element; the
+    degenerate-shapes sweep): such a call runs the bits policy."""
+    x = torch.randn(shape).to(dtype)
+    with SavedTensors() as stock_kept:
+        F.dropout(x.clone().requires_grad_(), 0.5)
+    with SavedTensors() as kept:
+        dropout(x.clone().requires_grad_(), 0.5, policy="seed")
+    assert kept.bytes <= stock_kept.bytes, (kept.records, stock_kept.records)

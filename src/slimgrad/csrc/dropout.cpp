@@ -39,14 +39,23 @@ using dVec = at::vec::Vectorized<double>;
 constexpr int64_t kGrainBytes = 4096;  // 32768 elements: aten's GRAIN_SIZE
 
 // 0/1 for each bit of a byte (LSB first), as floats and doubles: the noise of 8 elements is one load.
+// Per mask byte, eight lanes of all-ones bits (kept) or +0 (dropped): `lanes & scale` is the noise, the scale or +0.
+// (A 0/1 table times the scale made 0 * inf = NaN where fp16 rounds 1 / (1 - p) to inf, p > 1 - 1/65504: stock's
+// noise, bernoulli_ then div_, is 0 there; the degenerate-shapes sweep.)
 struct BitTable {
   alignas(64) float f[256][8];
   alignas(64) double d[256][8];
   BitTable() {
+    const uint32_t ones32 = 0xFFFFFFFFu;
+    const uint64_t ones64 = ~uint64_t{0};
     for (int b = 0; b < 256; ++b)
       for (int j = 0; j < 8; ++j) {
-        f[b][j] = (b >> j) & 1 ? 1.0f : 0.0f;
-        d[b][j] = (b >> j) & 1 ? 1.0 : 0.0;
+        f[b][j] = 0.0f;
+        d[b][j] = 0.0;
+        if ((b >> j) & 1) {
+          std::memcpy(&f[b][j], &ones32, sizeof(float));
+          std::memcpy(&d[b][j], &ones64, sizeof(double));
+        }
       }
   }
 };
@@ -101,7 +110,7 @@ void apply_block(const scalar_t* x, scalar_t* out, int64_t b0, int64_t b1, int64
     const fVec vs(scale);
     for (; b < full; ++b) {
       const int64_t i = 8 * b;
-      const fVec noise = fVec::loadu(t.f[bits(b)]) * vs;
+      const fVec noise = fVec::loadu(t.f[bits(b)]) & vs;
       (fVec::loadu(x + i) * noise).store(out + i);
     }
   } else if constexpr (std::is_same_v<scalar_t, double>) {
@@ -109,8 +118,8 @@ void apply_block(const scalar_t* x, scalar_t* out, int64_t b0, int64_t b1, int64
     for (; b < full; ++b) {
       const int64_t i = 8 * b;
       const uint8_t byte = bits(b);
-      (dVec::loadu(x + i) * (dVec::loadu(t.d[byte]) * vs)).store(out + i);
-      (dVec::loadu(x + i + 4) * (dVec::loadu(t.d[byte] + 4) * vs)).store(out + i + 4);
+      (dVec::loadu(x + i) * (dVec::loadu(t.d[byte]) & vs)).store(out + i);
+      (dVec::loadu(x + i + 4) * (dVec::loadu(t.d[byte] + 4) & vs)).store(out + i + 4);
     }
   } else {  // bf16 / fp16: 16 elements (two bytes) per step, in fp32, rounded once
     using rVec = at::vec::Vectorized<scalar_t>;
@@ -120,8 +129,8 @@ void apply_block(const scalar_t* x, scalar_t* out, int64_t b0, int64_t b1, int64
       const int64_t i = 8 * b;
       const uint8_t lo_bits = bits(b), hi_bits = bits(b + 1);
       auto [lo, hi] = at::vec::convert_to_float<scalar_t>(rVec::loadu(x + i));
-      lo = lo * (fVec::loadu(t.f[lo_bits]) * vs);
-      hi = hi * (fVec::loadu(t.f[hi_bits]) * vs);
+      lo = lo * (fVec::loadu(t.f[lo_bits]) & vs);
+      hi = hi * (fVec::loadu(t.f[hi_bits]) & vs);
       at::vec::convert_from_float<scalar_t>(lo, hi).store(out + i);
     }
   }
@@ -147,8 +156,8 @@ void apply_block_to_float(const in_t* x, float* out, int64_t b0, int64_t b1, int
     const int64_t i = 8 * b;
     const uint8_t lo_bits = bits(b), hi_bits = bits(b + 1);
     auto [lo, hi] = at::vec::convert_to_float<in_t>(rVec::loadu(x + i));
-    (lo * (fVec::loadu(t.f[lo_bits]) * vs)).store(out + i);
-    (hi * (fVec::loadu(t.f[hi_bits]) * vs)).store(out + i + 8);
+    (lo * (fVec::loadu(t.f[lo_bits]) & vs)).store(out + i);
+    (hi * (fVec::loadu(t.f[hi_bits]) & vs)).store(out + i + 8);
   }
   for (; b < b1; ++b) {
     const uint8_t byte = bits(b);

@@ -393,6 +393,10 @@ def _dropout_impl(input, p, training, inplace, policy=None):
         # randomness rules are stock's draw. So for a tensor subclass (DTensor, NestedTensor, ...): stock's op.
         return torch.dropout_(input, p, training) if inplace else torch.dropout(input, p, training)
     policy = resolve_policy(policy, input.device)
+    if policy == "seed" and input.numel() * (input.element_size() if input.is_cpu else 1) < 8:
+        # The seed's 8 bytes would be more than stock's mask (a float noise value an element on CPU, a bool on CUDA;
+        # a 1-element fp32 tensor: 4 B; the degenerate-shapes sweep): the bits policy, under 8 B by construction.
+        policy = "bits"
     if torch.is_grad_enabled() and input.requires_grad:
         if inplace and input.is_leaf:
             raise RuntimeError(_LEAF_INPLACE)

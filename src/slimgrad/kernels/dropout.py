@@ -56,6 +56,7 @@ measured per-call cost (issue 22).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -79,6 +80,15 @@ def noise_scale(p: float, dtype: torch.dtype) -> float:
         return torch.ones((), dtype=dtype, device="cpu").div_(1 - p).item()  # (not the default device: meta)
 
 
+def scaled_mask(mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``mask`` (0/1 in a float dtype) made the noise in place: the scale where kept, +0 where dropped. Where the
+    dtype rounds the scale to inf (fp16, p > 1 - 1/65504) a product would make 0 * inf = NaN at the dropped elements,
+    where stock's noise (``bernoulli_`` then ``div_``) is 0 (the degenerate-shapes sweep)."""
+    if math.isfinite(scale):
+        return mask.mul_(scale)
+    return mask.masked_fill_(mask != 0, scale)
+
+
 class TorchDropoutBits:
     """Reference: the float noise rebuilt from the mask with torch ops, numpy ``packbits`` on CPU."""
 
@@ -88,7 +98,7 @@ class TorchDropoutBits:
     def forward(x, keep, scale, inplace):
         from slimgrad.kernels import bitmask as _bitmask
 
-        noise = keep.to(x.dtype).mul_(scale)
+        noise = scaled_mask(keep.to(x.dtype), scale)
         out = x.mul_(noise) if inplace else x * noise
         del noise
         flat, view = _bitmask.new_padded_mask(keep.shape, keep.device)
@@ -99,7 +109,7 @@ class TorchDropoutBits:
     def backward(grad, packed, scale, out=None):
         from slimgrad.kernels import bitmask as _bitmask
 
-        noise = _bitmask.unpack(packed, grad.shape).to(grad.dtype).mul_(scale)
+        noise = scaled_mask(_bitmask.unpack(packed, grad.shape).to(grad.dtype), scale)
         return grad * noise if out is None else torch.mul(grad, noise, out=out)
 
 
@@ -178,7 +188,7 @@ def philox_noise(like: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Te
     ``like``'s shape; written into ``out`` (contiguous, like's shape and dtype) when given."""
     noise = torch.empty(like.shape, dtype=like.dtype, device=like.device) if out is None else out
     _philox_fill(noise.view(-1), p, seed)
-    return noise.mul_(noise_scale(p, like.dtype))
+    return scaled_mask(noise, noise_scale(p, like.dtype))
 
 
 class TorchDropoutSeed:
