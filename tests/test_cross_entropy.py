@@ -373,3 +373,17 @@ def test_divisor_is_stock_division(req, divisor):
 def test_divisor_must_be_a_number_or_tensor():
     with pytest.raises(TypeError, match="'divisor' must be a number"):
         fused_linear_cross_entropy(torch.zeros(4, 3), torch.zeros(5, 3), torch.tensor([0, 1, 4, -100]), divisor="8")
+
+
+def test_fp16_head_keeps_recomputing_so_a_loss_scale_prevents_underflow():
+    """In fp16 the logits' gradient at an upstream of 1 (softmax / N) underflows; a loss scaler's 2**16 exists to
+    prevent that, and stock forms it at the scaled value: an fp16 head recomputes in backward (bitwise stock's here,
+    one chunk), as before the frozen-head path."""
+    n, hs, v = 512, 16, 2048
+    hidden, head, target = _data(n, hs, v, torch.float16, bias=False)
+    head.requires_grad_(False)
+    h_ref, h_slim = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    assert not grad_in_forward(h_slim, head.weight, None, "mean")
+    (_reference(h_ref, head.weight, target) * 2.0 ** 16).backward()
+    (fused_linear_cross_entropy(h_slim, head.weight, target, chunk_size=n) * 2.0 ** 16).backward()
+    assert torch.equal(h_slim.grad, h_ref.grad)

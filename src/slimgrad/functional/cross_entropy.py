@@ -18,7 +18,8 @@ the matmul. The weight and bias gradients are sums over all rows, accumulated ch
 rounded once to the parameter's dtype): a different summation order than stock's single matmul, so they
 agree within fp32 rounding (and within one rounding of bf16/fp16). dHidden formed in forward is scaled by the
 loss's gradient in backward: bitwise the recomputing path's where that gradient is a power of two (``loss.backward()``,
-1/2**k gradient accumulation, a loss scaler), within one rounding of hidden's dtype otherwise.
+1/2**k gradient accumulation), within one rounding of hidden's dtype otherwise; an fp16 head recomputes (its
+logits' gradient at an upstream of 1 would underflow: :func:`grad_in_forward`).
 """
 
 from __future__ import annotations
@@ -115,9 +116,11 @@ def grad_in_forward(hidden, weight, bias, reduction) -> bool:
     (after the divisor's, which the Function applies itself: HF's ``num_items_in_batch``) and multiplied by the
     real one: bitwise what computing it with the real one gives where that is a power of two (1, the 1/2**k of
     gradient accumulation, a loss scaler's 2**k: a power of two scales every rounding step exactly), within one
-    rounding of the hidden states' dtype otherwise."""
+    rounding of the hidden states' dtype otherwise. Not in float16: there the logits' gradient at an upstream of 1
+    (softmax / N) underflows into fp16's subnormals or to zero, which is what a loss scaler's 2**16 exists to prevent
+    (stock forms it at the scaled value; found by the review of this change)."""
     return (reduction != "none" and torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
-            and not (bias is not None and bias.requires_grad))
+            and weight.dtype != torch.float16 and not (bias is not None and bias.requires_grad))
 
 
 class FusedLinearCrossEntropyFunction(_common.Function):
