@@ -4,6 +4,7 @@ their strides, running statistics) and the same saved bytes, and the core actual
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -18,7 +19,7 @@ import slimgrad.nn.conv  # noqa: F401
 from slimgrad import csrc
 from slimgrad.functional import _common
 from slimgrad.functional.batch_norm import batch_norm
-from slimgrad.measure import saved_bytes
+from slimgrad.measure import SavedTensors, saved_bytes
 
 pytestmark = pytest.mark.skipif(csrc.core() is None, reason="the compiled core is unavailable here "
                                 f"({csrc.status()['reason']}): the Python path runs, tested elsewhere")
@@ -623,3 +624,60 @@ def test_padding_same_follows_a_replaced_weight_of_another_kernel_size():
         a.square().sum().backward()
         b.square().sum().backward()
         assert torch.equal(xa.grad, xb.grad), k
+
+
+_AUTOCAST_LAYERS = {
+    "conv3x3": lambda: nn.Conv2d(4, 6, 3, padding=1),
+    "conv1x1": lambda: nn.Conv2d(4, 6, 1),
+    "conv_s2_g2": lambda: nn.Conv2d(4, 8, 3, stride=2, groups=2),
+    "conv_t": lambda: nn.ConvTranspose2d(4, 6, 3, stride=2),
+    "conv1d": lambda: nn.Conv1d(4, 6, 3),
+    "bn_eval": lambda: nn.BatchNorm2d(4).eval(),
+    "bn_train": lambda: nn.BatchNorm2d(4),
+}
+
+
+@pytest.mark.parametrize("layer", list(_AUTOCAST_LAYERS))
+@pytest.mark.parametrize("req", grad_combos(3)[1:])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_core_runs_conv_and_batch_norm_under_autocast(layer, req, channels_last, x_dtype):
+    """Under CPU bf16 autocast the converted conv (zeros padding: the tensors cast as autocast casts them) and batch
+    norm run the core, not the Python Function (1.4-2.1x stock's step on input-only loops under autocast, the
+    input-only sweep of 2026-11-28): stock's numbers (strides too), the Python path's, and no more bytes than stock."""
+    base = _AUTOCAST_LAYERS[layer]()
+    if isinstance(base, nn.BatchNorm2d):
+        with torch.no_grad():
+            base.running_mean.uniform_(-1, 1)
+            base.running_var.uniform_(0.5, 2)
+    need_x, need_w, need_b = req
+    x0 = torch.randn(2, 4, 9) if layer == "conv1d" else torch.randn(2, 4, 9, 9)
+    x0 = x0.to(x_dtype)
+    if channels_last and x0.dim() == 4:
+        x0 = x0.to(memory_format=torch.channels_last)
+    results = []
+    for route in ("stock", "core", "python"):
+        m = copy.deepcopy(base) if route == "stock" else slim_copy(base)
+        m.weight.requires_grad_(need_w)
+        m.bias.requires_grad_(need_b)
+        x = x0.clone().requires_grad_(need_x)
+        with (csrc.disabled() if route == "python" else contextlib.nullcontext()):
+            with SavedTensors(exclude=[m]) as kept:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = m(x)
+            if route == "core" and not (need_w and isinstance(m, nn.BatchNorm2d)):
+                assert type(y.grad_fn).__name__ in ("CppFunction", "ConvolutionBackward0",
+                                                    "NativeBatchNormBackward0"), type(y.grad_fn).__name__
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+        results.append((y, x.grad, m.weight.grad, m.bias.grad, kept.bytes))
+    stock, *slim = results
+    for got in slim:
+        for a, b, what in zip(got[:4], stock[:4], ("output", "dX", "dW", "dB")):
+            if what == "dB" and isinstance(base, (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)) and not need_w:
+                if a is not None:  # the documented frozen-weight conv bias gradient: a sum (README, Exactness)
+                    torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-5)
+                continue
+            assert_same(a, b, what=what)
+            if a is not None:
+                assert a.stride() == b.stride(), what
+        assert got[4] <= stock[4], (got[4], stock[4])

@@ -7,9 +7,10 @@
 // of X's shape and layout whose values it never reads (channels-last X, and 1x1 kernels, where it is faster than
 // the transposed convolution), else the transposed (plain, for a transposed conv) convolution of dY; then the
 // pad's backward. dW/dB: convolution_backward (the weight kept where it is a leaf, else an uninitialised carrier of
-// its shape and layout), dB alone a sum (fp16/bf16 on CPU: that call, for the bias only, on carriers). Autocast
-// and an X that views a larger storage with a trainable weight (the Python Function keeps a compact copy there)
-// stay with the Python Function.
+// its shape and layout), dB alone a sum (fp16/bf16 on CPU: that call, for the bias only, on carriers). Under
+// autocast Python casts the tensors as autocast does and calls this on the casts (zeros padding; a padding mode, and
+// an X that views a larger storage with a trainable weight, where the Python Function keeps a compact copy, stay
+// with the Python Function).
 #include "common.h"
 
 #include <ATen/Parallel.h>

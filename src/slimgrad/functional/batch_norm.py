@@ -331,13 +331,15 @@ def batch_norm(
         _common.note_input_kept(input)
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                               momentum, eps)
+    # (Under autocast too: batch norm is on none of autocast's lists, so its tensors arrive as they are, and the
+    # Python Function there cost input-only loops under CPU bf16 autocast 1.4-2.1x stock's step; the input-only sweep.)
     # (CUDA too, where stock runs cuDNN as well: the core runs cuDNN there as stock does, with no Python Function
     # in the call. Evaluation on a channels-last CUDA x stays with the Python Function: its direct dX there is
     # CUDA's kernel, the core's is rounded as stock's CPU kernel rounds it)
     core = csrc.for_eager(input, cuda=True)
     if (core is not None and type(weight) in _PLAIN_OR_NONE and type(bias) in _PLAIN_OR_NONE
             and type(running_mean) in _PLAIN_OR_NONE and type(running_var) in _PLAIN_OR_NONE
-            and input.dim() >= 2 and input.numel() != 0 and not torch.is_autocast_enabled(input.device.type)
+            and input.dim() >= 2 and input.numel() != 0
             and not (input.is_cuda and not training and _channels_last_format(input) is not None)):
         _check_arguments(input, running_mean, running_var, weight, bias, training, eps)
         cudnn = input.is_cuda and _stock_uses_cudnn(input, weight, bias, running_mean, running_var, training, eps)
