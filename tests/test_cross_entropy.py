@@ -242,8 +242,9 @@ def test_double_backward_is_refused():
     hidden, head, target = _data(6, 4, 5, torch.float64, bias=False)
     h = hidden.requires_grad_()
     loss = fused_linear_cross_entropy(h, head.weight, target)
-    (g,) = torch.autograd.grad(loss.pow(2), h, create_graph=True)
+    # (refused when the first backward runs with create_graph=True: see test_create_graph_is_refused_...)
     with pytest.raises(RuntimeError, match="once_differentiable|marked with @once_differentiable"):
+        (g,) = torch.autograd.grad(loss.pow(2), h, create_graph=True)
         g.sum().backward()
 
 
@@ -387,3 +388,43 @@ def test_fp16_head_keeps_recomputing_so_a_loss_scale_prevents_underflow():
     (_reference(h_ref, head.weight, target) * 2.0 ** 16).backward()
     (fused_linear_cross_entropy(h_slim, head.weight, target, chunk_size=n) * 2.0 ** 16).backward()
     assert torch.equal(h_slim.grad, h_ref.grad)
+
+
+@pytest.mark.parametrize("frozen_head", [True, False])
+def test_create_graph_is_refused_not_silently_first_order(frozen_head):
+    """``torch.autograd.grad(loss, h, create_graph=True)`` gave a gradient that did not require grad, and a penalty
+    on it was dropped from the step silently (the upstream gradient of 1 does not require grad, so
+    once_differentiable marked nothing): now the error the docs promise."""
+    hidden, head, target = _data(16, 8, 50, torch.float32, bias=False)
+    head.requires_grad_(not frozen_head)
+    h = hidden.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, head.weight, target)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(loss, h, create_graph=True)
+
+
+@pytest.mark.parametrize("frozen_head", [True, False])
+@pytest.mark.parametrize("form", ["float64", "shape_1x1", "requires_grad", "int64"])
+def test_divisor_of_any_form_divides_as_stock(form, frozen_head):
+    """A divisor that is not a 0-d fp32/integer tensor without grad (HF's DataParallel (n_gpu, 1) form, a float64
+    count, one that requires grad) divides the result as stock's ``loss / divisor`` does: inside the Function a
+    float64 or (1, 1) one crashed nll_loss_backward, and one that requires grad got no gradient (the review)."""
+    hidden, head, target = _data(17, 6, 21, torch.float32, bias=False, ignore_every=3)
+    head.requires_grad_(not frozen_head)
+    divisor = {"float64": lambda: torch.tensor(50.0, dtype=torch.float64),
+               "shape_1x1": lambda: torch.tensor([[50.0]]),
+               "requires_grad": lambda: torch.tensor(50.0, requires_grad=True),
+               "int64": lambda: torch.tensor(50)}[form]
+    d_ref, d_slim = divisor(), divisor()
+    h_ref, h_slim = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ref_head, slim_head = head, copy.deepcopy(head)
+    expected = _stock_with_divisor(h_ref, ref_head.weight, target, None, d_ref, reduction="sum")
+    actual = fused_linear_cross_entropy(h_slim, slim_head.weight, target, reduction="sum", chunk_size=17,
+                                        divisor=d_slim)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(actual, expected)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert torch.equal(h_slim.grad, h_ref.grad)
+    if form == "requires_grad":
+        assert torch.equal(d_slim.grad, d_ref.grad)

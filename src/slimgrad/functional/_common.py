@@ -80,12 +80,17 @@ def once_differentiable(fn, cls=None):
             # A backward without create_graph, the common case: nothing to turn off, nothing to refuse (the
             # no_grad context cost 1.6 us a backward on the host-bound CUDA path).
             return fn(ctx, *args)
+        owner = cls if cls is not None else getattr(ctx, "_forward_cls", type(ctx))
+        if getattr(owner, "refuse_create_graph", False) and not torch.compiler.is_compiling():
+            # A Function whose result depends on its saved inputs at second order (the chunked loss: the softmax's
+            # Hessian), usually the graph's root: there no incoming gradient requires grad, so the error node below
+            # was never attached and a gradient penalty's term was dropped silently (the review of 2026-11-28)
+            raise RuntimeError(double_backward_message(owner))
         with torch.no_grad():
             outputs = fn(ctx, *args)
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return outputs
         outputs_ = outputs if isinstance(outputs, tuple) else (outputs,)
-        owner = cls if cls is not None else getattr(ctx, "_forward_cls", type(ctx))
         # The incoming gradients that require grad go through the error node too (and are dropped after it):
         # torch's version connects the node to detached copies only, so torch.autograd.grad(penalty, x), which
         # runs only the nodes on a path to x, never reached it and returned None (allow_unused) or "appears to

@@ -135,6 +135,10 @@ class FusedLinearCrossEntropyFunction(_common.Function):
     (:meth:`stock`): the chunk loop writes into preallocated buffers, which vmap cannot batch.
     """
 
+    # create_graph=True is refused when backward runs (_common.once_differentiable): the loss is the graph's root, so
+    # no incoming gradient requires grad, and the usual delayed error never met a gradient penalty's term
+    refuse_create_graph = True
+
     @staticmethod
     def forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, softcap, divisor,
                 grad_now):
@@ -371,12 +375,23 @@ def fused_linear_cross_entropy(
             # sweep; measured on transformers 4.57's reentrant checkpointing). Two chunks halve the temporaries. (A
             # trained head's single chunk runs stock's forward: hf_loss._logits_cost_less.)
             chunk_size = -(-h2.shape[0] // 2)
+    # The divisor goes inside the Function as a number, or a 0-d fp32/integer tensor on hidden's device that needs no
+    # gradient (HF's num_items_in_batch); anything else divides the result, as before (a float64 or (1, 1) tensor, the
+    # Trainer's DataParallel form, crashed nll_loss_backward, and one that requires grad got none; the review)
+    inner = divisor
+    if isinstance(divisor, torch.Tensor) and (
+            divisor.dim() != 0 or divisor.requires_grad or divisor.device != hidden.device
+            or not (divisor.dtype == torch.float32 or not (divisor.is_floating_point() or divisor.is_complex()))):
+        inner = None
     with _common.autocast_off(hidden.device.type):
         loss = FusedLinearCrossEntropyFunction.apply(
             h2, weight, t1, bias, ignore_index, float(label_smoothing), reduction, chunk_size,
-            None if softcap is None else (float(softcap), bool(softcap_in_fp32)), divisor,
-            grad_in_forward(h2, weight, bias, reduction),
+            None if softcap is None else (float(softcap), bool(softcap_in_fp32)), inner,
+            # (a divisor outside makes the upstream gradient 1/divisor: the recomputing path, stock's bits)
+            grad_in_forward(h2, weight, bias, reduction) and (divisor is None or inner is not None),
         )
         if type(loss) is tuple:  # (loss, total_weight[, dh]); stock's computation (under torch.func) returns the loss
             loss = loss[0]
+    if divisor is not None and inner is None:
+        loss = loss / divisor
     return loss.view(target.shape) if reduction == "none" else loss
