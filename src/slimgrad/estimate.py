@@ -238,7 +238,8 @@ class MemoryEstimate:
     #: tensors (a LoRA's A and B, trainable weights), counted in ``step_peak_bytes`` as a step in its own autocast
     #: region makes them. Autocast caches them until its region exits: a loop whose one region spans several steps
     #: holds them from its first step on, and its later steps peak this much lower above their start (the same
-    #: ``peak_bytes``)
+    #: ``peak_bytes``). An upper bound: the simulation cannot tell autocast's cast from the model's own ``.to()`` of
+    #: such a tensor (or one in an autocast-disabled part), which autocast does not cache and which it counts too
     autocast_cache_bytes: int = 0
     #: what the estimate could not count (ops too large to replay for their scratch space)
     notes: list[str] = dataclasses.field(default_factory=list)
