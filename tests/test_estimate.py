@@ -1174,14 +1174,11 @@ def test_cnn_trained_under_autocast_is_estimated_with_backward_outside_the_regio
             loss = default_loss(model(x))
         loss.backward()
 
-    step()
-    for p in model.parameters():
-        p.grad = None
-    measured = slimgrad.peak_bytes(step)
-    for p in model.parameters():
-        p.grad = None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        e = _estimate(model, x)
+    def estimate_under_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _estimate(model, x)
+
+    measured, e = _measured_and_estimated(model, step, estimate_under_autocast)
     assert e.autocast_cache_bytes > 0
     assert e.step_peak_bytes == measured, (e.step_peak_bytes, measured)
     assert torch.is_autocast_enabled("cpu") is False  # (the estimate left the user's state as it found it)
