@@ -97,7 +97,7 @@ def _logits_grad(logp, tanh_out, start, stop, grad_nll, grad_smooth, valid, targ
 def _upstream(grad_loss, total_weight, options, vocab):
     """The nll kernel's upstream gradient and the smoothing term's (None without label smoothing), from the loss's
     gradient ``grad_loss`` (after the divisor's): stock's backward through ``(1-eps)*nll + smooth*(eps/V)``."""
-    ignore_index, label_smoothing, reduction, _, _ = options
+    _, label_smoothing, reduction, _, _ = options
     if not label_smoothing > 0:
         return grad_loss, None
     grad_smooth = grad_loss * (label_smoothing / vocab)
